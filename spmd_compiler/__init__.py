@@ -1,0 +1,40 @@
+"""spmd-compiler: compile a single-device PyTorch training step into an SPMD program.
+
+Stages (one subpackage each): ``trace`` -> ``expand`` -> ``rebuild`` -> ``optimize`` ->
+``pipeline`` -> ``runtime``; plus ``dump`` (explanations) and ``testing``.
+"""
+
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from .errors import (
+    RankMismatchError,
+    SpmdError,
+    UnevenShardingError,
+    UnsupportedOpError,
+    UnsupportedPlacementError,
+)
+from .expand import DSymInt, ExpansionCache, expand, register_rule
+from .plan import Plan
+from .rebuild import ExpandedStep
+from .trace import TracedStep, trace
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "trace",
+    "expand",
+    "Plan",
+    "TracedStep",
+    "ExpandedStep",
+    "DSymInt",
+    "ExpansionCache",
+    "register_rule",
+    "Shard",
+    "Replicate",
+    "Partial",
+    "SpmdError",
+    "UnsupportedOpError",
+    "UnsupportedPlacementError",
+    "UnevenShardingError",
+    "RankMismatchError",
+]

@@ -1,0 +1,205 @@
+"""The one door to private torch APIs.
+
+Everything spmd-compiler needs from torch internals is imported here and wrapped in a
+small function with a stable signature, so a torch upgrade is one file's work. Written
+against torch 2.13. Nothing else in the package imports a ``torch.*._private`` name,
+``torch.distributed.tensor._*`` module or ``torch._subclasses`` internals directly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._op_schema import OpSchema, OutputSharding
+from torch.distributed.tensor._redistribute import _gen_transform_infos_non_cached
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import (
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    _StridedShard,
+)
+from torch.distributed.tensor.placement_types import _MaskPartial as MaskPartial
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+__all__ = [
+    "DTensorSpec",
+    "TensorMeta",
+    "OpSchema",
+    "OutputSharding",
+    "MaskPartial",
+    "StridedShard",
+    "FakeTensor",
+    "FakeTensorMode",
+    "TransformStep",
+    "make_spec",
+    "propagate_sharding",
+    "transform_steps",
+    "local_shape_and_offset",
+    "reparametrize_module",
+    "symbolic_fake_mode",
+    "to_symbolic_fake",
+    "static_fake_mode",
+    "size_hint",
+    "custom_handled_ops",
+    "random_ops",
+    "group_name",
+    "is_view_op",
+]
+
+StridedShard = _StridedShard
+
+
+# ----------------------------------------------------------------------------- specs
+
+
+def make_spec(
+    mesh: DeviceMesh,
+    placements: Sequence[Placement],
+    shape: Sequence[int],
+    stride: Sequence[int],
+    dtype: torch.dtype,
+) -> DTensorSpec:
+    """A DTensorSpec with tensor metadata for a global tensor."""
+    meta = TensorMeta(torch.Size(shape), tuple(stride), dtype)
+    return DTensorSpec(mesh, tuple(placements), tensor_meta=meta)
+
+
+def propagate_sharding(op: torch._ops.OpOverload, args_schema: tuple, kwargs_schema: dict) -> OutputSharding:
+    """Run DTensor's sharding propagation for ``op`` without touching its caches.
+
+    ``args_schema`` mirrors the op's arguments with a DTensorSpec in place of every
+    tensor. Raises NotImplementedError when DTensor has no strategy for the op.
+    Must be called outside proxy tracing: some strategies run decompositions.
+    """
+    prop = DTensor._op_dispatcher.sharding_propagator
+    info = prop.op_to_schema_info.get(op)
+    if info is None:
+        info = prop.op_to_schema_info_for_single_dim_strategy.get(op)
+    schema = OpSchema(op, args_schema, kwargs_schema, schema_info=info)
+    return prop.propagate_op_sharding_non_cached(schema)
+
+
+@dataclass(frozen=True)
+class TransformStep:
+    """One per-mesh-axis step of a redistribution, as DTensor's planner orders them."""
+
+    axis: int
+    src: Placement
+    dst: Placement
+
+
+def transform_steps(src: DTensorSpec, dst: DTensorSpec) -> list[TransformStep]:
+    """The ordered per-axis placement changes that take ``src`` to ``dst``."""
+    infos = _gen_transform_infos_non_cached(src, dst)
+    return [TransformStep(i.mesh_dim, i.src_dst_placements[0], i.src_dst_placements[1]) for i in infos]
+
+
+def local_shape_and_offset(
+    global_shape: Sequence[int], mesh_shape: Sequence[int], coordinate: Sequence[int], placements: Sequence[Placement]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Local shard shape and its global offset for the rank at ``coordinate``."""
+    shape, offset = _compute_local_shape_and_global_offset(
+        tuple(global_shape), tuple(mesh_shape), list(coordinate), list(placements)
+    )
+    return tuple(int(s) for s in shape), tuple(int(o) for o in offset)
+
+
+def group_name(mesh: DeviceMesh, axis: int) -> str:
+    """The c10d group name used by functional collectives over ``axis`` of ``mesh``."""
+    return mesh.get_group(axis).group_name
+
+
+def custom_handled_ops() -> frozenset:
+    """Ops DTensor dispatches through a Python handler instead of sharding propagation."""
+    return frozenset(DTensor._op_dispatcher._custom_op_handlers)
+
+
+def random_ops() -> frozenset:
+    """Ops DTensor treats as random (they need an RNG policy across ranks)."""
+    return frozenset(DTensor._op_dispatcher._random_ops)
+
+
+def is_view_op(op: Any) -> bool:
+    schema = getattr(op, "_schema", None)
+    return bool(schema is not None and schema._is_view_op())
+
+
+# ----------------------------------------------------------------------------- tracing
+
+
+def reparametrize_module(module: torch.nn.Module, tensors: dict[str, torch.Tensor]):
+    """Context manager: swap ``module``'s parameters and buffers by FQN, ties kept."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    return _reparametrize_module(module, tensors, tie_weights=True, strict=False)
+
+
+def symbolic_fake_mode() -> FakeTensorMode:
+    """A fake mode whose sizes are symbols, one per input dim (no duck sizing).
+
+    Without ``duck_shape=False`` two unrelated dims of equal size share a symbol and a
+    size read from one tensor would be attributed to the other.
+    """
+    shape_env = ShapeEnv(duck_shape=False, specialize_zero_one=True)
+    return FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=False)
+
+
+def to_symbolic_fake(mode: FakeTensorMode, t: torch.Tensor, name: str, dynamic: bool = True) -> FakeTensor:
+    """Fakeify ``t`` with a symbolic size per dim (static when ``dynamic`` is False)."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
+
+    kind = DimDynamic.DYNAMIC if dynamic else DimDynamic.STATIC
+    ctx = StatelessSymbolicContext(dynamic_sizes=[kind] * t.dim())
+    return mode.from_tensor(t, source=ConstantSource(name), symbolic_context=ctx)
+
+
+def static_fake_mode() -> FakeTensorMode:
+    """A fake mode with static shapes, for per-rank local tensors during expansion."""
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def size_hint(x: Any) -> Any:
+    """The concrete value behind a SymInt/SymFloat/SymBool (identity for plain values)."""
+    if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        node = x.node
+        hint = node.hint if node.hint is not None else node.shape_env.size_hint(node.expr)
+        if isinstance(x, torch.SymInt):
+            return int(hint)
+        if isinstance(x, torch.SymFloat):
+            return float(hint)
+        return bool(hint)
+    return x
+
+
+def world_info() -> tuple[int, int]:
+    """(rank, world size) of the default process group; (0, 1) when not initialized."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+# Re-exported placement types, so callers import placements from one place too.
+Placements = tuple[Placement, ...]
+__all__ += ["Partial", "Placement", "Replicate", "Shard", "Placements", "world_info"]
+
+
+def rename_node(node: "torch.fx.Node", name: str) -> None:
+    """Give ``node`` a readable unique name (placeholders keep target == name)."""
+    node._rename(name)
+    if node.op == "placeholder":
+        node.target = node.name
+
+
+__all__ += ["rename_node"]

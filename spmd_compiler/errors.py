@@ -1,0 +1,116 @@
+"""Exception types and the helpers that make their messages actionable.
+
+Bad user input raises the builtin ``ValueError`` / ``TypeError``. What the compiler
+cannot do (an op with no sharding rule, a placement transition we cannot emit) raises a
+subclass of :class:`SpmdError`, so callers can tell "you asked for something wrong" from
+"we do not support this yet". Every message names the graph node and the user's source
+line when a node is involved, and ends with a way out.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch.fx as fx
+
+__all__ = [
+    "SpmdError",
+    "UnsupportedOpError",
+    "UnsupportedPlacementError",
+    "UnevenShardingError",
+    "RankMismatchError",
+    "user_source_line",
+    "describe_node",
+]
+
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>\S+)\n\s*(?P<code>[^\n]*)')
+_INTERNAL = ("/torch/", "/spmd_compiler/", "<frozen", "/contextlib.py", "/functools.py")
+
+
+def user_source_line(node: fx.Node | None) -> str | None:
+    """The innermost frame of ``node``'s recorded stack trace that is user code.
+
+    Returns ``"path/model.py:42 in forward: return self.l2(x)"`` or ``None`` when the
+    node carries no stack trace (placeholders, nodes created by passes).
+    """
+    if node is None:
+        return None
+    trace = node.meta.get("stack_trace")
+    if not trace:
+        origin = node.meta.get("spmd_origin")
+        return origin.get("source") if isinstance(origin, dict) else None
+    frames = list(_FRAME.finditer(trace))
+    user = [f for f in frames if not any(s in f.group("file") for s in _INTERNAL)]
+    chosen = user[-1] if user else (frames[-1] if frames else None)
+    if chosen is None:
+        return None
+    return f"{chosen.group('file')}:{chosen.group('line')} in {chosen.group('fn')}: {chosen.group('code').strip()}"
+
+
+def describe_node(node: fx.Node | None) -> str:
+    """Two lines for an error message: the node in fx syntax and the user's source line."""
+    if node is None:
+        return ""
+    try:
+        text = node.format_node()
+    except Exception:  # format_node can fail on half-built graphs
+        text = f"%{node.name} = {node.op}[target={node.target}]"
+    line = user_source_line(node)
+    out = f"\n  graph node: {text}"
+    if line:
+        out += f"\n  user code:  {line}"
+    return out
+
+
+class SpmdError(RuntimeError):
+    """Base class for what the compiler cannot do (as opposed to bad input)."""
+
+
+class UnsupportedOpError(SpmdError, NotImplementedError):
+    """An aten op has no sharding rule for the given input placements.
+
+    Attributes: ``op`` (the OpOverload), ``placements`` (per tensor input), ``node``.
+    """
+
+    def __init__(self, op: Any, placements: list[str], node: fx.Node | None, reason: str = "") -> None:
+        self.op = op
+        self.placements = placements
+        self.node = node
+        inputs = ", ".join(placements) if placements else "(no tensor inputs)"
+        msg = (
+            f"no sharding rule for {op} with input placements [{inputs}]"
+            + (f": {reason}" if reason else "")
+            + describe_node(node)
+            + "\n  fix: change the plan so this op sees Replicate inputs, register a rule with "
+            "spmd_compiler.expand.register_rule, or compile with fallback='replicate' to gather "
+            "the inputs and run the op unsharded."
+        )
+        super().__init__(msg)
+
+
+class UnsupportedPlacementError(SpmdError):
+    """A placement transition (or placement) the expansion cannot emit."""
+
+    def __init__(self, message: str, node: fx.Node | None = None) -> None:
+        self.node = node
+        super().__init__(message + describe_node(node))
+
+
+class UnevenShardingError(UnsupportedPlacementError):
+    """A tensor dim does not divide evenly over a mesh axis where that is not supported."""
+
+    def __init__(
+        self, tensor: str, dim: int, size: int, axis: str, axis_size: int, why: str, node: fx.Node | None = None
+    ) -> None:
+        self.tensor, self.dim, self.size, self.axis, self.axis_size = tensor, dim, size, axis, axis_size
+        msg = (
+            f"{tensor}: dim {dim} of size {size} is sharded unevenly over mesh axis "
+            f"'{axis}' of size {axis_size} ({why}). fix: pad dim {dim} to a multiple of "
+            f"{axis_size}, or shard a different dim."
+        )
+        super().__init__(msg, node)
+
+
+class RankMismatchError(SpmdError):
+    """Ranks compiled different graphs; raised on every rank at once."""

@@ -1,0 +1,162 @@
+"""Building a dispatch subgraph (a :class:`Recipe`) for one traced node.
+
+A recipe is a small fx graph over local tensors: its placeholders are the mesh
+coordinate (one int per axis, a runtime value so that one graph serves every rank)
+followed by the local inputs of the traced node; its output is the local result. The
+builder computes each node's fake value as it goes, so shapes, dtypes and strides of
+every local tensor are known without running anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from .values import MeshContext
+
+__all__ = ["Recipe", "OutTensor", "OutScalar", "SubgraphBuilder"]
+
+
+@dataclass(frozen=True)
+class OutTensor:
+    """A tensor leaf of a recipe's result: output slot ``index`` of the recipe graph, its
+    DTensorSpec and, for MaskPartial results, the output slot of its mask."""
+
+    index: int
+    spec: Any
+    mask_index: int | None = None
+
+
+@dataclass(frozen=True)
+class OutScalar:
+    """A run-time Python number in a recipe's result (output slot ``index``)."""
+
+    index: int
+    hint: Any
+
+
+@dataclass
+class Recipe:
+    """The expansion of one traced node, ready to be spliced into the per-rank graph.
+
+    Attributes:
+        graph: placeholders ``coord_*`` (one per mesh axis), then one per input slot;
+            a single output node returning a list of nodes.
+        num_inputs: number of input slots after the coordinates.
+        result: pytree of the node's value with :class:`OutTensor` for tensors and plain
+            Python values (or DSymInts) elsewhere.
+        notes: free-form facts for logs and dumps (strategy chosen, fallback used).
+        coord_dependent: the recipe is only valid for ranks whose coordinate gives the
+            same uneven chunk sizes (False for evenly sharded ops).
+    """
+
+    graph: fx.Graph
+    num_inputs: int
+    result: Any
+    notes: dict = field(default_factory=dict)
+    coord_dependent: bool = False
+
+    def num_collectives(self) -> int:
+        return sum(1 for n in self.graph.nodes if "spmd_comm" in n.meta)
+
+
+class SubgraphBuilder:
+    """Emit local ops and collectives into a fresh recipe graph, tracking fake values."""
+
+    def __init__(self, mctx: MeshContext, fake_mode: Any) -> None:
+        self.mctx = mctx
+        self.fake_mode = fake_mode
+        self.graph = fx.Graph()
+        self.coords = []
+        for name, c in zip(mctx.axis_names, mctx.coordinate):
+            node = self.graph.placeholder(f"coord_{name}")
+            node.meta["val"] = c
+            self.coords.append(node)
+        self.inputs: list[fx.Node] = []
+        self._outputs: list[fx.Node] = []
+        # set when a size used here depends on which rank we expand for (uneven shards)
+        self.coord_dependent = False
+
+    # ------------------------------------------------------------------ sizes
+    def local_chunk(self, size: int, axis: int) -> int:
+        """This rank's chunk of a dim of ``size`` split over mesh ``axis``."""
+        n = self.mctx.shape[axis]
+        if size % n:
+            self.coord_dependent = True
+        full = -(-size // n) if size else 0
+        j = self.mctx.coordinate[axis]
+        return max(0, min(size, (j + 1) * full) - j * full)
+
+    def local_shape(self, global_shape: Any, placements: Any) -> tuple[int, ...]:
+        """Local shape of a tensor with ``placements`` on this rank (shards left to right)."""
+        shape = list(global_shape)
+        for axis, p in enumerate(placements):
+            dim = getattr(p, "dim", None)
+            if dim is not None and p.is_shard():
+                shape[dim] = self.local_chunk(shape[dim], axis)
+        return tuple(shape)
+
+    # ------------------------------------------------------------------ inputs
+    def input(self, val: Any, name: str = "x") -> fx.Node:
+        node = self.graph.placeholder(f"in{len(self.inputs)}_{name}")
+        node.meta["val"] = val
+        self.inputs.append(node)
+        return node
+
+    # ------------------------------------------------------------------ ops
+    def call(self, target: Any, *args: Any, meta: dict | None = None, _val: Any = None, **kwargs: Any) -> fx.Node:
+        """Emit ``target(*args, **kwargs)``; args may mix nodes and constants.
+
+        ``_val`` gives the value to record instead of running the op on fake values
+        (for ops whose result depends on data, like ``.item()``).
+        """
+        if _val is not None:
+            val = _val
+        else:
+            vals_args, vals_kwargs = pytree.tree_map_only(fx.Node, lambda n: n.meta["val"], (args, kwargs))
+            with self.fake_mode:
+                val = target(*vals_args, **vals_kwargs)
+        node = self.graph.call_function(target, tuple(args), dict(kwargs))
+        node.meta["val"] = val
+        if meta:
+            node.meta.update(meta)
+        return node
+
+    def getitems(self, node: fx.Node) -> list[fx.Node]:
+        """Split a tuple-valued node into one ``getitem`` node per element."""
+        import operator
+
+        out = []
+        for i, v in enumerate(node.meta["val"]):
+            item = self.graph.call_function(operator.getitem, (node, i))
+            item.meta["val"] = v
+            out.append(item)
+        return out
+
+    def val(self, node: Any) -> Any:
+        return node.meta["val"] if isinstance(node, fx.Node) else node
+
+    # ------------------------------------------------------------------ output
+    def slot(self, node: fx.Node) -> int:
+        """Register ``node`` as a recipe output and return its slot index."""
+        for i, n in enumerate(self._outputs):
+            if n is node:
+                return i
+        self._outputs.append(node)
+        return len(self._outputs) - 1
+
+    def finish(self, result: Any, notes: dict | None = None) -> Recipe:
+        self.graph.output(list(self._outputs))
+        return Recipe(self.graph, len(self.inputs), result, notes or {}, self.coord_dependent)
+
+
+def local_fake(fake_mode: Any, shape: tuple[int, ...], dtype: torch.dtype, stride: tuple[int, ...] | None = None) -> torch.Tensor:
+    """A fake local tensor with the given shape (contiguous unless ``stride`` is given)."""
+    with fake_mode:
+        if stride is None:
+            return torch.empty(shape, dtype=dtype)
+        return torch.empty_strided(shape, stride, dtype=dtype)

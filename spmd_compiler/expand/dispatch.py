@@ -1,0 +1,277 @@
+"""Expanding one aten op through DTensor's sharding propagation.
+
+For a traced op with distributed inputs, :func:`generic_expand` asks DTensor which input
+placements the op needs and which output placement results, emits the redistributions
+(:mod:`.redistribute`) and the local op into the recipe builder, and returns the result
+with its DTensorSpec. :func:`replicate_fallback` is the way out for ops DTensor has no
+strategy for: gather every input to Replicate and run the op unsharded.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from .. import _private_torch as pt
+from ..errors import UnsupportedOpError
+from .builder import OutTensor, SubgraphBuilder
+from .redistribute import emit_redistribute, logical_shape
+from .values import DSymInt, MeshContext, placements_text
+
+__all__ = ["TensorArg", "ScalarArg", "ExpandContext", "generic_expand", "replicate_fallback", "NoStrategy", "wrap_result"]
+
+log = logging.getLogger(__name__)
+
+
+class NoStrategy(Exception):
+    """DTensor has no sharding strategy for an op with these inputs."""
+
+
+@dataclass
+class TensorArg:
+    """A tensor argument inside a recipe: its recipe node, spec and optional mask node."""
+
+    node: fx.Node
+    spec: Any
+    mask: fx.Node | None = None
+
+    @property
+    def local(self) -> torch.Tensor:
+        return self.node.meta["val"]
+
+
+@dataclass
+class ScalarArg:
+    """A run-time Python number inside a recipe (see :class:`~.values.RScalar`)."""
+
+    node: fx.Node
+    hint: Any
+
+
+@dataclass
+class ExpandContext:
+    """What a rule may use while building a recipe."""
+
+    mctx: MeshContext
+    fake_mode: Any
+    fallback: str = "replicate"
+    node: fx.Node | None = None
+    warned: set | None = None
+
+    def warn_once(self, key: Any, msg: str, *args: Any) -> None:
+        if self.warned is None:
+            self.warned = set()
+        if key not in self.warned:
+            self.warned.add(key)
+            log.warning(msg, *args)
+
+
+def _is_tensor_arg(x: Any) -> bool:
+    return isinstance(x, TensorArg)
+
+
+def _schema_leaf(x: Any) -> Any:
+    if isinstance(x, TensorArg):
+        return x.spec
+    if isinstance(x, DSymInt):
+        return x.global_value
+    if isinstance(x, ScalarArg):
+        return x.hint
+    return x
+
+
+def _global_leaf(x: Any) -> Any:
+    """The value a local op gets for a non-tensor argument."""
+    if isinstance(x, DSymInt):
+        return x.global_value
+    if isinstance(x, ScalarArg):
+        return x.node
+    return x
+
+
+def input_placements_text(args: Any, kwargs: Any) -> list[str]:
+    leaves = pytree.tree_leaves((args, kwargs))
+    return [f"{placements_text(a.spec.placements)} {list(a.spec.shape)}" for a in leaves if isinstance(a, TensorArg)]
+
+
+def _uneven_axes(b: SubgraphBuilder, spec: Any) -> set[int]:
+    """Mesh axes over which ``spec`` splits a dim unevenly."""
+    out = set()
+    for axis, p in enumerate(spec.placements):
+        if isinstance(p, pt.Shard):
+            size = logical_shape(b, tuple(spec.shape), list(spec.placements), axis)[p.dim]
+            if size % b.mctx.shape[axis]:
+                out.add(axis)
+    return out
+
+
+def _propagate(op: Any, args: Any, kwargs: Any) -> Any:
+    s_args, s_kwargs = pytree.tree_map(_schema_leaf, (args, kwargs), is_leaf=_is_tensor_arg)
+    try:
+        return pt.propagate_sharding(op, tuple(s_args), dict(s_kwargs))
+    except NotImplementedError as e:
+        raise NoStrategy(str(e)) from e
+    except RuntimeError as e:
+        if "Sharding propagation failed" in str(e) or "does not have a sharding strategy" in str(e):
+            raise NoStrategy(str(e)) from e
+        raise
+
+
+def generic_expand(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: dict) -> Any:
+    """Expand ``op(*args, **kwargs)`` with DTensor's strategy; returns the result pytree."""
+    out = _propagate(op, args, kwargs)
+    out = _guard_uneven_avg(b, op, args, kwargs, out)
+    flat, tree = pytree.tree_flatten((args, kwargs), is_leaf=_is_tensor_arg)
+    tensors = [x for x in flat if isinstance(x, TensorArg)]
+    target_op = op
+    if out.needs_redistribute and out.redistribute_schema is not None:
+        rs = out.redistribute_schema
+        rs_flat, rs_tree = pytree.tree_flatten((tuple(rs.args_schema), dict(rs.kwargs_schema)))
+        dst_specs = [x for x in rs_flat if isinstance(x, pt.DTensorSpec)]
+        if len(dst_specs) != len(tensors):
+            raise UnsupportedOpError(op, input_placements_text(args, kwargs), ctx.node, "DTensor rewrote the op's tensor arguments")
+        target_op = rs.op
+    else:
+        dst_specs = [t.spec for t in tensors]
+        rs_flat = rs_tree = None
+    locals_: list[fx.Node] = []
+    masks_by_buffer: dict[int, fx.Node] = {}
+    for i, (t, dst) in enumerate(zip(tensors, dst_specs)):
+        reason = f"input {i} of {_op_name(op)}"
+        node, mask = emit_redistribute(b, t.node, t.spec, dst, mask=t.mask, reason=reason)
+        locals_.append(node)
+        if mask is not None:
+            for p in dst.placements:
+                if isinstance(p, pt.MaskPartial):
+                    masks_by_buffer[id(p.mask_buffer)] = mask
+    it = iter(locals_)
+    if rs_flat is not None and out.use_val_from_redistribute_schema:
+        leaves = [next(it) if isinstance(x, pt.DTensorSpec) else x for x in rs_flat]
+        if len(leaves) == len(flat):  # keep run-time scalars as graph values
+            leaves = [f.node if isinstance(f, ScalarArg) else l for f, l in zip(flat, leaves)]
+        l_args, l_kwargs = pytree.tree_unflatten(leaves, rs_tree)
+    else:
+        leaves = [next(it) if isinstance(x, TensorArg) else _global_leaf(x) for x in flat]
+        l_args, l_kwargs = pytree.tree_unflatten(leaves, tree)
+    result = b.call(target_op, *l_args, **l_kwargs)
+    return wrap_result(b, result, out.output_spec, masks_by_buffer, ctx, op)
+
+
+def _op_name(op: Any) -> str:
+    return str(op).replace("aten.", "")
+
+
+def wrap_result(b: SubgraphBuilder, node: fx.Node, spec: Any, masks: dict[int, fx.Node], ctx: ExpandContext, op: Any) -> Any:
+    """Turn the local result node into the recipe's result pytree."""
+    val = node.meta["val"]
+    if isinstance(val, torch.Tensor):
+        if not isinstance(spec, pt.DTensorSpec):
+            raise UnsupportedOpError(op, [], ctx.node, f"DTensor gave no output placement (got {spec!r})")
+        return _out_tensor(b, node, spec, masks)
+    if isinstance(val, (tuple, list)):
+        items = b.getitems(node)
+        specs = spec if isinstance(spec, (tuple, list)) else [spec] * len(items)
+        res = []
+        for item, s in zip(items, specs):
+            v = item.meta["val"]
+            if isinstance(v, torch.Tensor) and isinstance(s, pt.DTensorSpec):
+                res.append(_out_tensor(b, item, s, masks))
+            elif v is None or s is None:
+                res.append(None)
+            else:
+                raise UnsupportedOpError(op, [], ctx.node, f"unexpected output {type(v).__name__} with spec {s!r}")
+        return type(val)(res) if isinstance(val, tuple) else res
+    raise UnsupportedOpError(op, [], ctx.node, f"the op returns a {type(val).__name__}, which depends on data on every rank")
+
+
+def _out_tensor(b: SubgraphBuilder, node: fx.Node, spec: Any, masks: dict[int, fx.Node]) -> OutTensor:
+    mask_index = None
+    for p in spec.placements:
+        if isinstance(p, pt.MaskPartial):
+            mask = masks.get(id(p.mask_buffer))
+            if mask is None:
+                raise UnsupportedOpError(None, [], None, "a MaskPartial output has no mask")
+            mask_index = b.slot(mask)
+    node.meta["spmd_spec"] = spec
+    return OutTensor(b.slot(node), spec, mask_index)
+
+
+def _guard_uneven_avg(b: SubgraphBuilder, op: Any, args: Any, kwargs: Any, out: Any) -> Any:
+    """Partial(avg) over an unevenly split dim averages unequal chunks as if equal, a
+    silently wrong mean. Where that would happen, replicate the uneven inputs on that
+    axis first and propagate again."""
+    specs = out.output_spec if isinstance(out.output_spec, (tuple, list)) else [out.output_spec]
+    avg_axes = {
+        axis
+        for s in specs
+        if isinstance(s, pt.DTensorSpec)
+        for axis, p in enumerate(s.placements)
+        if p.is_partial() and getattr(p, "reduce_op", None) == "avg"
+    }
+    if not avg_axes:
+        return out
+    tensors = [x for x in pytree.tree_leaves((args, kwargs), is_leaf=_is_tensor_arg) if isinstance(x, TensorArg)]
+    bad = {axis for t in tensors for axis in _uneven_axes(b, t.spec)} & avg_axes
+    if not bad:
+        return out
+    raise _UnevenAvg(bad)
+
+
+class _UnevenAvg(Exception):
+    def __init__(self, axes: set[int]) -> None:
+        super().__init__(axes)
+        self.axes = axes
+
+
+def replicate_fallback(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: dict, why: str = "") -> Any:
+    """Gather every tensor input to Replicate and run ``op`` on whole tensors."""
+    flat, tree = pytree.tree_flatten((args, kwargs), is_leaf=_is_tensor_arg)
+    leaves = []
+    for i, x in enumerate(flat):
+        if isinstance(x, TensorArg):
+            dst = pt.make_spec(ctx.mctx.mesh, [pt.Replicate()] * ctx.mctx.ndim, x.spec.shape, x.spec.stride, x.spec.tensor_meta.dtype)
+            node, _ = emit_redistribute(b, x.node, x.spec, dst, mask=x.mask, reason=f"input {i} of {_op_name(op)} (replicate fallback{': ' + why if why else ''})")
+            leaves.append(node)
+        else:
+            leaves.append(_global_leaf(x))
+    l_args, l_kwargs = pytree.tree_unflatten(leaves, tree)
+    result = b.call(op, *l_args, **l_kwargs)
+    result.meta["spmd_fallback"] = why or "no sharding strategy"
+    return _replicated_result(ctx, b, result)
+
+
+def _replicated_result(ctx: ExpandContext, b: SubgraphBuilder, node: fx.Node) -> Any:
+    def spec_of(v: torch.Tensor) -> Any:
+        return pt.make_spec(ctx.mctx.mesh, [pt.Replicate()] * ctx.mctx.ndim, v.shape, v.stride(), v.dtype)
+
+    val = node.meta["val"]
+    if isinstance(val, torch.Tensor):
+        return _out_tensor(b, node, spec_of(val), {})
+    if isinstance(val, (tuple, list)):
+        res = []
+        for item in b.getitems(node):
+            v = item.meta["val"]
+            res.append(_out_tensor(b, item, spec_of(v), {}) if isinstance(v, torch.Tensor) else v)
+        return type(val)(res) if isinstance(val, tuple) else res
+    return val
+
+
+def replicate_axes(ctx: ExpandContext, b: SubgraphBuilder, args: Any, kwargs: Any, axes: set[int], why: str) -> tuple[Any, Any]:
+    """Return args/kwargs with every tensor redistributed to Replicate on ``axes``."""
+
+    def fix(x: Any) -> Any:
+        if not isinstance(x, TensorArg):
+            return x
+        pl = [pt.Replicate() if i in axes else p for i, p in enumerate(x.spec.placements)]
+        if tuple(pl) == tuple(x.spec.placements):
+            return x
+        dst = pt.DTensorSpec(x.spec.mesh, tuple(pl), tensor_meta=x.spec.tensor_meta)
+        node, mask = emit_redistribute(b, x.node, x.spec, dst, mask=x.mask, reason=why)
+        return TensorArg(node, dst, mask)
+
+    return pytree.tree_map(fix, (args, kwargs), is_leaf=_is_tensor_arg)

@@ -1,0 +1,289 @@
+"""Stage 2: expand a traced step over a DeviceMesh into one per-rank graph.
+
+The expander walks the traced graph in order. Placeholders become local tensors with
+the plan's placements; sizes become :class:`DSymInt`; every aten op becomes a recipe
+(DTensor's sharding propagation, or a registered rule) that is spliced into the per-rank
+graph. Recipes are memoized (:mod:`.cache`). The traced outputs are handed to
+:mod:`spmd_compiler.rebuild` to finish the graph.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import operator
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from .. import _private_torch as pt
+from ..errors import SpmdError, UnsupportedOpError, describe_node
+from . import dispatch
+from .builder import Recipe, SubgraphBuilder, local_fake
+from .cache import ExpansionCache, abstract_key
+from .dispatch import ExpandContext, ScalarArg, TensorArg
+from .registry import get_rule
+from .values import DSymInt, DValue, MeshContext, RScalar, sym_apply
+
+__all__ = ["expand_graph", "ExpansionStats", "expand_op"]
+
+log = logging.getLogger(__name__)
+aten = torch.ops.aten
+
+_SIZE_FUNCS = {
+    operator.mul, operator.add, operator.sub, operator.floordiv, operator.truediv, operator.mod,
+    operator.neg, operator.pow, operator.eq, operator.ne, operator.lt, operator.le, operator.gt,
+    operator.ge, operator.and_, operator.or_, math.ceil, math.floor, math.sqrt,
+    torch.sym_float, torch.sym_int, torch.sym_max, torch.sym_min, torch.sym_not, torch.sym_sum,
+}
+_DROPPED = {aten._assert_scalar.default, aten.sym_constrain_range_for_size.default}
+
+
+@dataclass
+class ExpansionStats:
+    """Counters and timings of one expansion."""
+
+    nodes: int = 0
+    ops: int = 0
+    seconds: float = 0.0
+    cache: dict = field(default_factory=dict)
+    coord_dependent: bool = False
+    fallbacks: list = field(default_factory=list)
+
+
+def expand_op(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: dict) -> Any:
+    """Emit the local program of ``op`` into ``b``; returns the result pytree."""
+    rule = get_rule(op)
+    if rule is not None:
+        return rule(ctx, b, op, args, kwargs)
+    if op in pt.custom_handled_ops():
+        return _custom_handled(ctx, b, op, args, kwargs)
+    for _ in range(ctx.mctx.ndim + 1):
+        try:
+            return dispatch.generic_expand(ctx, b, op, args, kwargs)
+        except dispatch._UnevenAvg as e:
+            args, kwargs = dispatch.replicate_axes(
+                ctx, b, args, kwargs, e.axes, f"uneven shards under a mean in {op}: replicated first"
+            )
+        except dispatch.NoStrategy as e:
+            placements = dispatch.input_placements_text(args, kwargs)
+            if ctx.fallback == "error":
+                raise UnsupportedOpError(op, placements, ctx.node, "DTensor has no sharding strategy") from e
+            ctx.warn_once(op, "spmd_compiler: %s has no sharding strategy for inputs %s; gathering its inputs to Replicate and running it unsharded", op, placements)
+            return dispatch.replicate_fallback(ctx, b, op, args, kwargs, why="no sharding strategy")
+    raise AssertionError("uneven-average guard did not converge")
+
+
+def _custom_handled(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: dict) -> Any:
+    """Ops DTensor runs through a Python handler: convolution is safe when only the batch
+    dim is sharded; everything else runs on replicated inputs."""
+    if op in (aten.convolution.default, aten.convolution_backward.default):
+        tensors = [x for x in pytree.tree_leaves((args, kwargs), is_leaf=lambda x: isinstance(x, TensorArg)) if isinstance(x, TensorArg)]
+        spatial = any(isinstance(p, pt.Shard) and p.dim >= 2 for t in tensors[:1] for p in t.spec.placements)
+        if not spatial:
+            try:
+                return dispatch.generic_expand(ctx, b, op, args, kwargs)
+            except dispatch.NoStrategy:
+                pass
+    if ctx.fallback == "error":
+        raise UnsupportedOpError(op, dispatch.input_placements_text(args, kwargs), ctx.node, "DTensor needs a custom handler for this op")
+    ctx.warn_once(op, "spmd_compiler: running %s on replicated inputs (DTensor handles it with a custom handler)", op)
+    return dispatch.replicate_fallback(ctx, b, op, args, kwargs, why="custom DTensor handler")
+
+
+class _Expander:
+    def __init__(self, traced: Any, mctx: MeshContext, placements: Any, *, fallback: str, cache: ExpansionCache) -> None:
+        self.traced = traced
+        self.mctx = mctx
+        self.placements = list(placements)
+        self.fallback = fallback
+        self.cache = cache
+        self.fake_mode = pt.static_fake_mode()
+        self.graph = fx.Graph()
+        self.constants: dict[str, torch.Tensor] = {}
+        self.env: dict[fx.Node, Any] = {}
+        self.stats = ExpansionStats()
+        self.warned: set = set()
+        self.coords = []
+        for name, c in zip(mctx.axis_names, mctx.coordinate):
+            node = self.graph.placeholder(f"coord_{name}")
+            node.meta["val"] = c
+            node.meta["spmd_coord"] = name
+            self.coords.append(node)
+
+    # ------------------------------------------------------------------ nodes
+    def run(self) -> None:
+        start = time.perf_counter()
+        inputs = iter(zip(self.traced.inputs, self.placements))
+        for node in self.traced.gm.graph.nodes:
+            self.stats.nodes += 1
+            try:
+                if node.op == "placeholder":
+                    inp, pl = next(inputs)
+                    self.env[node] = self._placeholder(node, inp, pl)
+                elif node.op == "get_attr":
+                    self.env[node] = self._constant(node)
+                elif node.op == "call_function":
+                    self.env[node] = self._call(node)
+                elif node.op == "output":
+                    self.output_values = pytree.tree_map(self._lookup, node.args[0], is_leaf=lambda x: isinstance(x, fx.Node))
+                else:
+                    raise SpmdError(f"unexpected node kind {node.op}" + describe_node(node))
+            except (SpmdError, ValueError, TypeError):
+                raise
+            except Exception as e:
+                raise SpmdError(f"expanding {node.name} failed: {type(e).__name__}: {e}" + describe_node(node)) from e
+        self.stats.seconds = time.perf_counter() - start
+        self.stats.cache = self.cache.stats()
+
+    def _lookup(self, x: Any) -> Any:
+        return self.env[x] if isinstance(x, fx.Node) else x
+
+    def _placeholder(self, node: fx.Node, inp: Any, placements: tuple) -> DValue:
+        spec = pt.make_spec(self.mctx.mesh, placements, inp.shape, inp.stride, inp.dtype)
+        local_shape, _ = pt.local_shape_and_offset(inp.shape, self.mctx.shape, self.mctx.coordinate, placements)
+        new = self.graph.placeholder(node.name)
+        new.meta["val"] = local_fake(self.fake_mode, local_shape, inp.dtype)
+        new.meta["spmd_spec"] = spec
+        new.meta["spmd_input"] = inp
+        return DValue(new, spec)
+
+    def _constant(self, node: fx.Node) -> DValue:
+        value = getattr(self.traced.gm, node.target)
+        if not isinstance(value, torch.Tensor):
+            raise SpmdError(f"constant {node.target} is a {type(value).__name__}, expected a tensor" + describe_node(node))
+        name = node.target
+        self.constants[name] = value.detach().clone()
+        new = self.graph.get_attr(name)
+        with self.fake_mode:
+            new.meta["val"] = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype)
+        spec = pt.make_spec(self.mctx.mesh, [pt.Replicate()] * self.mctx.ndim, value.shape, value.stride(), value.dtype)
+        new.meta["spmd_spec"] = spec
+        return DValue(new, spec)
+
+    def _call(self, node: fx.Node) -> Any:
+        target = node.target
+        args, kwargs = pytree.tree_map(self._lookup, (node.args, node.kwargs), is_leaf=lambda x: isinstance(x, fx.Node))
+        if target is operator.getitem:
+            return args[0][args[1]]
+        if target in _DROPPED:
+            return None
+        if target is aten.sym_size.int:
+            return self._sym_size(args[0], args[1])
+        if target is aten.sym_numel.default:
+            return self._sym_numel(args[0])
+        if target is aten.sym_stride.int:
+            t, d = args
+            g, l = t.spec.stride[d], t.local.stride()[d]
+            return DSymInt(g, l, self._shard_axes(t) if g != l else (), f"{t.node.name}.stride({d})")
+        if target is aten.sym_storage_offset.default:
+            return DSymInt(0, 0)
+        if not isinstance(target, torch._ops.OpOverload):
+            if any(isinstance(x, RScalar) for x in pytree.tree_leaves((args, kwargs))):
+                return self._scalar_call(node, target, args, kwargs)
+            if target in _SIZE_FUNCS or not any(isinstance(x, DValue) for x in pytree.tree_leaves((args, kwargs))):
+                return sym_apply(target, *args, **kwargs) if not kwargs else target(*args, **kwargs)
+            raise SpmdError(f"cannot expand call to {target}: only aten ops reach expansion" + describe_node(node))
+        self.stats.ops += 1
+        return self._expand(node, target, args, kwargs)
+
+    def _scalar_call(self, node: fx.Node, target: Any, args: tuple, kwargs: dict) -> RScalar:
+        """Python arithmetic on run-time scalars: emitted as is into the per-rank graph."""
+
+        def as_node(x: Any) -> Any:
+            if isinstance(x, RScalar):
+                return x.node
+            if isinstance(x, DSymInt):
+                return x.global_value
+            return x
+
+        def as_hint(x: Any) -> Any:
+            if isinstance(x, RScalar):
+                return x.hint
+            if isinstance(x, DSymInt):
+                return x.global_value
+            return x
+
+        n_args, n_kwargs = pytree.tree_map(as_node, (args, kwargs))
+        h_args, h_kwargs = pytree.tree_map(as_hint, (args, kwargs))
+        new = self.graph.call_function(target, tuple(n_args), dict(n_kwargs))
+        try:
+            hint = target(*h_args, **h_kwargs)
+        except (ArithmeticError, ValueError):
+            hint = 1.0
+        new.meta["val"] = hint
+        new.meta["spmd_origin"] = {"node": node.name, "op": str(target), "source": None}
+        return RScalar(new, hint)
+
+    def _shard_axes(self, t: DValue, dim: int | None = None) -> tuple[int, ...]:
+        return tuple(
+            i for i, p in enumerate(t.spec.placements)
+            if isinstance(p, pt.Shard) and (dim is None or p.dim == dim) and self.mctx.shape[i] > 1
+        )
+
+    def _sym_size(self, t: DValue, dim: int) -> DSymInt:
+        g, l = int(t.spec.shape[dim]), int(t.local.shape[dim])
+        axes = self._shard_axes(t, dim % max(1, len(t.spec.shape)))
+        return DSymInt(g, l, axes if (axes or g != l) else (), f"{t.node.name}.size({dim})")
+
+    def _sym_numel(self, t: DValue) -> DSymInt:
+        g, l = int(t.spec.shape.numel()), int(t.local.numel())
+        axes = self._shard_axes(t)
+        return DSymInt(g, l, axes if (axes or g != l) else (), f"{t.node.name}.numel()")
+
+    # ------------------------------------------------------------------ ops
+    def _expand(self, node: fx.Node, op: Any, args: tuple, kwargs: dict) -> Any:
+        from ..rebuild.splice import splice_recipe
+
+        key = (op, abstract_key(args), abstract_key(kwargs), self.fallback)
+        recipe = self.cache.lookup(key, self.mctx.coordinate)
+        if recipe is None:
+            recipe = self._build(node, op, args, kwargs)
+            self.cache.store(key, self.mctx.coordinate, recipe)
+        if recipe.coord_dependent:
+            self.stats.coord_dependent = True
+        if "fallback" in recipe.notes:
+            self.stats.fallbacks.append((node.name, str(op), recipe.notes["fallback"]))
+        inputs: list[fx.Node] = []
+        for leaf in pytree.tree_leaves((args, kwargs), is_leaf=lambda x: isinstance(x, DValue)):
+            if isinstance(leaf, DValue):
+                inputs.append(leaf.node)
+                if leaf.mask is not None:
+                    inputs.append(leaf.mask)
+            elif isinstance(leaf, RScalar):
+                inputs.append(leaf.node)
+        return splice_recipe(self.graph, recipe, self.coords, inputs, node)
+
+    def _build(self, node: fx.Node, op: Any, args: tuple, kwargs: dict) -> Recipe:
+        b = SubgraphBuilder(self.mctx, self.fake_mode)
+        ctx = ExpandContext(self.mctx, self.fake_mode, self.fallback, node, self.warned)
+
+        def to_arg(x: Any) -> Any:
+            if isinstance(x, DValue):
+                n = b.input(x.local, x.node.name)
+                mask = b.input(x.mask.meta["val"], x.node.name + "_mask") if x.mask is not None else None
+                return TensorArg(n, x.spec, mask)
+            if isinstance(x, RScalar):
+                return ScalarArg(b.input(x.hint, "scalar"), x.hint)
+            return x
+
+        r_args, r_kwargs = pytree.tree_map(to_arg, (args, kwargs), is_leaf=lambda x: isinstance(x, DValue))
+        result = expand_op(ctx, b, op, r_args, r_kwargs)
+        notes = {}
+        fallback = [n.meta["spmd_fallback"] for n in b.graph.nodes if "spmd_fallback" in n.meta]
+        if fallback:
+            notes["fallback"] = fallback[0]
+        return b.finish(result, notes)
+
+
+def expand_graph(traced: Any, mctx: MeshContext, placements: Any, *, fallback: str = "replicate", cache: ExpansionCache | None = None) -> "_Expander":
+    """Run the expander; returns it (graph, env, constants, stats) for :mod:`rebuild`."""
+    if fallback not in ("replicate", "error"):
+        raise ValueError(f"fallback must be 'replicate' or 'error', got {fallback!r}")
+    ex = _Expander(traced, mctx, placements, fallback=fallback, cache=cache if cache is not None else ExpansionCache())
+    ex.run()
+    return ex

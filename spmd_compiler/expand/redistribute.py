@@ -1,0 +1,279 @@
+"""Rank-independent redistribution: local ops and functional collectives.
+
+DTensor's own ``redistribute_local_tensor`` bakes the tracing rank's coordinate into the
+graph (``split(...)[rank]``). Here the coordinate is a runtime value (a placeholder of the
+recipe), so the same graph runs on every rank of an evenly sharded program, and every
+collective node records why it exists.
+
+Per-axis transitions (``n`` = mesh axis size, ``d`` = tensor dim):
+
+=====================  ==============================================================
+Partial -> Replicate   all_reduce (MaskPartial: zero masked rows first)
+Partial -> Shard(d)    reduce_scatter along d (padded to a multiple of n if uneven)
+Shard(d) -> Replicate  all_gather along d (pad before, drop padding after if uneven)
+Shard(a) -> Shard(b)   all_to_all when both dims divide evenly, else gather + narrow
+Replicate -> Shard(d)  narrow at ``coord * chunk`` (no communication)
+Replicate -> Partial   sum: divide by n; avg/max/min: identity; MaskPartial: mask ids
+=====================  ==============================================================
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from .. import _private_torch as pt
+from ..errors import UnsupportedPlacementError
+from .builder import SubgraphBuilder
+from .values import placements_text
+
+__all__ = ["emit_redistribute", "chunk_sizes", "logical_shape", "COLLECTIVE_OPS"]
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+COLLECTIVE_OPS = {
+    c10d.all_reduce.default: "all_reduce",
+    c10d.all_gather_into_tensor.default: "all_gather",
+    c10d.reduce_scatter_tensor.default: "reduce_scatter",
+    c10d.all_to_all_single.default: "all_to_all",
+}
+
+
+def chunk_sizes(size: int, n: int) -> list[int]:
+    """Sizes of ``torch.chunk(size, n)`` padded with zeros to n entries (DTensor's split)."""
+    full = -(-size // n) if size else 0
+    return [max(0, min(size, (j + 1) * full) - j * full) for j in range(n)]
+
+
+def logical_shape(b: SubgraphBuilder, global_shape: tuple[int, ...], placements: list, axis: int) -> list[int]:
+    """The tensor shape that mesh ``axis`` splits: global shape with the shards of the
+    axes before ``axis`` applied (DTensor shards left to right)."""
+    shape = list(global_shape)
+    for i in range(axis):
+        p = placements[i]
+        if isinstance(p, pt.Shard):
+            shape[p.dim] = b.local_chunk(shape[p.dim], i)
+    return shape
+
+
+def _nbytes(val: torch.Tensor) -> int:
+    return int(val.numel()) * val.element_size()
+
+
+def _wire_bytes(kind: str, buffer_bytes: int, n: int) -> int:
+    """Bytes one rank sends in a ring implementation of the collective."""
+    if kind == "all_reduce":
+        return 2 * (n - 1) * buffer_bytes // n
+    return (n - 1) * buffer_bytes // n
+
+
+def _collective(b: SubgraphBuilder, op: Any, kind: str, x: fx.Node, axis: int, args: tuple, reason: str, buffer: torch.Tensor | None = None) -> fx.Node:
+    n = b.mctx.shape[axis]
+    group = b.mctx.group_names[axis]
+    val = x.meta["val"]
+    if kind == "all_gather":
+        buffer_bytes = _nbytes(val) * n
+    else:
+        buffer_bytes = _nbytes(val)
+    meta = {
+        "spmd_comm": {
+            "kind": kind,
+            "axis": axis,
+            "axis_name": b.mctx.axis_names[axis],
+            "group_size": n,
+            "reason": reason,
+            "bytes": buffer_bytes,
+            "wire_bytes": _wire_bytes(kind, buffer_bytes, n),
+            "dtype": str(val.dtype).replace("torch.", ""),
+        }
+    }
+    started = b.call(op, x, *args, group, meta=meta)
+    return b.call(c10d.wait_tensor.default, started, meta={"spmd_wait": True})
+
+
+def _contiguous(b: SubgraphBuilder, x: fx.Node) -> fx.Node:
+    if x.meta["val"].is_contiguous():
+        return x
+    return b.call(aten.clone.default, x, memory_format=torch.contiguous_format)
+
+
+def _reduce_op(p: Any) -> str:
+    op = p.reduce_op
+    if op not in ("sum", "avg", "max", "min", "product"):
+        raise UnsupportedPlacementError(f"Partial reduce op {op!r} is not supported")
+    return op
+
+
+def _apply_mask(b: SubgraphBuilder, x: fx.Node, mask: fx.Node | None) -> fx.Node:
+    if mask is None:
+        raise UnsupportedPlacementError("a MaskPartial value lost its mask; this is a bug in spmd-compiler")
+    m = mask
+    if x.meta["val"].dim() > mask.meta["val"].dim():
+        m = b.call(aten.unsqueeze.default, mask, -1)
+    return b.call(aten.masked_fill.Scalar, x, m, 0)
+
+
+def _shard_start(b: SubgraphBuilder, axis: int, size: int) -> Any:
+    """Start of this rank's chunk of a dim of ``size`` over ``axis``: a runtime int."""
+    n = b.mctx.shape[axis]
+    full = -(-size // n) if size else 0
+    start = b.call(operator.mul, b.coords[axis], full)
+    if size % n:
+        start = b.call(min, start, size)
+    return start
+
+
+def emit_redistribute(
+    b: SubgraphBuilder,
+    x: fx.Node,
+    src: Any,
+    dst: Any,
+    *,
+    mask: fx.Node | None = None,
+    reason: str = "",
+) -> tuple[fx.Node, fx.Node | None]:
+    """Emit the ops that turn local tensor ``x`` laid out as ``src`` into ``dst``.
+
+    Returns the new local node and, when ``dst`` has a MaskPartial placement created here,
+    its mask node (else the incoming ``mask``).
+    """
+    if tuple(src.placements) == tuple(dst.placements):
+        return x, mask
+    for p in (*src.placements, *dst.placements):
+        if isinstance(p, pt.StridedShard):
+            raise UnsupportedPlacementError(
+                f"redistribution {placements_text(src.placements)} -> {placements_text(dst.placements)} involves "
+                f"a strided shard ({p}), which spmd-compiler does not emit yet ({reason})"
+            )
+    mctx = b.mctx
+    current = list(src.placements)
+    global_shape = tuple(src.shape)
+    for step in pt.transform_steps(src, dst):
+        axis, s, t = step.axis, step.src, step.dst
+        n = mctx.shape[axis]
+        if s == t:
+            continue
+        if n == 1:
+            current[axis] = t
+            continue
+        logical = logical_shape(b, global_shape, current, axis)
+        why = f"{reason}: {placements_text([s])}->{placements_text([t])} on '{mctx.axis_names[axis]}'"
+        x, mask = _emit_step(b, x, axis, s, t, logical, mask, why)
+        current[axis] = t
+    return x, mask
+
+
+def _emit_step(b: SubgraphBuilder, x: fx.Node, axis: int, s: Any, t: Any, logical: list[int], mask: fx.Node | None, why: str) -> tuple[fx.Node, fx.Node | None]:
+    n = b.mctx.shape[axis]
+    if s.is_partial() and t.is_replicate():
+        if isinstance(s, pt.MaskPartial):
+            x = _apply_mask(b, x, mask)
+        return _collective(b, c10d.all_reduce.default, "all_reduce", x, axis, (_reduce_op(s),), why), None
+    if s.is_partial() and isinstance(t, pt.Shard):
+        if isinstance(s, pt.MaskPartial):
+            x = _apply_mask(b, x, mask)
+        return _reduce_scatter(b, x, axis, t.dim, logical[t.dim], _reduce_op(s), why), None
+    if isinstance(s, pt.Shard) and t.is_replicate():
+        return _all_gather(b, x, axis, s.dim, logical[s.dim], why), mask
+    if isinstance(s, pt.Shard) and isinstance(t, pt.Shard):
+        a, d = s.dim, t.dim
+        la, ld = logical[a], logical[d]
+        if la % n == 0 and ld % n == 0:
+            return _all_to_all(b, x, axis, a, d, n, why), mask
+        full = _all_gather(b, x, axis, a, la, why + " (uneven: gather then narrow)")
+        return _narrow_shard(b, full, axis, d, ld), mask
+    if s.is_replicate() and isinstance(t, pt.Shard):
+        return _narrow_shard(b, x, axis, t.dim, logical[t.dim]), mask
+    if s.is_replicate() and t.is_partial():
+        if isinstance(t, pt.MaskPartial):
+            return _mask_ids(b, x, axis, t)
+        if t.reduce_op == "sum":
+            return b.call(aten.div.Scalar, x, n), None
+        if t.reduce_op in ("avg", "max", "min"):
+            return x, None
+    raise UnsupportedPlacementError(f"cannot redistribute {placements_text([s])} -> {placements_text([t])} ({why})")
+
+
+def _narrow_shard(b: SubgraphBuilder, x: fx.Node, axis: int, dim: int, size: int) -> fx.Node:
+    local = b.local_chunk(size, axis)
+    start = _shard_start(b, axis, size)
+    piece = b.call(aten.narrow.default, x, dim, start, local)
+    return b.call(aten.clone.default, piece, memory_format=torch.contiguous_format)
+
+
+def _all_gather(b: SubgraphBuilder, x: fx.Node, axis: int, dim: int, size: int, why: str) -> fx.Node:
+    n = b.mctx.shape[axis]
+    sizes = chunk_sizes(size, n)
+    full = max(sizes)
+    uneven = len(set(sizes)) > 1
+    local = x.meta["val"]
+    if uneven:
+        pad = full - local.shape[dim]
+        spec = [0, 0] * (local.dim() - 1 - dim) + [0, pad]
+        x = b.call(aten.constant_pad_nd.default, x, spec, 0)
+    moved = dim != 0
+    if moved:
+        x = b.call(aten.movedim.int, x, dim, 0)
+    x = _contiguous(b, x)
+    g = _collective(b, c10d.all_gather_into_tensor.default, "all_gather", x, axis, (n,), why)
+    if moved:
+        g = b.call(aten.movedim.int, g, 0, dim)
+    if uneven:
+        pieces = [b.call(aten.narrow.default, g, dim, j * full, sz) for j, sz in enumerate(sizes) if sz > 0]
+        g = b.call(aten.cat.default, pieces, dim)
+    return g
+
+
+def _reduce_scatter(b: SubgraphBuilder, x: fx.Node, axis: int, dim: int, size: int, op: str, why: str) -> fx.Node:
+    n = b.mctx.shape[axis]
+    sizes = chunk_sizes(size, n)
+    full = max(sizes)
+    uneven = len(set(sizes)) > 1
+    local = x.meta["val"]
+    if uneven:
+        pad = full * n - local.shape[dim]
+        spec = [0, 0] * (local.dim() - 1 - dim) + [0, pad]
+        x = b.call(aten.constant_pad_nd.default, x, spec, 0)
+    moved = dim != 0
+    if moved:
+        x = b.call(aten.movedim.int, x, dim, 0)
+    x = _contiguous(b, x)
+    r = _collective(b, c10d.reduce_scatter_tensor.default, "reduce_scatter", x, axis, (op, n), why)
+    if moved:
+        r = b.call(aten.movedim.int, r, 0, dim)
+    if uneven:
+        r = b.call(aten.narrow.default, r, dim, 0, b.local_chunk(size, axis))
+    return r
+
+
+def _all_to_all(b: SubgraphBuilder, x: fx.Node, axis: int, src_dim: int, dst_dim: int, n: int, why: str) -> fx.Node:
+    """Shard(src_dim) -> Shard(dst_dim) over ``axis`` with one all_to_all (even sizes)."""
+    shape = list(x.meta["val"].shape)
+    split = shape[:dst_dim] + [n, shape[dst_dim] // n] + shape[dst_dim + 1 :]
+    y = b.call(aten.reshape.default, x, split)
+    y = b.call(aten.movedim.int, y, dst_dim, 0)
+    y = _contiguous(b, y)
+    y = _collective(b, c10d.all_to_all_single.default, "all_to_all", y, axis, ([1] * n, [1] * n), why)
+    # y: [n, ...] where block j is rank j's src_dim shard of our dst_dim chunk
+    y = b.call(aten.movedim.int, y, 0, src_dim)
+    out_shape = list(y.meta["val"].shape)
+    merged = out_shape[:src_dim] + [out_shape[src_dim] * out_shape[src_dim + 1]] + out_shape[src_dim + 2 :]
+    return b.call(aten.reshape.default, y, merged)
+
+
+def _mask_ids(b: SubgraphBuilder, x: fx.Node, axis: int, t: Any) -> tuple[fx.Node, fx.Node]:
+    """Replicate -> MaskPartial: shift ids into this rank's vocab shard, mask the rest."""
+    size = t.offset_shape[t.offset_dim]
+    local = b.local_chunk(size, axis)
+    start = _shard_start(b, axis, size)
+    end = b.call(operator.add, start, local)
+    below = b.call(aten.lt.Scalar, x, start)
+    above = b.call(aten.ge.Scalar, x, end)
+    mask = b.call(aten.bitwise_or.Tensor, below, above)
+    shifted = b.call(aten.sub.Scalar, x, start)
+    masked = b.call(aten.masked_fill.Scalar, shifted, mask, 0)
+    return masked, mask

@@ -1,0 +1,3 @@
+"""Per-op expansion rules, grouped by op family. Importing this package registers them."""
+
+from . import factory, scalars, shape  # noqa: F401

@@ -1,0 +1,120 @@
+"""Factory ops: tensors built from sizes (zeros, ones, full, empty, arange, new_*).
+
+They have no distributed input, so DTensor cannot place them. When a size argument is a
+:class:`DSymInt` split over mesh axes (``torch.zeros(x.size(0), k)`` with a sharded
+batch), the result is built sharded along that dim with local sizes: no global tensor is
+ever materialized. Constant fills are correct under any placement; ``arange`` gets this
+rank's offset from the runtime coordinate.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+
+from ... import _private_torch as pt
+from ..builder import SubgraphBuilder
+from ..dispatch import ExpandContext, _out_tensor
+from ..registry import register_rule
+from ..values import DSymInt
+
+aten = torch.ops.aten
+
+_FILLS = [
+    aten.zeros.default,
+    aten.ones.default,
+    aten.empty.memory_format,
+    aten.full.default,
+]
+_NEW = [aten.new_zeros.default, aten.new_ones.default, aten.new_empty.default, aten.new_full.default]
+
+
+def _g(x: Any) -> Any:
+    return x.global_value if isinstance(x, DSymInt) else x
+
+
+def _choose_placements(ctx: ExpandContext, sizes: list[Any]) -> list[Any]:
+    """Shard dim d on the axes its DSymInt is split over (first come, first served)."""
+    placements: list[Any] = [pt.Replicate()] * ctx.mctx.ndim
+    for d, s in enumerate(sizes):
+        if isinstance(s, DSymInt) and s.is_sharded:
+            free = all(isinstance(placements[a], pt.Replicate) for a in s.axes)
+            if free:
+                for a in s.axes:
+                    placements[a] = pt.Shard(d)
+    return placements
+
+
+def _sharded_sizes(ctx: ExpandContext, b: SubgraphBuilder, sizes: list[Any]) -> tuple[list[int], list[Any]]:
+    global_sizes = [int(_g(s)) for s in sizes]
+    placements = _choose_placements(ctx, sizes)
+    local = list(b.local_shape(global_sizes, placements))
+    # a DSymInt's own local value must agree with the layout we chose; else replicate it
+    for d, s in enumerate(sizes):
+        if isinstance(s, DSymInt) and s.is_sharded and any(isinstance(placements[a], pt.Shard) and placements[a].dim == d for a in s.axes):
+            if local[d] != s.local_value:
+                placements = [pt.Replicate() if (isinstance(p, pt.Shard) and p.dim == d) else p for p in placements]
+                local = list(b.local_shape(global_sizes, placements))
+    return local, placements
+
+
+def _result(ctx: ExpandContext, b: SubgraphBuilder, node: Any, global_sizes: list[int], placements: list[Any]) -> Any:
+    val = node.meta["val"]
+    stride = torch.empty(global_sizes, device="meta").stride() if global_sizes else ()
+    spec = pt.make_spec(ctx.mctx.mesh, placements, global_sizes, stride, val.dtype)
+    return _out_tensor(b, node, spec, {})
+
+
+@register_rule(*_FILLS)
+def _fill(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: dict) -> Any:
+    sizes = list(args[0])
+    local, placements = _sharded_sizes(ctx, b, sizes)
+    rest = tuple(_g(a) for a in args[1:])
+    node = b.call(op, local, *rest, **kwargs)
+    return _result(ctx, b, node, [int(_g(s)) for s in sizes], placements)
+
+
+@register_rule(*_NEW)
+def _new(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: dict) -> Any:
+    self_arg, sizes = args[0], list(args[1])
+    local, placements = _sharded_sizes(ctx, b, sizes)
+    rest = tuple(_g(a) for a in args[2:])
+    node = b.call(op, self_arg.node, local, *rest, **kwargs)
+    return _result(ctx, b, node, [int(_g(s)) for s in sizes], placements)
+
+
+@register_rule(aten.scalar_tensor.default)
+def _scalar_tensor(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: dict) -> Any:
+    node = b.call(op, *[_g(a) for a in args], **kwargs)
+    return _result(ctx, b, node, [], [pt.Replicate()] * ctx.mctx.ndim)
+
+
+@register_rule(aten.arange.default, aten.arange.start, aten.arange.start_step)
+def _arange(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: dict) -> Any:
+    if op is aten.arange.default:
+        start, end, step = 0, args[0], 1
+    elif op is aten.arange.start:
+        start, end, step = args[0], args[1], 1
+    else:
+        start, end, step = args
+    plain = [_g(start), _g(end), _g(step)]
+    sharded = isinstance(end, DSymInt) and len(end.axes) == 1 and _g(start) == 0 and _g(step) == 1 and not isinstance(start, DSymInt)
+    if not sharded:
+        node = b.call(aten.arange.start_step, *plain, **kwargs)
+        n = node.meta["val"].shape[0]
+        return _result(ctx, b, node, [n], [pt.Replicate()] * ctx.mctx.ndim)
+    axis = end.axes[0]
+    total = end.global_value
+    local = b.local_chunk(total, axis)
+    n = ctx.mctx.shape[axis]
+    full = -(-total // n)
+    offset = b.call(operator.mul, b.coords[axis], full)
+    if total % n:
+        offset = b.call(min, offset, total)
+    stop = b.call(operator.add, offset, local)
+    node = b.call(aten.arange.start_step, offset, stop, 1, **kwargs)
+    placements = [pt.Replicate()] * ctx.mctx.ndim
+    placements[axis] = pt.Shard(0)
+    return _result(ctx, b, node, [total], placements)

@@ -1,0 +1,54 @@
+"""Size-taking ops whose input DTensor cannot say how to split the result.
+
+``x.expand(batch, k)`` on a replicated ``x`` of size 1 in the batch dim: DTensor would
+build the global ``[batch, k]`` tensor replicated on every rank. When ``batch`` is a
+:class:`DSymInt` split over a mesh axis, we expand straight to the local size and mark the
+result ``Shard`` on that dim: broadcasting a replicated value makes every shard equal to
+the local expand.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ... import _private_torch as pt
+from ..builder import SubgraphBuilder
+from ..dispatch import ExpandContext, _out_tensor, generic_expand
+from ..registry import register_rule
+from ..values import DSymInt
+
+aten = torch.ops.aten
+
+
+@register_rule(aten.expand.default)
+def _expand(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: dict) -> Any:
+    x, sizes = args[0], list(args[1])
+    in_shape = list(x.spec.shape)
+    new_dims = len(sizes) - len(in_shape)
+    targets = []
+    for d, s in enumerate(sizes):
+        if isinstance(s, DSymInt) and s.is_sharded:
+            src = d - new_dims
+            broadcast = src < 0 or in_shape[src] == 1
+            if broadcast and all(x.spec.placements[a].is_replicate() for a in s.axes):
+                targets.append((d, s))
+    if not targets:
+        return generic_expand(ctx, b, op, args, kwargs)
+    placements = [pt.Shard(p.dim + new_dims) if isinstance(p, pt.Shard) else p for p in x.spec.placements]
+    for d, s in targets:
+        if all(placements[a].is_replicate() for a in s.axes):
+            for a in s.axes:
+                placements[a] = pt.Shard(d)
+    global_sizes = []
+    for d, s in enumerate(sizes):
+        g = s.global_value if isinstance(s, DSymInt) else int(s)
+        global_sizes.append(in_shape[d - new_dims] if g == -1 else g)
+    local = list(b.local_shape(global_sizes, placements))
+    if any(local[d] != s.local_value for d, s in targets if isinstance(placements[s.axes[0]], pt.Shard)):
+        return generic_expand(ctx, b, op, args, kwargs)
+    node = b.call(aten.expand.default, x.node, local)
+    stride = torch.empty_strided(in_shape, tuple(x.spec.stride), device="meta").expand(global_sizes).stride()
+    spec = pt.make_spec(ctx.mctx.mesh, placements, global_sizes, stride, x.spec.tensor_meta.dtype)
+    return _out_tensor(b, node, spec, {})

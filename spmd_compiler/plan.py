@@ -1,0 +1,273 @@
+"""Plans: where each parameter, buffer, optimizer state and batch input lives on the mesh.
+
+A plan maps FQN patterns to placements (one per mesh axis, torch's ``Shard``,
+``Replicate``, ``Partial``) or to a ``torch.distributed.tensor.parallel`` style keyed by
+module FQN. Optimizer state follows its parameter. Batch inputs are each rank's local
+shard, as in DDP, and default to ``Shard(0)`` on the first mesh axis.
+
+Example (Megatron MLP on a 1-D mesh)::
+
+    plan = Plan(params={"l1.*": [Shard(0)], "l2.weight": [Shard(1)]})
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+
+__all__ = ["Plan", "ResolvedPlan", "normalize_placements"]
+
+PlacementsLike = Any  # Placement | Sequence[Placement]
+
+
+def normalize_placements(value: PlacementsLike, ndim: int, what: str) -> tuple[Placement, ...]:
+    """Validate ``value`` as placements for a mesh of ``ndim`` axes.
+
+    A single Placement is accepted for a 1-D mesh only.
+    """
+    if isinstance(value, Placement):
+        if ndim != 1:
+            raise ValueError(
+                f"{what}: got a single placement {value} for a {ndim}-D mesh; expected a list of {ndim} "
+                f"placements, one per mesh axis (e.g. [Shard(0), Replicate()])"
+            )
+        return (value,)
+    if not isinstance(value, Sequence) or isinstance(value, str):
+        raise TypeError(f"{what}: expected a Placement or a list of {ndim} placements, got {type(value).__name__}")
+    out = tuple(value)
+    if len(out) != ndim:
+        raise ValueError(
+            f"{what}: got {len(out)} placements {list(out)} for a mesh with {ndim} axes; expected exactly "
+            f"one placement per mesh axis"
+        )
+    for p in out:
+        if not isinstance(p, Placement):
+            raise TypeError(f"{what}: {p!r} is not a Placement (Shard(d), Replicate() or Partial())")
+    return out
+
+
+def _is_style(value: Any) -> bool:
+    try:
+        from torch.distributed.tensor.parallel import ParallelStyle
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(value, ParallelStyle)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Placements for a training step.
+
+    Attributes:
+        params: FQN glob pattern (``"layers.*.w1.weight"``; ``*`` also matches dots) to
+            placements, for parameters and buffers. An exact FQN beats a pattern; among
+            patterns the first listed wins. A value may instead be a ParallelStyle
+            (``ColwiseParallel()``, ``RowwiseParallel()``, ``SequenceParallel()``) keyed
+            by module FQN pattern, meaning what it means in ``parallelize_module``,
+            applied on mesh axis ``style_axis``.
+        inputs: placements for the batch leaves, by leaf index (a list) or by path
+            (``{"batch[0]": ...}``). Missing leaves get ``default_input``.
+        default_param: placements for unmatched parameters and buffers (Replicate).
+        default_input: placements for batch leaves (Shard(0) on the first mesh axis,
+            Replicate on the others).
+        style_axis: mesh axis name or index the ParallelStyles apply to (default: the
+            axis named "tp", else the last axis).
+        strict: raise when a pattern matches no parameter or buffer.
+    """
+
+    params: Mapping[str, Any] = field(default_factory=dict)
+    inputs: Sequence[Any] | Mapping[str, Any] | None = None
+    default_param: Any = None
+    default_input: Any = None
+    style_axis: str | int | None = None
+    strict: bool = True
+
+    def resolve(self, traced: Any, mesh: Any) -> "ResolvedPlan":
+        """Placements for every input of ``traced`` (a TracedStep) on ``mesh``."""
+        return _resolve(self, traced, mesh)
+
+
+@dataclass(frozen=True)
+class ResolvedPlan:
+    """One placements tuple per graph input, plus where each came from."""
+
+    placements: tuple[tuple[Placement, ...], ...]
+    sources: tuple[str, ...]
+
+    def __iter__(self):
+        return iter(self.placements)
+
+
+def _style_axis(plan: Plan, mesh: Any) -> int:
+    names = list(mesh.mesh_dim_names or [])
+    ax = plan.style_axis
+    if ax is None:
+        return names.index("tp") if "tp" in names else mesh.ndim - 1
+    if isinstance(ax, int):
+        if not 0 <= ax < mesh.ndim:
+            raise ValueError(f"style_axis {ax} is out of range for a {mesh.ndim}-D mesh")
+        return ax
+    if ax not in names:
+        raise ValueError(f"style_axis {ax!r} is not a mesh axis name; mesh axes are {names}")
+    return names.index(ax)
+
+
+def _style_params(style: Any, module: Any, prefix: str) -> dict[str, Placement]:
+    """The parameter placements (on the style axis) a ParallelStyle gives ``module``."""
+    import torch.nn as nn
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    out: dict[str, Placement] = {}
+    names = [n for n, _ in module.named_parameters(recurse=False)]
+    if isinstance(style, ColwiseParallel):
+        if isinstance(module, nn.Embedding):
+            out["weight"] = Shard(1)
+        else:
+            out.update({n: Shard(0) for n in names})
+    elif isinstance(style, RowwiseParallel):
+        if isinstance(module, nn.Embedding):
+            out["weight"] = Shard(0)
+        else:
+            out.update({n: (Shard(1) if n == "weight" else Replicate()) for n in names})
+    elif isinstance(style, SequenceParallel):
+        out.update({n: Replicate() for n in names})
+    else:
+        raise TypeError(
+            f"plan entry {prefix!r}: {type(style).__name__} is not supported; expected ColwiseParallel, "
+            f"RowwiseParallel or SequenceParallel"
+        )
+    if not isinstance(module, (nn.Linear, nn.Embedding)) and not isinstance(style, SequenceParallel):
+        raise TypeError(
+            f"plan entry {prefix!r}: {type(style).__name__} applies to nn.Linear or nn.Embedding modules, "
+            f"but {prefix!r} is a {type(module).__name__}"
+        )
+    return {f"{prefix}.{k}" if prefix else k: v for k, v in out.items()}
+
+
+def _near(name: str, candidates: list[str]) -> str:
+    close = difflib.get_close_matches(name, candidates, n=3, cutoff=0.5)
+    return f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+
+
+def _resolve(plan: Plan, traced: Any, mesh: Any) -> ResolvedPlan:
+    ndim = mesh.ndim
+    replicate = (Replicate(),) * ndim
+    default_param = normalize_placements(plan.default_param, ndim, "default_param") if plan.default_param is not None else replicate
+    if plan.default_input is not None:
+        default_input = normalize_placements(plan.default_input, ndim, "default_input")
+    else:
+        default_input = (Shard(0),) + (Replicate(),) * (ndim - 1)
+
+    state = traced.state
+    named = list(state.params) + list(state.buffers) + list(state.aliases)
+    canonical = {**{n: n for n in list(state.params) + list(state.buffers)}, **state.aliases}
+
+    # expand ParallelStyles into per-parameter placements on the style axis
+    exact: dict[str, tuple[Placement, ...]] = {}
+    patterns: list[tuple[str, tuple[Placement, ...]]] = []
+    model = getattr(traced, "model", None)
+    for key, value in plan.params.items():
+        if _is_style(value):
+            if model is None:
+                raise ValueError("ParallelStyle plans need the model; compile through spmd_compiler.compile or pass model=")
+            axis = _style_axis(plan, mesh)
+            modules = [n for n, _ in model.named_modules() if n and fnmatch.fnmatchcase(n, key)]
+            if not modules and plan.strict:
+                raise ValueError(
+                    f"plan entry {key!r} ({type(value).__name__}) matches no module FQN."
+                    + _near(key, [n for n, _ in model.named_modules() if n])
+                )
+            for mod_name in modules:
+                for fqn, p in _style_params(value, model.get_submodule(mod_name), mod_name).items():
+                    pl = list(default_param)
+                    pl[axis] = p
+                    exact[fqn] = tuple(pl)
+            continue
+        pl = normalize_placements(value, ndim, f"plan entry {key!r}")
+        if any(c in key for c in "*?["):
+            patterns.append((key, pl))
+        else:
+            if key not in canonical and plan.strict:
+                raise ValueError(
+                    f"plan entry {key!r} names no parameter or buffer of the model." + _near(key, named)
+                    + " fix: use the FQN from model.named_parameters() / named_buffers(), or a glob pattern."
+                )
+            exact[canonical.get(key, key)] = pl
+    if plan.strict:
+        for pat, _ in patterns:
+            if not any(fnmatch.fnmatchcase(n, pat) for n in named):
+                raise ValueError(f"plan pattern {pat!r} matches no parameter or buffer of the model." + _near(pat, named))
+
+    def for_fqn(fqn: str) -> tuple[tuple[Placement, ...], str]:
+        if fqn in exact:
+            return exact[fqn], f"plan[{fqn!r}]"
+        aliases = [a for a, c in state.aliases.items() if c == fqn]
+        for a in aliases:
+            if a in exact:
+                return exact[a], f"plan[{a!r}]"
+        for pat, pl in patterns:
+            if fnmatch.fnmatchcase(fqn, pat) or any(fnmatch.fnmatchcase(a, pat) for a in aliases):
+                return pl, f"plan[{pat!r}]"
+        return default_param, "default_param"
+
+    inputs_by_index: dict[int, Any] = {}
+    inputs_by_path: dict[str, Any] = {}
+    if isinstance(plan.inputs, Mapping):
+        inputs_by_path = dict(plan.inputs)
+    elif plan.inputs is not None:
+        inputs_by_index = dict(enumerate(plan.inputs))
+    batch_inputs = [i for i in traced.inputs if i.kind == "batch"]
+    known_paths = {i.name for i in batch_inputs}
+    for path in inputs_by_path:
+        if path not in known_paths:
+            raise ValueError(f"plan input {path!r} names no batch tensor; batch tensors are {sorted(known_paths)}")
+
+    placements, sources = [], []
+    batch_pos = 0
+    for inp in traced.inputs:
+        if inp.kind in ("param", "buffer"):
+            pl, src = for_fqn(inp.name)
+        elif inp.kind == "optim":
+            pl, src = for_fqn(inp.name)
+            param_shape = next(i.shape for i in traced.inputs if i.kind == "param" and i.name == inp.name)
+            if tuple(inp.shape) != tuple(param_shape):
+                pl, src = replicate, f"replicated (optimizer state of shape {list(inp.shape)})"
+            else:
+                src = f"follows param {inp.name!r}"
+        else:
+            if inp.name in inputs_by_path:
+                pl, src = normalize_placements(inputs_by_path[inp.name], ndim, f"plan input {inp.name!r}"), f"inputs[{inp.name!r}]"
+            elif batch_pos in inputs_by_index:
+                pl = normalize_placements(inputs_by_index[batch_pos], ndim, f"plan input {batch_pos}")
+                src = f"inputs[{batch_pos}]"
+            else:
+                pl, src = default_input, "default_input"
+            batch_pos += 1
+            if len(inp.shape) == 0:
+                pl, src = replicate, "replicated (0-d tensor)"
+        placements.append(_check_dims(inp, tuple(pl)))
+        sources.append(src)
+    return ResolvedPlan(tuple(placements), tuple(sources))
+
+
+def _check_dims(inp: Any, placements: tuple[Placement, ...]) -> tuple[Placement, ...]:
+    """Validate shard dims against the tensor's rank and make them non-negative."""
+    ndim = len(inp.shape)
+    out = []
+    for axis, p in enumerate(placements):
+        if isinstance(p, Shard):
+            if not -ndim <= p.dim < ndim:
+                raise ValueError(
+                    f"{inp.label} (shape {list(inp.shape)}): Shard({p.dim}) on mesh axis {axis} is out of range "
+                    f"for a {ndim}-d tensor; expected a dim in [0, {ndim - 1}]"
+                )
+            p = Shard(p.dim % ndim)
+        elif isinstance(p, Partial) and inp.kind != "batch":
+            raise ValueError(f"{inp.label}: Partial placement is only meaningful for batch inputs, not for {inp.kind}s")
+        out.append(p)
+    return tuple(out)

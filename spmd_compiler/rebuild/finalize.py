@@ -1,0 +1,173 @@
+"""Stage 3: finish the per-rank graph after every node has been spliced.
+
+* Outputs of the step (the loss...) that are ``Partial`` are reduced to ``Replicate``.
+* Updated parameters, buffers and optimizer state are brought back to their planned
+  placements and written into their input tensors (``copy_``) unless the update was
+  already in place, so one call of the graph is one whole training step.
+* Optimizer state created by the step (first step of Adam) becomes graph outputs.
+* Dead code is eliminated and the GraphModule recompiled.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from .. import _private_torch as pt
+from ..errors import SpmdError
+from ..expand.builder import SubgraphBuilder
+from ..expand.redistribute import emit_redistribute
+from ..expand.values import DValue, MeshContext
+from .splice import splice_recipe
+
+__all__ = ["OutputSlot", "ExpandedStep", "finalize"]
+
+log = logging.getLogger(__name__)
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class OutputSlot:
+    """One output of the per-rank graph: a tensor leaf of the step's return value
+    (``kind="user"``, ``index`` into its leaves) or a newly created optimizer state."""
+
+    kind: str
+    spec: Any
+    index: int | None = None
+    name: str = ""
+    key: str | None = None
+
+
+@dataclass
+class ExpandedStep:
+    """The per-rank program of a training step.
+
+    Attributes:
+        gm: the per-rank GraphModule. Call it as ``gm(*coordinate, *local_inputs)``: one
+            int per mesh axis, then the local tensor of every traced input in order.
+            It updates parameters, buffers and optimizer state in place and returns the
+            local tensors described by ``outputs``.
+        traced: the TracedStep it came from.
+        mctx: mesh, coordinate and group names it was expanded for.
+        input_specs: DTensorSpec of every traced input (global shape + placements).
+        outputs: one OutputSlot per graph output.
+        rank_independent: True when the graph is the same for every rank (no uneven
+            shard made a size depend on the coordinate).
+        stats: expansion counters and timings; ``timings`` has seconds per phase.
+    """
+
+    gm: fx.GraphModule
+    traced: Any
+    mctx: MeshContext
+    input_specs: list[Any]
+    outputs: list[OutputSlot]
+    rank_independent: bool
+    stats: Any
+    plan_sources: tuple[str, ...] = ()
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def collectives(self) -> list[fx.Node]:
+        return [n for n in self.gm.graph.nodes if "spmd_comm" in n.meta]
+
+
+def _storage_root(node: fx.Node) -> fx.Node:
+    """Follow in-place ops (``add_`` returns its mutated self) back to the tensor they write."""
+    while node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+        schema = node.target._schema
+        args = schema.arguments
+        if args and args[0].alias_info is not None and args[0].alias_info.is_write and node.args:
+            node = node.args[0]
+        else:
+            break
+    return node
+
+
+def redistribute_value(ex: Any, value: DValue, dst: Any, reason: str, origin: fx.Node | None) -> DValue:
+    """Splice the redistribution of ``value`` to ``dst`` into the per-rank graph."""
+    if tuple(value.spec.placements) == tuple(dst.placements):
+        return value
+    b = SubgraphBuilder(ex.mctx, ex.fake_mode)
+    x = b.input(value.local, value.node.name)
+    mask = b.input(value.mask.meta["val"], "mask") if value.mask is not None else None
+    out, _ = emit_redistribute(b, x, value.spec, dst, mask=mask, reason=reason)
+    from ..expand.builder import OutTensor
+
+    recipe = b.finish(OutTensor(b.slot(out), dst))
+    inputs = [value.node] + ([value.mask] if value.mask is not None else [])
+    return splice_recipe(ex.graph, recipe, ex.coords, inputs, origin)
+
+
+def finalize(ex: Any, *, reduce_partial_outputs: bool = True) -> ExpandedStep:
+    """Turn a finished expander run into an :class:`ExpandedStep`."""
+    traced = ex.traced
+    g: fx.Graph = ex.graph
+    placeholders = [n for n in traced.gm.graph.nodes if n.op == "placeholder"]
+    input_values: list[DValue] = [ex.env[n] for n in placeholders]
+    output_node = next(n for n in traced.gm.graph.nodes if n.op == "output")
+    out_nodes: list[fx.Node] = []
+    slots: list[OutputSlot] = []
+    new_keys = set(traced.new_optim_keys)
+    for desc, value in zip(traced.outputs, ex.output_values):
+        if desc.kind == "user":
+            if not isinstance(value, DValue):
+                raise SpmdError(f"step output {desc.index} is not a tensor after expansion: {value!r}")
+            if reduce_partial_outputs and any(p.is_partial() for p in value.spec.placements):
+                dst = pt.DTensorSpec(
+                    value.spec.mesh,
+                    tuple(pt.Replicate() if p.is_partial() else p for p in value.spec.placements),
+                    tensor_meta=value.spec.tensor_meta,
+                )
+                value = redistribute_value(ex, value, dst, f"step output {desc.index} is Partial", output_node)
+            out_nodes.append(value.node)
+            slots.append(OutputSlot("user", value.spec, index=desc.index))
+            continue
+        if desc.kind == "optim" and (desc.name, desc.key) in new_keys:
+            dst = _new_state_spec(traced, ex, desc, value)
+            value = redistribute_value(ex, value, dst, f"new optimizer state {desc.name}[{desc.key!r}]", output_node)
+            out_nodes.append(value.node)
+            slots.append(OutputSlot("optim", value.spec, name=desc.name, key=desc.key))
+            continue
+        idx = traced.input_by_name(desc.kind, desc.name, desc.key)
+        target = input_values[idx]
+        if not isinstance(value, DValue):
+            raise SpmdError(f"updated {desc.kind} {desc.name} is not a tensor after expansion")
+        if _storage_root(value.node) is target.node and tuple(value.spec.placements) == tuple(target.spec.placements):
+            continue
+        value = redistribute_value(ex, value, target.spec, f"write back {desc.kind} {desc.name}", output_node)
+        if _storage_root(value.node) is target.node:
+            continue
+        copy = g.call_function(aten.copy_.default, (target.node, value.node))
+        copy.meta["val"] = target.local
+        copy.meta["spmd_writeback"] = f"{desc.kind} {desc.name}" + (f"[{desc.key!r}]" if desc.key else "")
+    g.output(out_nodes)
+    g.eliminate_dead_code()
+    g.lint()
+    root = torch.nn.Module()
+    for name, value in ex.constants.items():
+        root.register_buffer(name, value, persistent=False)
+    gm = fx.GraphModule(root, g)
+    return ExpandedStep(
+        gm=gm,
+        traced=traced,
+        mctx=ex.mctx,
+        input_specs=[v.spec for v in input_values],
+        outputs=slots,
+        rank_independent=not ex.stats.coord_dependent,
+        stats=ex.stats,
+    )
+
+
+def _new_state_spec(traced: Any, ex: Any, desc: Any, value: DValue) -> Any:
+    """Placement for optimizer state created during the step: that of its parameter
+    when shapes match (exp_avg), else Replicate (the scalar ``step``)."""
+    idx = traced.input_by_name("param", desc.name)
+    pspec = ex.env[[n for n in traced.gm.graph.nodes if n.op == "placeholder"][idx]].spec
+    if tuple(pspec.shape) == tuple(value.spec.shape):
+        placements = pspec.placements
+    else:
+        placements = (pt.Replicate(),) * ex.mctx.ndim
+    return pt.DTensorSpec(value.spec.mesh, tuple(placements), tensor_meta=value.spec.tensor_meta)

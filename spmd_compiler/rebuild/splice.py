@@ -1,0 +1,89 @@
+"""Splicing a recipe (the dispatch subgraph of one traced node) into the per-rank graph.
+
+Splicing maps the recipe's placeholders to nodes of the per-rank graph (the mesh
+coordinates and the local inputs), copies every other node, and records on each copy
+where it came from (``node.meta["spmd_origin"]``), so a dump can say why a collective
+exists. Nothing is matched by position in the target graph.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from .. import _private_torch as pt
+from ..errors import user_source_line
+from ..expand.builder import OutScalar, OutTensor, Recipe
+from ..expand.values import DValue, RScalar
+
+__all__ = ["splice_recipe", "fresh_spec"]
+
+
+def fresh_spec(spec: Any) -> Any:
+    """Copy ``spec`` giving each MaskPartial placement its own mask buffer.
+
+    MaskPartial placements compare equal only when they share a mask buffer; a recipe
+    replayed for two embeddings must not make their outputs look interchangeable.
+    """
+    if not any(isinstance(p, pt.MaskPartial) for p in spec.placements):
+        return spec
+    placements = tuple(
+        pt.MaskPartial(p.reduce_op, offset_shape=p.offset_shape, offset_dim=p.offset_dim) if isinstance(p, pt.MaskPartial) else p
+        for p in spec.placements
+    )
+    return pt.DTensorSpec(spec.mesh, placements, tensor_meta=spec.tensor_meta)
+
+
+def splice_recipe(
+    graph: fx.Graph,
+    recipe: Recipe,
+    coords: list[fx.Node],
+    inputs: list[fx.Node],
+    origin: fx.Node | None,
+) -> Any:
+    """Copy ``recipe`` into ``graph`` with its placeholders bound to ``coords + inputs``.
+
+    Returns the traced node's value: the recipe result with every :class:`OutTensor`
+    replaced by a :class:`DValue` over the copied node.
+    """
+    placeholders = [n for n in recipe.graph.nodes if n.op == "placeholder"]
+    bound = list(coords) + list(inputs)
+    assert len(placeholders) == len(bound), (len(placeholders), len(bound))
+    env: dict[fx.Node, fx.Node] = dict(zip(placeholders, bound))
+    record = None
+    if origin is not None:
+        record = {
+            "node": origin.name,
+            "op": str(origin.target),
+            "source": user_source_line(origin),
+        }
+    outputs: list[fx.Node] = []
+    for n in recipe.graph.nodes:
+        if n.op == "placeholder":
+            continue
+        if n.op == "output":
+            outputs = [env[x] for x in n.args[0]]
+            break
+        new = graph.node_copy(n, lambda x: env[x])
+        if record is not None:
+            new.meta["spmd_origin"] = record
+            if "stack_trace" in origin.meta:
+                new.meta["stack_trace"] = origin.meta["stack_trace"]
+            if "spmd_comm" in n.meta:
+                new.meta["spmd_comm"] = {**n.meta["spmd_comm"], "origin": origin.name}
+        env[n] = new
+
+    def to_value(leaf: Any) -> Any:
+        if isinstance(leaf, OutTensor):
+            mask = outputs[leaf.mask_index] if leaf.mask_index is not None else None
+            node = outputs[leaf.index]
+            spec = fresh_spec(leaf.spec)
+            node.meta["spmd_spec"] = spec
+            return DValue(node, spec, mask)
+        if isinstance(leaf, OutScalar):
+            return RScalar(outputs[leaf.index], leaf.hint)
+        return leaf
+
+    return pytree.tree_map(to_value, recipe.result, is_leaf=lambda x: isinstance(x, (OutTensor, OutScalar)))

@@ -1,0 +1,172 @@
+"""Run every rank of a per-rank graph in one process, in lockstep.
+
+The per-rank graph is executed node by node for all ranks at once; a functional
+collective is computed from the values of every member of its group (the group is the
+set of ranks that differ only in the collective's mesh axis). No process group, threads
+or real communication are involved, so all ranks of an 8-way program run on one core and
+a wrong collective shows up as a wrong number, not a hang.
+
+Graphs may differ per rank (uneven shards give per-rank sizes) but must have the same
+nodes in the same order; that is how expansion builds them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from .. import _private_torch as pt
+
+__all__ = [
+    "rank_coordinates",
+    "shard_tensor",
+    "assemble",
+    "run_lockstep",
+]
+
+c10d = torch.ops._c10d_functional
+
+
+def rank_coordinates(mesh_shape: Sequence[int]) -> list[tuple[int, ...]]:
+    """Mesh coordinate of every rank, in rank order (row-major, as ``init_device_mesh``)."""
+    return list(itertools.product(*[range(s) for s in mesh_shape]))
+
+
+def shard_tensor(t: torch.Tensor, placements: Sequence[Any], mesh_shape: Sequence[int], coord: Sequence[int]) -> torch.Tensor:
+    """The local tensor of the rank at ``coord`` for global ``t`` laid out as ``placements``.
+
+    Partial placements put the whole value on coordinate 0 of that axis and zeros elsewhere.
+    """
+    shape, offset = pt.local_shape_and_offset(tuple(t.shape), tuple(mesh_shape), tuple(coord), list(placements))
+    out = t
+    for d, (size, off) in enumerate(zip(shape, offset)):
+        if size != t.shape[d] or off:
+            out = out.narrow(d, off, size)
+    out = out.clone()
+    for axis, p in enumerate(placements):
+        if p.is_partial() and coord[axis] != 0:
+            out.zero_()
+    return out
+
+
+def assemble(placements: Sequence[Any], global_shape: Sequence[int], locals_by_coord: dict[tuple[int, ...], torch.Tensor], mesh_shape: Sequence[int]) -> torch.Tensor:
+    """Rebuild the global tensor from every rank's local tensor (sums Partial axes)."""
+    first = next(iter(locals_by_coord.values()))
+    out = torch.zeros(tuple(global_shape), dtype=first.dtype)
+    partial_axes = [a for a, p in enumerate(placements) if p.is_partial()]
+    for coord, local in locals_by_coord.items():
+        if any(coord[a] != 0 for a, p in enumerate(placements) if not p.is_shard() and not p.is_partial()):
+            continue  # replicated copies: take coordinate 0 only
+        shape, offset = pt.local_shape_and_offset(tuple(global_shape), tuple(mesh_shape), coord, list(placements))
+        view = out
+        for d, (size, off) in enumerate(zip(shape, offset)):
+            view = view.narrow(d, off, size)
+        if partial_axes:
+            view += local
+        else:
+            view.copy_(local)
+    return out
+
+
+def _group_members(coord: tuple[int, ...], axis: int, mesh_shape: Sequence[int]) -> list[tuple[int, ...]]:
+    return [coord[:axis] + (j,) + coord[axis + 1 :] for j in range(mesh_shape[axis])]
+
+
+def _reduce(values: list[torch.Tensor], op: str) -> torch.Tensor:
+    acc = values[0].clone()
+    for v in values[1:]:
+        if op in ("sum", "avg"):
+            acc = acc + v
+        elif op == "max":
+            acc = torch.maximum(acc, v)
+        elif op == "min":
+            acc = torch.minimum(acc, v)
+        elif op == "product":
+            acc = acc * v
+        else:
+            raise ValueError(f"unknown reduce op {op}")
+    if op == "avg":
+        acc = acc / len(values)
+    return acc
+
+
+def _collective(node: fx.Node, vals: dict[tuple, Any], mesh_shape: Sequence[int]) -> dict[tuple, Any]:
+    """Compute a functional collective for every rank from every rank's input."""
+    axis = node.meta["spmd_comm"]["axis"]
+    out: dict[tuple, Any] = {}
+    for coord in vals:
+        members = _group_members(coord, axis, mesh_shape)
+        mine = members.index(coord)
+        inputs = [vals[m][0] for m in members]
+        if node.target is c10d.all_reduce.default:
+            out[coord] = _reduce(inputs, vals[coord][1])
+        elif node.target is c10d.all_gather_into_tensor.default:
+            out[coord] = torch.cat([x.contiguous() for x in inputs], dim=0)
+        elif node.target is c10d.reduce_scatter_tensor.default:
+            total = _reduce(inputs, vals[coord][1])
+            out[coord] = total.chunk(len(members), dim=0)[mine].clone()
+        elif node.target is c10d.all_to_all_single.default:
+            pieces = []
+            for m, x in zip(members, inputs):
+                in_splits = vals[m][2]
+                start = sum(in_splits[:mine])
+                pieces.append(x.narrow(0, start, in_splits[mine]))
+            out[coord] = torch.cat(pieces, dim=0)
+        else:
+            raise NotImplementedError(f"simulation of {node.target}")
+    return out
+
+
+def run_lockstep(
+    graphs: dict[tuple[int, ...], fx.GraphModule],
+    inputs: dict[tuple[int, ...], list[Any]],
+    mesh_shape: Sequence[int],
+) -> dict[tuple[int, ...], list[Any]]:
+    """Run the per-rank graphs of all ranks together; returns each rank's outputs.
+
+    ``graphs`` and ``inputs`` are keyed by mesh coordinate; ``inputs[c]`` excludes the
+    coordinate arguments (they are supplied here).
+    """
+    coords = list(graphs)
+    node_lists = {c: list(graphs[c].graph.nodes) for c in coords}
+    lengths = {len(v) for v in node_lists.values()}
+    if len(lengths) != 1:
+        raise ValueError(f"per-rank graphs differ in node count {sorted(lengths)}; cannot run them in lockstep")
+    envs: dict[tuple, dict[fx.Node, Any]] = {c: {} for c in coords}
+    feeds = {c: iter(list(c) + list(inputs[c])) for c in coords}
+    results: dict[tuple, list[Any]] = {}
+    for i in range(len(node_lists[coords[0]])):
+        nodes = {c: node_lists[c][i] for c in coords}
+        ref = nodes[coords[0]]
+        if ref.op == "placeholder":
+            for c in coords:
+                envs[c][nodes[c]] = next(feeds[c])
+            continue
+        if ref.op == "get_attr":
+            for c in coords:
+                envs[c][nodes[c]] = getattr(graphs[c], nodes[c].target)
+            continue
+        if ref.op == "output":
+            for c in coords:
+                results[c] = pytree.tree_map_only(fx.Node, lambda n: envs[c][n], nodes[c].args[0])
+            break
+        args = {c: pytree.tree_map_only(fx.Node, lambda n, c=c: envs[c][n], (nodes[c].args, nodes[c].kwargs)) for c in coords}
+        if "spmd_comm" in ref.meta:
+            vals = {c: args[c][0] for c in coords}
+            outs = _collective(ref, vals, mesh_shape)
+            for c in coords:
+                envs[c][nodes[c]] = outs[c]
+        elif ref.target is c10d.wait_tensor.default:
+            for c in coords:
+                envs[c][nodes[c]] = args[c][0][0]
+        else:
+            for c in coords:
+                a, k = args[c]
+                envs[c][nodes[c]] = nodes[c].target(*a, **k)
+    return results

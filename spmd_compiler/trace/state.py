@@ -1,0 +1,130 @@
+"""Lifting a model's parameters, buffers and an optimizer's state to graph inputs.
+
+A training step reads three kinds of state besides its batch: the module's parameters
+and buffers, and the optimizer's per-parameter state (``exp_avg``, ``momentum_buffer``,
+``step``...). To trace the step as a pure function we swap each of them for a traced
+tensor for the duration of the call, keyed by fully-qualified name (FQN), and restore
+the originals afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .. import _private_torch as pt
+
+__all__ = ["ModelState", "collect_state", "swapped_state"]
+
+
+@dataclass
+class ModelState:
+    """The named state of a (model, optimizer) pair, in a fixed order.
+
+    ``params`` and ``buffers`` map FQN to tensor (tied parameters appear once, under the
+    first FQN). ``optim`` maps ``(param FQN, state key)`` to the state value, tensor or
+    Python scalar. ``param_groups`` lists, per optimizer group, the FQNs of its params.
+    """
+
+    params: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+    optim: dict[tuple[str, str], Any] = field(default_factory=dict)
+    param_groups: list[list[str]] = field(default_factory=list)
+    aliases: dict[str, str] = field(default_factory=dict)  # tied FQN -> canonical FQN
+
+    def tensor_optim_keys(self) -> list[tuple[str, str]]:
+        return [k for k, v in self.optim.items() if isinstance(v, torch.Tensor)]
+
+
+def collect_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> ModelState:
+    """Name every parameter, buffer and optimizer state entry of ``model``/``optimizer``.
+
+    Raises ValueError when the optimizer holds a parameter that is not in the model.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"expected the model (first argument of the step) to be a torch.nn.Module, got {type(model).__name__}")
+    params = dict(model.named_parameters(remove_duplicate=True))
+    aliases: dict[str, str] = {}
+    by_id = {id(p): n for n, p in params.items()}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        if n not in params:
+            aliases[n] = by_id[id(p)]
+    buffers = dict(model.named_buffers(remove_duplicate=True))
+    state = ModelState(params=params, buffers=buffers, aliases=aliases)
+    if optimizer is None:
+        return state
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"expected the optimizer (second argument of the step) to be a torch.optim.Optimizer or None, "
+            f"got {type(optimizer).__name__}"
+        )
+    for gi, group in enumerate(optimizer.param_groups):
+        names = []
+        for pi, p in enumerate(group["params"]):
+            name = by_id.get(id(p))
+            if name is None:
+                raise ValueError(
+                    f"optimizer param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)}) is not a parameter "
+                    f"of the model; expected every optimized tensor to come from model.parameters(). "
+                    f"fix: build the optimizer from model.parameters() of the model passed to the step."
+                )
+            names.append(name)
+            for key, value in optimizer.state.get(p, {}).items():
+                state.optim[(name, key)] = value
+        state.param_groups.append(names)
+    return state
+
+
+@contextlib.contextmanager
+def swapped_state(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    state: ModelState,
+    params: dict[str, torch.Tensor],
+    buffers: dict[str, torch.Tensor],
+    optim: dict[tuple[str, str], Any],
+) -> Iterator[dict[str, Any]]:
+    """Run the body with ``model``/``optimizer`` reading the given tensors instead.
+
+    Yields a dict ``{"optim_state": callable}``; calling it inside the body returns the
+    optimizer state as it is now, keyed by ``(FQN, key)``, including entries the
+    optimizer created lazily during the body.
+    """
+    swapped: dict[str, torch.Tensor] = {**params, **buffers}
+    for alias, canonical in state.aliases.items():
+        swapped[alias] = params[canonical]
+    saved_groups = None
+    saved_state = None
+    with pt.reparametrize_module(model, swapped):
+        if optimizer is not None:
+            saved_groups = [g["params"] for g in optimizer.param_groups]
+            saved_state = optimizer.state
+            new_state: defaultdict = defaultdict(dict)
+            for group, names in zip(optimizer.param_groups, state.param_groups):
+                group["params"] = [params[n] for n in names]
+            for (name, key), value in optim.items():
+                new_state[params[name]][key] = value
+            optimizer.state = new_state
+
+        def current_optim_state() -> dict[tuple[str, str], Any]:
+            if optimizer is None:
+                return {}
+            out: dict[tuple[str, str], Any] = {}
+            for names in state.param_groups:
+                for n in names:
+                    for key, value in optimizer.state.get(params[n], {}).items():
+                        out[(n, key)] = value
+            return out
+
+        try:
+            yield {"optim_state": current_optim_state}
+        finally:
+            if optimizer is not None:
+                for group, ps in zip(optimizer.param_groups, saved_groups):
+                    group["params"] = ps
+                optimizer.state = saved_state

@@ -1,0 +1,286 @@
+"""Trace a training step ``step_fn(model, optimizer, *batch)`` into one fx graph.
+
+The step runs once under ``make_fx`` in symbolic mode: forward, loss, ``backward()``,
+``optimizer.step()`` and ``zero_grad()`` all land in a single aten-level graph whose
+inputs are the parameters, buffers, optimizer state and batch tensors (each placeholder
+named after what it holds) and whose outputs are the step's return value followed by the
+updated state. Sizes stay symbolic so that expansion can tell which size came from which
+tensor dim (see :class:`spmd_compiler.expand.DSymInt`).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils import _pytree as pytree
+
+from .. import _private_torch as pt
+from .state import ModelState, collect_state, swapped_state
+
+__all__ = ["GraphInput", "GraphOutput", "TracedStep", "trace", "CONSTANT_LEAF_TYPES"]
+
+log = logging.getLogger(__name__)
+
+CONSTANT_LEAF_TYPES = (bool, int, float, str, type(None), torch.dtype, torch.device)
+
+_DROP_TARGETS = {
+    torch.ops.profiler._record_function_enter_new.default,
+    torch.ops.profiler._record_function_exit._RecordFunction,
+}
+
+
+@dataclass(frozen=True)
+class GraphInput:
+    """What a placeholder of the traced graph holds.
+
+    ``kind`` is ``"param"``, ``"buffer"``, ``"optim"`` (optimizer state of parameter
+    ``name`` under ``key``) or ``"batch"`` (leaf ``index`` of the flattened batch,
+    ``name`` is its path such as ``batch[0]`` or ``batch[1]['ids']``). Shapes are global.
+    """
+
+    kind: str
+    name: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    key: str | None = None
+    index: int | None = None
+    requires_grad: bool = False
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}[{self.key!r}]" if self.kind == "optim" else self.name
+
+
+@dataclass(frozen=True)
+class GraphOutput:
+    """What an output of the traced graph is: a leaf of the step's return value
+    (``kind="user"``, ``index`` into its flattened leaves) or updated state."""
+
+    kind: str
+    name: str = ""
+    key: str | None = None
+    index: int | None = None
+
+
+@dataclass
+class TracedStep:
+    """A training step traced to one fx graph, with its inputs and outputs named.
+
+    Attributes:
+        gm: the traced graph (aten ops, symbolic sizes).
+        inputs: one :class:`GraphInput` per placeholder, in order.
+        outputs: one :class:`GraphOutput` per graph output, in order.
+        user_spec: pytree spec of the step's return value; its tensor leaves are the
+            ``user`` outputs, other leaves are in ``user_constants``.
+        batch_spec: pytree spec of the batch ``(args, kwargs)``; ``batch_constants``
+            holds its non-tensor leaves by leaf index.
+        state: names of parameters, buffers and optimizer state.
+        new_optim_keys: optimizer state entries the step created (lazy init).
+        trace_seconds: wall time of ``make_fx``.
+    """
+
+    gm: fx.GraphModule
+    inputs: list[GraphInput]
+    outputs: list[GraphOutput]
+    user_spec: pytree.TreeSpec
+    user_constants: dict[int, Any]
+    batch_spec: pytree.TreeSpec
+    batch_constants: dict[int, Any]
+    state: ModelState
+    new_optim_keys: list[tuple[str, str]] = field(default_factory=list)
+    trace_seconds: float = 0.0
+
+    def placeholders(self) -> list[fx.Node]:
+        return [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+
+    def input_by_name(self, kind: str, name: str, key: str | None = None) -> int:
+        for i, inp in enumerate(self.inputs):
+            if inp.kind == kind and inp.name == name and inp.key == key:
+                return i
+        raise KeyError((kind, name, key))
+
+
+def _flatten_batch(batch: tuple, kwargs: dict) -> tuple[list[Any], pytree.TreeSpec, list[str]]:
+    leaves_with_path, spec = pytree.tree_flatten_with_path((batch, kwargs))
+    leaves, paths = [], []
+    for path, leaf in leaves_with_path:
+        text = _path_text(path)
+        if not isinstance(leaf, torch.Tensor) and not isinstance(leaf, CONSTANT_LEAF_TYPES):
+            raise TypeError(
+                f"batch argument {text} is a {type(leaf).__name__}; expected a tensor, a pytree "
+                f"(tuple/list/dict) of tensors, or a Python scalar. fix: convert it to a tensor or "
+                f"pass it through a closure instead of the step's arguments."
+            )
+        leaves.append(leaf)
+        paths.append(text)
+    return leaves, spec, paths
+
+
+def _path_text(path: tuple) -> str:
+    """``((0, 1), ...)`` pytree key path -> ``batch[1]['ids']``."""
+    parts = list(path)
+    head = parts.pop(0) if parts else None
+    is_kw = getattr(head, "idx", 0) == 1
+    text = "kwargs" if is_kw else "batch"
+    for k in parts:
+        text += k.__str__() if hasattr(k, "__str__") else f"[{k}]"
+    return text
+
+
+def _safe_name(text: str) -> str:
+    return re.sub(r"[^0-9a-zA-Z_]", "_", text).strip("_")
+
+
+def trace(step_fn: Callable[..., Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *batch: Any, **batch_kwargs: Any) -> TracedStep:
+    """Trace ``step_fn(model, optimizer, *batch, **batch_kwargs)`` into a :class:`TracedStep`.
+
+    ``step_fn`` is an ordinary single-device training step (forward, loss,
+    ``loss.backward()``, ``optimizer.step()``, ``optimizer.zero_grad()``). Nothing is
+    computed: the model, optimizer and batch are only read for shapes and structure, and
+    are left as they were. Optimizer state that does not exist yet (Adam before its
+    first step) is created inside the graph and returned as outputs.
+
+    Example::
+
+        traced = spmd_compiler.trace(train_step, model, opt, x, y)
+        print(traced.gm.graph)
+    """
+    if not callable(step_fn):
+        raise TypeError(f"step_fn must be callable, got {type(step_fn).__name__}")
+    state = collect_state(model, optimizer)
+    leaves, batch_spec, paths = _flatten_batch(batch, batch_kwargs)
+
+    inputs: list[GraphInput] = []
+    real: list[torch.Tensor] = []
+
+    def add(kind: str, name: str, t: torch.Tensor, key: str | None = None, index: int | None = None) -> None:
+        t = t.detach() if not isinstance(t, torch.nn.Parameter) else t
+        inputs.append(
+            GraphInput(kind, name, tuple(t.shape), tuple(t.stride()), t.dtype, key, index, bool(t.requires_grad))
+        )
+        real.append(t)
+
+    for n, p in state.params.items():
+        add("param", n, p)
+    for n, b in state.buffers.items():
+        add("buffer", n, b)
+    optim_tensor_keys = state.tensor_optim_keys()
+    for n, k in optim_tensor_keys:
+        add("optim", n, state.optim[(n, k)], key=k)
+    batch_constants: dict[int, Any] = {}
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor):
+            add("batch", paths[i], leaf, index=i)
+        else:
+            batch_constants[i] = leaf
+
+    mode = pt.symbolic_fake_mode()
+    fakes = []
+    for inp, t in zip(inputs, real):
+        fake = pt.to_symbolic_fake(mode, t, inp.label)
+        if isinstance(t, torch.nn.Parameter):
+            fake.requires_grad_(t.requires_grad)
+        fakes.append(fake)
+
+    n_params, n_buffers = len(state.params), len(state.buffers)
+    n_optim = len(optim_tensor_keys)
+    layout: dict[str, Any] = {}
+
+    def functional_step(*flat: torch.Tensor) -> list[Any]:
+        params = dict(zip(state.params, flat[:n_params]))
+        buffers = dict(zip(state.buffers, flat[n_params : n_params + n_buffers]))
+        optim = {k: v for k, v in state.optim.items() if not isinstance(v, torch.Tensor)}
+        optim.update(zip(optim_tensor_keys, flat[n_params + n_buffers : n_params + n_buffers + n_optim]))
+        batch_leaves = list(leaves)
+        it = iter(flat[n_params + n_buffers + n_optim :])
+        for i, leaf in enumerate(leaves):
+            if isinstance(leaf, torch.Tensor):
+                batch_leaves[i] = next(it)
+        b_args, b_kwargs = pytree.tree_unflatten(batch_leaves, batch_spec)
+        with swapped_state(model, optimizer, state, params, buffers, optim) as ctx:
+            result = step_fn(model, optimizer, *b_args, **b_kwargs)
+            final_buffers = {n: _module_tensor(model, n) for n in state.buffers}
+            final_optim = ctx["optim_state"]()
+        grads_left = [n for n, p in params.items() if p.grad is not None]
+        user_leaves, user_spec = pytree.tree_flatten(result)
+        outs: list[Any] = []
+        descr: list[GraphOutput] = []
+        constants: dict[int, Any] = {}
+        for i, leaf in enumerate(user_leaves):
+            if isinstance(leaf, torch.Tensor):
+                outs.append(leaf)
+                descr.append(GraphOutput("user", index=i))
+            else:
+                constants[i] = leaf
+        for n, p in params.items():
+            outs.append(p)
+            descr.append(GraphOutput("param", n))
+        for n, b in final_buffers.items():
+            outs.append(b)
+            descr.append(GraphOutput("buffer", n))
+        new_keys = []
+        for (n, k), v in final_optim.items():
+            if isinstance(v, torch.Tensor):
+                outs.append(v)
+                descr.append(GraphOutput("optim", n, key=k))
+                if (n, k) not in optim_tensor_keys:
+                    new_keys.append((n, k))
+        layout.update(descr=descr, spec=user_spec, constants=constants, new_keys=new_keys, grads_left=grads_left)
+        return outs
+
+    start = time.perf_counter()
+    gm = make_fx(functional_step, tracing_mode="symbolic", record_stack_traces=True)(*fakes)
+    elapsed = time.perf_counter() - start
+
+    _cleanup(gm)
+    for node, inp in zip([n for n in gm.graph.nodes if n.op == "placeholder"], inputs):
+        prefix = {"param": "p", "buffer": "b", "optim": "o", "batch": "in"}[inp.kind]
+        pt.rename_node(node, f"{prefix}_{_safe_name(inp.label)}")
+        node.meta["spmd_input"] = inp
+    gm.recompile()
+    for c in layout["constants"].values():
+        if isinstance(c, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            raise TypeError(
+                "train_step returned a Python number computed from tensor sizes; expected tensors or "
+                "constants. fix: return the tensor itself (e.g. the loss), not loss.item() or x.size(0)."
+            )
+    log.info("traced step: %d nodes in %.2fs", len(gm.graph.nodes), elapsed)
+    return TracedStep(
+        gm=gm,
+        inputs=inputs,
+        outputs=layout["descr"],
+        user_spec=layout["spec"],
+        user_constants=layout["constants"],
+        batch_spec=batch_spec,
+        batch_constants=batch_constants,
+        state=state,
+        new_optim_keys=layout["new_keys"],
+        trace_seconds=elapsed,
+    )
+
+
+def _module_tensor(model: torch.nn.Module, fqn: str) -> torch.Tensor:
+    mod_path, _, attr = fqn.rpartition(".")
+    mod = model.get_submodule(mod_path) if mod_path else model
+    return getattr(mod, attr)
+
+
+def _cleanup(gm: fx.GraphModule) -> None:
+    """Drop profiler markers and dead code left by the trace."""
+    g = gm.graph
+    for node in reversed(list(g.nodes)):
+        if node.op == "call_function" and node.target in _DROP_TARGETS:
+            for user in list(node.users):
+                g.erase_node(user)
+            g.erase_node(node)
+    g.eliminate_dead_code()
+    g.lint()
