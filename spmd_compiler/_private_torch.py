@@ -156,7 +156,7 @@ def symbolic_fake_mode() -> FakeTensorMode:
 
 
 def to_symbolic_fake(mode: FakeTensorMode, t: torch.Tensor, name: str, dynamic: bool = True) -> FakeTensor:
-    """Fakeify ``t`` with a symbolic size per dim (static when ``dynamic`` is False)."""
+    """Fakeify ``t`` with a symbolic size per dim (static sizes when ``dynamic`` is False)."""
     from torch._dynamo.source import ConstantSource
     from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
 

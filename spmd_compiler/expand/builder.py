@@ -93,6 +93,15 @@ class SubgraphBuilder:
 
     def local_shape(self, global_shape: Any, placements: Any) -> tuple[int, ...]:
         """Local shape of a tensor with ``placements`` on this rank (shards left to right)."""
+        from .. import _private_torch as pt
+
+        if any(isinstance(p, pt.StridedShard) for p in placements):
+            for axis, p in enumerate(placements):
+                dim = getattr(p, "dim", None)
+                if dim is not None and global_shape[dim] % self.mctx.shape[axis]:
+                    self.coord_dependent = True
+            shape, _ = pt.local_shape_and_offset(global_shape, self.mctx.shape, self.mctx.coordinate, placements)
+            return shape
         shape = list(global_shape)
         for axis, p in enumerate(placements):
             dim = getattr(p, "dim", None)

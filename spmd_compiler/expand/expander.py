@@ -222,7 +222,7 @@ class _Expander:
     def _shard_axes(self, t: DValue, dim: int | None = None) -> tuple[int, ...]:
         return tuple(
             i for i, p in enumerate(t.spec.placements)
-            if isinstance(p, pt.Shard) and (dim is None or p.dim == dim) and self.mctx.shape[i] > 1
+            if isinstance(p, (pt.Shard, pt.StridedShard)) and (dim is None or p.dim == dim) and self.mctx.shape[i] > 1
         )
 
     def _sym_size(self, t: DValue, dim: int) -> DSymInt:

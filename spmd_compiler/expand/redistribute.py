@@ -55,7 +55,7 @@ def logical_shape(b: SubgraphBuilder, global_shape: tuple[int, ...], placements:
     shape = list(global_shape)
     for i in range(axis):
         p = placements[i]
-        if isinstance(p, pt.Shard):
+        if isinstance(p, (pt.Shard, pt.StridedShard)):
             shape[p.dim] = b.local_chunk(shape[p.dim], i)
     return shape
 
@@ -143,12 +143,6 @@ def emit_redistribute(
     """
     if tuple(src.placements) == tuple(dst.placements):
         return x, mask
-    for p in (*src.placements, *dst.placements):
-        if isinstance(p, pt.StridedShard):
-            raise UnsupportedPlacementError(
-                f"redistribution {placements_text(src.placements)} -> {placements_text(dst.placements)} involves "
-                f"a strided shard ({p}), which spmd-compiler does not emit yet ({reason})"
-            )
     mctx = b.mctx
     current = list(src.placements)
     global_shape = tuple(src.shape)
@@ -169,6 +163,8 @@ def emit_redistribute(
 
 def _emit_step(b: SubgraphBuilder, x: fx.Node, axis: int, s: Any, t: Any, logical: list[int], mask: fx.Node | None, why: str) -> tuple[fx.Node, fx.Node | None]:
     n = b.mctx.shape[axis]
+    if isinstance(s, pt.StridedShard) or isinstance(t, pt.StridedShard):
+        return _strided_step(b, x, axis, s, t, logical, mask, why)
     if s.is_partial() and t.is_replicate():
         if isinstance(s, pt.MaskPartial):
             x = _apply_mask(b, x, mask)
@@ -277,3 +273,54 @@ def _mask_ids(b: SubgraphBuilder, x: fx.Node, axis: int, t: Any) -> tuple[fx.Nod
     shifted = b.call(aten.sub.Scalar, x, start)
     masked = b.call(aten.masked_fill.Scalar, shifted, mask, 0)
     return masked, mask
+
+
+def _strided_step(b: SubgraphBuilder, x: fx.Node, axis: int, s: Any, t: Any, logical: list[int], mask: fx.Node | None, why: str) -> tuple[fx.Node, fx.Node | None]:
+    """Transitions involving a strided shard go through Replicate.
+
+    ``_StridedShard(d, sf)`` splits dim d (size L) as ``[sf, n, L/(sf*n)]`` and gives
+    rank j the slice ``[:, j, :]``: it is what a sharded inner dim becomes after a view
+    merges it with an outer one (heads into batch*heads in attention).
+    """
+    n = b.mctx.shape[axis]
+    if isinstance(s, pt.StridedShard) and isinstance(t, pt.StridedShard) and s == t:
+        return x, mask
+    if s.is_replicate():
+        return _replicate_to_strided(b, x, axis, t, logical[t.dim], why), mask
+    if t.is_replicate() and isinstance(s, pt.StridedShard):
+        return _strided_to_replicate(b, x, axis, s, logical[s.dim], why), mask
+    # anything else: to Replicate first, then to the target
+    if isinstance(s, pt.StridedShard):
+        full = _strided_to_replicate(b, x, axis, s, logical[s.dim], why)
+    else:
+        full, mask = _emit_step(b, x, axis, s, pt.Replicate(), logical, mask, why)
+    return _emit_step(b, full, axis, pt.Replicate(), t, logical, mask, why)
+
+
+def _check_even_strided(size: int, sf: int, n: int, why: str) -> int:
+    if size % (sf * n):
+        raise UnsupportedPlacementError(
+            f"strided shard of a dim of size {size} with split factor {sf} over {n} ranks is uneven ({why}); "
+            f"fix: make the dim a multiple of {sf * n}"
+        )
+    return size // (sf * n)
+
+
+def _strided_to_replicate(b: SubgraphBuilder, x: fx.Node, axis: int, s: Any, size: int, why: str) -> fx.Node:
+    n, sf, d = b.mctx.shape[axis], int(s.split_factor), s.dim
+    c = _check_even_strided(size, sf, n, why)
+    g = _all_gather(b, x, axis, d, size, why)  # rank-major: [n][sf][c] along d
+    shape = list(g.meta["val"].shape)
+    g = b.call(aten.reshape.default, g, shape[:d] + [n, sf, c] + shape[d + 1 :])
+    g = b.call(aten.transpose.int, g, d, d + 1)
+    return b.call(aten.reshape.default, g, shape)
+
+
+def _replicate_to_strided(b: SubgraphBuilder, x: fx.Node, axis: int, t: Any, size: int, why: str) -> fx.Node:
+    n, sf, d = b.mctx.shape[axis], int(t.split_factor), t.dim
+    c = _check_even_strided(size, sf, n, why)
+    shape = list(x.meta["val"].shape)
+    y = b.call(aten.reshape.default, x, shape[:d] + [sf, n, c] + shape[d + 1 :])
+    y = b.call(aten.narrow.default, y, d + 1, b.coords[axis], 1)
+    y = b.call(aten.reshape.default, y, shape[:d] + [sf * c] + shape[d + 1 :])
+    return b.call(aten.clone.default, y, memory_format=torch.contiguous_format)

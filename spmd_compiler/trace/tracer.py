@@ -140,7 +140,14 @@ def _safe_name(text: str) -> str:
     return re.sub(r"[^0-9a-zA-Z_]", "_", text).strip("_")
 
 
-def trace(step_fn: Callable[..., Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *batch: Any, **batch_kwargs: Any) -> TracedStep:
+def trace(
+    step_fn: Callable[..., Any],
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    *batch: Any,
+    symbolic: str = "batch",
+    **batch_kwargs: Any,
+) -> TracedStep:
     """Trace ``step_fn(model, optimizer, *batch, **batch_kwargs)`` into a :class:`TracedStep`.
 
     ``step_fn`` is an ordinary single-device training step (forward, loss,
@@ -148,6 +155,11 @@ def trace(step_fn: Callable[..., Any], model: torch.nn.Module, optimizer: torch.
     computed: the model, optimizer and batch are only read for shapes and structure, and
     are left as they were. Optimizer state that does not exist yet (Adam before its
     first step) is created inside the graph and returned as outputs.
+
+    ``symbolic`` chooses which sizes are traced as symbols (and so become
+    :class:`~spmd_compiler.expand.DSymInt` during expansion): ``"batch"`` (default) the
+    batch tensors' dims, ``"all"`` parameter and state dims too (2-3x slower to trace;
+    lets factory ops sized by a sharded parameter dim be built sharded).
 
     Example::
 
@@ -183,10 +195,12 @@ def trace(step_fn: Callable[..., Any], model: torch.nn.Module, optimizer: torch.
         else:
             batch_constants[i] = leaf
 
+    if symbolic not in ("batch", "all"):
+        raise ValueError(f"symbolic must be 'batch' or 'all', got {symbolic!r}")
     mode = pt.symbolic_fake_mode()
     fakes = []
     for inp, t in zip(inputs, real):
-        fake = pt.to_symbolic_fake(mode, t, inp.label)
+        fake = pt.to_symbolic_fake(mode, t, inp.label, dynamic=symbolic == "all" or inp.kind == "batch")
         if isinstance(t, torch.nn.Parameter):
             fake.requires_grad_(t.requires_grad)
         fakes.append(fake)
