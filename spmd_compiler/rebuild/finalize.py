@@ -143,6 +143,7 @@ def finalize(ex: Any, *, reduce_partial_outputs: bool = True) -> ExpandedStep:
         copy = g.call_function(aten.copy_.default, (target.node, value.node))
         copy.meta["val"] = target.local
         copy.meta["spmd_writeback"] = f"{desc.kind} {desc.name}" + (f"[{desc.key!r}]" if desc.key else "")
+        copy.meta["spmd_phase"] = "optimizer"
     g.output(out_nodes)
     g.eliminate_dead_code()
     g.lint()

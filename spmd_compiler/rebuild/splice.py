@@ -69,6 +69,7 @@ def splice_recipe(
         new = graph.node_copy(n, lambda x: env[x])
         if record is not None:
             new.meta["spmd_origin"] = record
+            new.meta["spmd_phase"] = origin.meta.get("spmd_phase", "output")
             if "stack_trace" in origin.meta:
                 new.meta["stack_trace"] = origin.meta["stack_trace"]
             if "spmd_comm" in n.meta:

@@ -23,6 +23,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
 from .. import _private_torch as pt
+from .markers import phase_markers, tag_phases
 from .state import ModelState, collect_state, swapped_state
 
 __all__ = ["GraphInput", "GraphOutput", "TracedStep", "trace", "CONSTANT_LEAF_TYPES"]
@@ -252,9 +253,11 @@ def trace(
         return outs
 
     start = time.perf_counter()
-    gm = make_fx(functional_step, tracing_mode="symbolic", record_stack_traces=True)(*fakes)
+    with phase_markers(optimizer):
+        gm = make_fx(functional_step, tracing_mode="symbolic", record_stack_traces=True)(*fakes)
     elapsed = time.perf_counter() - start
 
+    tag_phases(gm)
     _cleanup(gm)
     for node, inp in zip([n for n in gm.graph.nodes if n.op == "placeholder"], inputs):
         prefix = {"param": "p", "buffer": "b", "optim": "o", "batch": "in"}[inp.kind]

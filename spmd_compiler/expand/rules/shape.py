@@ -52,3 +52,25 @@ def _expand(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs
     stride = torch.empty_strided(in_shape, tuple(x.spec.stride), device="meta").expand(global_sizes).stride()
     spec = pt.make_spec(ctx.mctx.mesh, placements, global_sizes, stride, x.spec.tensor_meta.dtype)
     return _out_tensor(b, node, spec, {})
+
+
+@register_rule(aten.slice_backward.default)
+def _slice_backward(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: dict) -> Any:
+    """The backward of ``x[:, a:b]`` scatters the gradient into zeros of the input size.
+
+    A full-range slice (``x[:]``, ``start=0, end>=size, step=1``) along a sharded dim is
+    the identity, so the gradient keeps its placement and the input size is taken
+    locally; DTensor would gather the gradient instead.
+    """
+    grad, sizes, dim, start, end, step = (list(args) + [None] * 6)[:6]
+    global_sizes = [s.global_value if isinstance(s, DSymInt) else int(s) for s in sizes]
+    dim = dim % len(global_sizes)
+    full = (start in (0, None)) and (end is None or end >= global_sizes[dim]) and step in (1, None)
+    sharded_here = any(getattr(p, "dim", None) == dim and p.is_shard() for p in grad.spec.placements)
+    if not (full and sharded_here):
+        return generic_expand(ctx, b, op, args, kwargs)
+    local = list(b.local_shape(global_sizes, grad.spec.placements))
+    node = b.call(op, grad.node, local, dim, start, end, step)
+    stride = torch.empty(global_sizes, device="meta").stride()
+    spec = pt.make_spec(ctx.mctx.mesh, grad.spec.placements, global_sizes, stride, grad.spec.tensor_meta.dtype)
+    return _out_tensor(b, node, spec, {})
