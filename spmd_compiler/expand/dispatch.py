@@ -114,12 +114,8 @@ def _propagate(op: Any, args: Any, kwargs: Any) -> Any:
     s_args, s_kwargs = pytree.tree_map(_schema_leaf, (args, kwargs), is_leaf=_is_tensor_arg)
     try:
         return pt.propagate_sharding(op, tuple(s_args), dict(s_kwargs))
-    except NotImplementedError as e:
-        raise NoStrategy(str(e)) from e
-    except RuntimeError as e:
-        if "Sharding propagation failed" in str(e) or "does not have a sharding strategy" in str(e):
-            raise NoStrategy(str(e)) from e
-        raise
+    except Exception as e:  # DTensor signals "cannot shard this" with several exception types
+        raise NoStrategy(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
 
 
 def generic_expand(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: dict) -> Any:
@@ -275,3 +271,46 @@ def replicate_axes(ctx: ExpandContext, b: SubgraphBuilder, args: Any, kwargs: An
         return TensorArg(node, dst, mask)
 
     return pytree.tree_map(fix, (args, kwargs), is_leaf=_is_tensor_arg)
+
+
+def is_inplace(op: Any) -> bool:
+    """True for ops that write their first argument (``add_``, ``lerp_``...)."""
+    schema = getattr(op, "_schema", None)
+    if schema is None or not schema.arguments:
+        return False
+    alias = schema.arguments[0].alias_info
+    return bool(alias is not None and alias.is_write and not schema.arguments[0].kwarg_only)
+
+
+def inplace_follow_self(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: dict) -> Any:
+    """An in-place pointwise op whose ``self`` must keep its placement.
+
+    Every other tensor argument is laid out like ``self`` (broadcast dims replicated),
+    which is exact for pointwise ops when ``self`` holds no Partial value. DTensor refuses
+    such ops when the required redistribution of the others is uneven.
+    """
+    self_arg = args[0]
+    if any(p.is_partial() for p in self_arg.spec.placements):
+        raise NoStrategy(f"in-place {op} on a Partial value")
+    s_shape = list(self_arg.spec.shape)
+
+    def fix(x: Any) -> Any:
+        if not isinstance(x, TensorArg) or x is self_arg:
+            return x
+        shape = list(x.spec.shape)
+        lead = len(s_shape) - len(shape)
+        placements = []
+        for p in self_arg.spec.placements:
+            d = getattr(p, "dim", None)
+            if d is not None and p.is_shard() and d - lead >= 0 and shape[d - lead] == s_shape[d]:
+                placements.append(pt.Shard(d - lead))
+            else:
+                placements.append(pt.Replicate())
+        dst = pt.DTensorSpec(x.spec.mesh, tuple(placements), tensor_meta=x.spec.tensor_meta)
+        node, mask = emit_redistribute(b, x.node, x.spec, dst, mask=x.mask, reason=f"input of in-place {_op_name(op)} follows self")
+        return TensorArg(node, dst, mask)
+
+    f_args, f_kwargs = pytree.tree_map(fix, (args, kwargs), is_leaf=_is_tensor_arg)
+    l_args, l_kwargs = pytree.tree_map(lambda x: x.node if isinstance(x, TensorArg) else _global_leaf(x), (f_args, f_kwargs), is_leaf=_is_tensor_arg)
+    node = b.call(op, *l_args, **l_kwargs)
+    return _out_tensor(b, node, self_arg.spec, {})

@@ -70,11 +70,20 @@ def expand_op(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwar
                 ctx, b, args, kwargs, e.axes, f"uneven shards under a mean in {op}: replicated first"
             )
         except dispatch.NoStrategy as e:
+            if dispatch.is_inplace(op) and torch.Tag.pointwise in op.tags:
+                try:
+                    return dispatch.inplace_follow_self(ctx, b, op, args, kwargs)
+                except dispatch.NoStrategy:
+                    pass
             placements = dispatch.input_placements_text(args, kwargs)
             if ctx.fallback == "error":
-                raise UnsupportedOpError(op, placements, ctx.node, "DTensor has no sharding strategy") from e
-            ctx.warn_once(op, "spmd_compiler: %s has no sharding strategy for inputs %s; gathering its inputs to Replicate and running it unsharded", op, placements)
-            return dispatch.replicate_fallback(ctx, b, op, args, kwargs, why="no sharding strategy")
+                raise UnsupportedOpError(op, placements, ctx.node, f"DTensor has no sharding strategy ({e})") from e
+            ctx.warn_once(
+                op,
+                "spmd_compiler: %s has no sharding strategy for inputs %s (%s); gathering its inputs to Replicate and running it unsharded",
+                op, placements, e,
+            )
+            return dispatch.replicate_fallback(ctx, b, op, args, kwargs, why=f"no sharding strategy: {e}")
     raise AssertionError("uneven-average guard did not converge")
 
 
@@ -93,6 +102,20 @@ def _custom_handled(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple
         raise UnsupportedOpError(op, dispatch.input_placements_text(args, kwargs), ctx.node, "DTensor needs a custom handler for this op")
     ctx.warn_once(op, "spmd_compiler: running %s on replicated inputs (DTensor handles it with a custom handler)", op)
     return dispatch.replicate_fallback(ctx, b, op, args, kwargs, why="custom DTensor handler")
+
+
+def _is_uneven(shape: Any, placements: Any, mesh_shape: Any) -> bool:
+    """Whether some rank's local shape differs from another's (a dim splits unevenly)."""
+    sizes = list(shape)
+    for axis, p in enumerate(placements):
+        d = getattr(p, "dim", None)
+        if d is None or not (p.is_shard() or isinstance(p, pt.StridedShard)):
+            continue
+        n = mesh_shape[axis]
+        if sizes[d] % n:
+            return True
+        sizes[d] //= n
+    return False
 
 
 class _Expander:
@@ -147,6 +170,8 @@ class _Expander:
         spec = pt.make_spec(self.mctx.mesh, placements, inp.shape, inp.stride, inp.dtype)
         local_shape, _ = pt.local_shape_and_offset(inp.shape, self.mctx.shape, self.mctx.coordinate, placements)
         new = self.graph.placeholder(node.name)
+        if _is_uneven(inp.shape, placements, self.mctx.shape):
+            self.stats.coord_dependent = True
         new.meta["val"] = local_fake(self.fake_mode, local_shape, inp.dtype)
         new.meta["spmd_spec"] = spec
         new.meta["spmd_input"] = inp

@@ -23,6 +23,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
 from .. import _private_torch as pt
+from .decompositions import decomposition_table
 from .markers import phase_markers, tag_phases
 from .state import ModelState, collect_state, swapped_state
 
@@ -254,7 +255,12 @@ def trace(
 
     start = time.perf_counter()
     with phase_markers(optimizer):
-        gm = make_fx(functional_step, tracing_mode="symbolic", record_stack_traces=True)(*fakes)
+        gm = make_fx(
+            functional_step,
+            decomposition_table=decomposition_table(),
+            tracing_mode="symbolic",
+            record_stack_traces=True,
+        )(*fakes)
     elapsed = time.perf_counter() - start
 
     tag_phases(gm)

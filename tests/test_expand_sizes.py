@@ -1,0 +1,73 @@
+"""DSymInt: sizes read from a sharded batch give local sizes in the expanded graph."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+import spmd_compiler as sc
+from spmd_compiler.testing import assert_training_matches
+
+aten = torch.ops.aten
+
+
+class SizeModel(nn.Module):
+    """Uses x.size(0) in a view, an arange, a full, an expand, and slices (slice_backward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(6, 4))
+        self.scale = nn.Parameter(torch.randn(1, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.view(x.size(0), -1) @ self.w
+        pos = torch.arange(x.size(0)).to(h.dtype).unsqueeze(1)
+        bias = torch.full((x.size(0), 4), 0.5, dtype=h.dtype)
+        e = self.scale.expand(x.size(0), 4)
+        h = h + pos * 0.01 + bias + e
+        return h[:, 1:3]
+
+
+def size_step(model, optimizer, x):
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def _nodes(gm, target):
+    return [n for n in gm.graph.nodes if n.target is target]
+
+
+def test_local_sizes_in_expanded_graph(mesh4):
+    model = SizeModel().double()
+    batches = [(torch.randn(8, 2, 3, dtype=torch.float64),) for _ in range(2)]
+    res = assert_training_matches(size_step, model, lambda p: torch.optim.SGD(p, lr=0.1), batches, mesh4)
+    gm = res.sim.expansions[(0,)].gm
+    # view(x.size(0), -1): local batch of 8 / 4 = 2
+    assert [list(n.args[1]) for n in _nodes(gm, aten.view.default) if n.args[0].name == "in_batch_0"] == [[2, 6]]
+    # torch.full((x.size(0), 4)) and expand(x.size(0), 4) built locally
+    assert [list(n.args[0]) for n in _nodes(gm, aten.full.default)] == [[2, 4]]
+    assert [2, 4] in [list(n.args[1]) for n in _nodes(gm, aten.expand.default)]
+    # arange(x.size(0)): this rank's 2 positions, offset by the run-time coordinate
+    (arange,) = _nodes(gm, aten.arange.start_step)
+    start, stop = arange.args[0], arange.args[1]
+    assert start.op == "call_function" and "coord_dp" in {a.name for a in start.all_input_nodes}
+    assert stop.args[1] == 2  # stop = start + local length
+    # slice_backward of the slices gets local input sizes and no gather
+    assert all(list(n.args[1])[0] == 2 for n in _nodes(gm, aten.slice_backward.default))
+    assert not [n for n in res.sim.expansions[(0,)].collectives() if n.meta["spmd_comm"]["kind"] == "all_gather"]
+
+
+def test_dsymint_validates_itself():
+    import pytest
+
+    with pytest.raises(ValueError, match="local value 2 differs from global value 8"):
+        sc.DSymInt(8, 2)
+    s = sc.DSymInt(8, 2, axes=(0,))
+    from spmd_compiler.expand.values import sym_apply
+    import operator
+
+    assert sym_apply(operator.mul, s, 3) == sc.DSymInt(24, 6, axes=(0,))
+    assert sym_apply(operator.add, s, 1) == sc.DSymInt(9, 9)
