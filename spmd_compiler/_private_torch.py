@@ -75,11 +75,15 @@ def make_spec(
     return DTensorSpec(mesh, tuple(placements), tensor_meta=meta)
 
 
-def propagate_sharding(op: torch._ops.OpOverload, args_schema: tuple, kwargs_schema: dict) -> OutputSharding:
+def propagate_sharding(
+    op: torch._ops.OpOverload, args_schema: tuple, kwargs_schema: dict, coordinate: Sequence[int] | None = None
+) -> OutputSharding:
     """Run DTensor's sharding propagation for ``op`` without touching its caches.
 
     ``args_schema`` mirrors the op's arguments with a DTensorSpec in place of every
-    tensor. Raises NotImplementedError when DTensor has no strategy for the op.
+    tensor. ``coordinate`` is the rank DTensor should compute local sizes for (view ops
+    localize their size arguments); by default the mesh's own. Raises an exception
+    (NotImplementedError, RuntimeError, ValueError...) when DTensor cannot shard the op.
     Must be called outside proxy tracing: some strategies run decompositions.
     """
     prop = DTensor._op_dispatcher.sharding_propagator
@@ -87,7 +91,31 @@ def propagate_sharding(op: torch._ops.OpOverload, args_schema: tuple, kwargs_sch
     if info is None:
         info = prop.op_to_schema_info_for_single_dim_strategy.get(op)
     schema = OpSchema(op, args_schema, kwargs_schema, schema_info=info)
-    return prop.propagate_op_sharding_non_cached(schema)
+    mesh = next((a.mesh for a in _spec_leaves(args_schema, kwargs_schema)), None)
+    with _as_coordinate(mesh, coordinate):
+        return prop.propagate_op_sharding_non_cached(schema)
+
+
+def _spec_leaves(args: Any, kwargs: Any) -> Iterator[DTensorSpec]:
+    from torch.utils import _pytree as pytree
+
+    for leaf in pytree.tree_leaves((args, kwargs)):
+        if isinstance(leaf, DTensorSpec):
+            yield leaf
+
+
+@contextlib.contextmanager
+def _as_coordinate(mesh: DeviceMesh | None, coordinate: Sequence[int] | None) -> Iterator[None]:
+    """Make ``mesh.get_coordinate()`` answer ``coordinate`` (DTensor reads it for sizes)."""
+    if mesh is None or coordinate is None:
+        yield
+        return
+    old = mesh._coordinate_on_dim
+    mesh._coordinate_on_dim = list(coordinate)
+    try:
+        yield
+    finally:
+        mesh._coordinate_on_dim = old
 
 
 @dataclass(frozen=True)

@@ -110,17 +110,21 @@ def _uneven_axes(b: SubgraphBuilder, spec: Any) -> set[int]:
     return out
 
 
-def _propagate(op: Any, args: Any, kwargs: Any) -> Any:
+def _propagate(b: SubgraphBuilder, op: Any, args: Any, kwargs: Any) -> Any:
     s_args, s_kwargs = pytree.tree_map(_schema_leaf, (args, kwargs), is_leaf=_is_tensor_arg)
     try:
-        return pt.propagate_sharding(op, tuple(s_args), dict(s_kwargs))
+        return pt.propagate_sharding(op, tuple(s_args), dict(s_kwargs), coordinate=b.mctx.coordinate)
     except Exception as e:  # DTensor signals "cannot shard this" with several exception types
         raise NoStrategy(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
 
 
 def generic_expand(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: dict) -> Any:
     """Expand ``op(*args, **kwargs)`` with DTensor's strategy; returns the result pytree."""
-    out = _propagate(op, args, kwargs)
+    out = _propagate(b, op, args, kwargs)
+    if out.use_val_from_redistribute_schema and any(
+        _uneven_axes(b, t.spec) for t in pytree.tree_leaves((args, kwargs), is_leaf=_is_tensor_arg) if isinstance(t, TensorArg)
+    ):
+        b.coord_dependent = True  # DTensor localized size arguments for this rank
     out = _guard_uneven_avg(b, op, args, kwargs, out)
     flat, tree = pytree.tree_flatten((args, kwargs), is_leaf=_is_tensor_arg)
     tensors = [x for x in flat if isinstance(x, TensorArg)]

@@ -96,9 +96,9 @@ def _collective(b: SubgraphBuilder, op: Any, kind: str, x: fx.Node, axis: int, a
 
 
 def _contiguous(b: SubgraphBuilder, x: fx.Node) -> fx.Node:
-    if x.meta["val"].is_contiguous():
-        return x
-    return b.call(aten.clone.default, x, memory_format=torch.contiguous_format)
+    """``x.contiguous()``: a no-op at run time when it already is. Always emitted, so the
+    graph has the same nodes on every rank (contiguity of size-0/1 dims varies)."""
+    return b.call(aten.contiguous.default, x)
 
 
 def _reduce_op(p: Any) -> str:

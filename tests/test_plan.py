@@ -1,0 +1,85 @@
+"""Plan resolution: patterns, defaults, optimizer state, validation errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.tensor import Replicate, Shard
+
+import spmd_compiler as sc
+from spmd_compiler.testing.models import MLP
+
+
+def step(model, optimizer, x):
+    loss = model(x).sum()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+@pytest.fixture
+def traced_adam():
+    model = MLP()
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    step(model, opt, torch.randn(8, 16))  # materialize state
+    return sc.trace(step, model, opt, torch.randn(8, 16))
+
+
+def _by_label(traced, resolved):
+    return {i.label: pl for i, pl in zip(traced.inputs, resolved.placements)}
+
+
+def test_default_is_data_parallel(traced_adam, mesh4):
+    got = _by_label(traced_adam, sc.Plan().resolve(traced_adam, mesh4))
+    assert got["l1.weight"] == (Replicate(),)
+    assert got["batch[0]"] == (Shard(0),)
+
+
+def test_patterns_exact_wins_and_state_follows(traced_adam, mesh4):
+    plan = sc.Plan(params={"*.weight": [Shard(0)], "l2.weight": [Shard(1)]})
+    got = _by_label(traced_adam, plan.resolve(traced_adam, mesh4))
+    assert got["l1.weight"] == (Shard(0),)
+    assert got["l2.weight"] == (Shard(1),)  # exact FQN beats the pattern
+    assert got["l1.bias"] == (Replicate(),)
+    assert got["l1.weight['exp_avg']"] == (Shard(0),)  # optimizer state follows its parameter
+    assert got["l1.weight['step']"] == (Replicate(),)  # 0-d step stays replicated
+
+
+def test_unknown_fqn_suggests_names(traced_adam, mesh4):
+    with pytest.raises(ValueError, match=r"'l1.wieght' names no parameter.*Did you mean 'l1.weight'"):
+        sc.Plan(params={"l1.wieght": [Shard(0)]}).resolve(traced_adam, mesh4)
+
+
+def test_pattern_matching_nothing(traced_adam, mesh4):
+    with pytest.raises(ValueError, match="matches no parameter"):
+        sc.Plan(params={"encoder.*": [Shard(0)]}).resolve(traced_adam, mesh4)
+
+
+def test_wrong_number_of_placements(traced_adam, mesh2x2):
+    with pytest.raises(ValueError, match="got 1 placements .* for a mesh with 2 axes"):
+        sc.Plan(params={"l1.weight": [Shard(0)]}).resolve(traced_adam, mesh2x2)
+
+
+def test_shard_dim_out_of_range(traced_adam, mesh4):
+    with pytest.raises(ValueError, match=r"Shard\(2\) on mesh axis 0 is out of range for a 2-d tensor"):
+        sc.Plan(params={"l1.weight": [Shard(2)]}).resolve(traced_adam, mesh4)
+
+
+def test_negative_shard_dim_normalized(traced_adam, mesh4):
+    got = _by_label(traced_adam, sc.Plan(params={"l1.weight": [Shard(-1)]}).resolve(traced_adam, mesh4))
+    assert got["l1.weight"] == (Shard(1),)
+
+
+def test_not_a_placement(traced_adam, mesh4):
+    with pytest.raises(TypeError, match="is not a Placement"):
+        sc.Plan(params={"l1.weight": ["shard"]}).resolve(traced_adam, mesh4)
+
+
+def test_inputs_by_index_and_path(traced_adam, mesh4):
+    got = _by_label(traced_adam, sc.Plan(inputs=[[Replicate()]]).resolve(traced_adam, mesh4))
+    assert got["batch[0]"] == (Replicate(),)
+    got = _by_label(traced_adam, sc.Plan(inputs={"batch[0]": [Shard(1)]}).resolve(traced_adam, mesh4))
+    assert got["batch[0]"] == (Shard(1),)
+    with pytest.raises(ValueError, match="names no batch tensor"):
+        sc.Plan(inputs={"batch[7]": [Shard(0)]}).resolve(traced_adam, mesh4)

@@ -1,0 +1,90 @@
+"""Tracing a whole train step: inputs lifted by name, updates as outputs, phases."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import spmd_compiler as sc
+from spmd_compiler.testing.models import GPT, MLP, train_step
+
+
+def step(model, optimizer, x):
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+@pytest.mark.parametrize("make_opt", [
+    lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+    lambda p: torch.optim.Adam(p, lr=0.1),
+    lambda p: torch.optim.AdamW(p, lr=0.1),
+])
+def test_first_step_creates_optimizer_state(make_opt):
+    model = MLP()
+    opt = make_opt(model.parameters())
+    before = copy.deepcopy(model.state_dict())
+    traced = sc.trace(step, model, opt, torch.randn(8, 16))
+    assert [i.kind for i in traced.inputs] == ["param"] * 4 + ["batch"]
+    assert [i.name for i in traced.inputs if i.kind == "param"] == ["l1.weight", "l1.bias", "l2.weight", "l2.bias"]
+    assert traced.new_optim_keys  # momentum_buffer / exp_avg created inside the graph
+    assert {o.kind for o in traced.outputs} == {"user", "param", "optim"}
+    # tracing computes nothing: model and optimizer untouched
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not opt.state
+
+
+def test_second_step_lifts_state_to_inputs():
+    model = MLP()
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    step(model, opt, torch.randn(8, 16))
+    traced = sc.trace(step, model, opt, torch.randn(8, 16))
+    optim = [i for i in traced.inputs if i.kind == "optim"]
+    assert {(i.name, i.key) for i in optim} == {(n, k) for n in ["l1.weight", "l1.bias", "l2.weight", "l2.bias"] for k in ["step", "exp_avg", "exp_avg_sq"]}
+    assert not traced.new_optim_keys
+    names = [n.name for n in traced.placeholders()]
+    assert "o_l1_weight__exp_avg" in names and "p_l1_weight" in names and "in_batch_0" in names
+
+
+def test_phases_and_stack_traces():
+    model = GPT(layers=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    ids = torch.randint(0, 64, (2, 16))
+    traced = sc.trace(train_step, model, opt, ids, ids)
+    phases = [n.meta.get("spmd_phase") for n in traced.gm.graph.nodes if n.op == "call_function"]
+    # forward, then backward, then optimizer, in trace order
+    order = [p for i, p in enumerate(phases) if i == 0 or p != phases[i - 1]]
+    assert order == ["forward", "backward", "optimizer"]
+    mm = next(n for n in traced.gm.graph.nodes if n.op == "call_function" and n.meta["spmd_phase"] == "forward" and "addmm" in n.name)
+    assert "models.py" in mm.meta["stack_trace"]
+
+
+def test_buffers_and_tied_parameters():
+    model = GPT(layers=1, tie_embeddings=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ids = torch.randint(0, 64, (2, 16))
+    traced = sc.trace(train_step, model, opt, ids, ids)
+    params = [i.name for i in traced.inputs if i.kind == "param"]
+    assert "tok.weight" in params and "head.weight" not in params  # one input for the tie
+    assert traced.state.aliases == {"head.weight": "tok.weight"}
+    assert [i.name for i in traced.inputs if i.kind == "buffer"] == ["blocks.0.attn.mask"]
+
+
+def test_symbolic_option_validated():
+    model = MLP()
+    with pytest.raises(ValueError, match="symbolic must be"):
+        sc.trace(step, model, None, torch.randn(8, 16), symbolic="none")
+
+
+def test_returning_python_number_from_sizes_is_an_error():
+    model = MLP()
+
+    def bad(model, optimizer, x):
+        return x.size(0) * 2
+
+    with pytest.raises(TypeError, match="returned a Python number computed from tensor sizes"):
+        sc.trace(bad, model, None, torch.randn(8, 16))
