@@ -16,11 +16,14 @@ from .errors import (
 from .expand import DSymInt, ExpansionCache, expand, register_rule
 from .plan import Plan
 from .rebuild import ExpandedStep
+from .runtime import CompiledStep, compile
 from .trace import TracedStep, trace
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "compile",
+    "CompiledStep",
     "trace",
     "expand",
     "Plan",

@@ -51,6 +51,8 @@ __all__ = [
     "to_symbolic_fake",
     "static_fake_mode",
     "size_hint",
+    "example_tensor",
+    "local_tensor",
     "custom_handled_ops",
     "random_ops",
     "group_name",
@@ -191,6 +193,28 @@ def to_symbolic_fake(mode: FakeTensorMode, t: torch.Tensor, name: str, dynamic: 
     kind = DimDynamic.DYNAMIC if dynamic else DimDynamic.STATIC
     ctx = StatelessSymbolicContext(dynamic_sizes=[kind] * t.dim())
     return mode.from_tensor(t, source=ConstantSource(name), symbolic_context=ctx)
+
+
+def example_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor with ``t``'s global metadata, for tracing.
+
+    A DTensor becomes an uninitialized tensor of its global shape on its local device
+    (its pages are never touched, so no memory is committed); other tensors are detached.
+    Parameters keep ``requires_grad``.
+    """
+    if isinstance(t, DTensor):
+        out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+        return out.requires_grad_(t.requires_grad) if t.requires_grad else out
+    if isinstance(t, torch.nn.Parameter):
+        return t
+    return t.detach()
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The local tensor of a DTensor (no autograd), or ``t`` itself."""
+    if isinstance(t, DTensor):
+        return t._local_tensor
+    return t
 
 
 def static_fake_mode() -> FakeTensorMode:

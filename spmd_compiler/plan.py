@@ -91,6 +91,10 @@ class Plan:
         """Placements for every input of ``traced`` (a TracedStep) on ``mesh``."""
         return _resolve(self, traced, mesh)
 
+    def batch_placements(self, batch_inputs: Sequence[Any], ndim: int) -> list[tuple[tuple[Placement, ...], str]]:
+        """``(placements, source)`` for each batch tensor (GraphInputs of kind "batch")."""
+        return _batch_placements(self, list(batch_inputs), ndim)
+
 
 @dataclass(frozen=True)
 class ResolvedPlan:
@@ -158,10 +162,6 @@ def _resolve(plan: Plan, traced: Any, mesh: Any) -> ResolvedPlan:
     ndim = mesh.ndim
     replicate = (Replicate(),) * ndim
     default_param = normalize_placements(plan.default_param, ndim, "default_param") if plan.default_param is not None else replicate
-    if plan.default_input is not None:
-        default_input = normalize_placements(plan.default_input, ndim, "default_input")
-    else:
-        default_input = (Shard(0),) + (Replicate(),) * (ndim - 1)
 
     state = traced.state
     named = list(state.params) + list(state.buffers) + list(state.aliases)
@@ -215,20 +215,8 @@ def _resolve(plan: Plan, traced: Any, mesh: Any) -> ResolvedPlan:
                 return pl, f"plan[{pat!r}]"
         return default_param, "default_param"
 
-    inputs_by_index: dict[int, Any] = {}
-    inputs_by_path: dict[str, Any] = {}
-    if isinstance(plan.inputs, Mapping):
-        inputs_by_path = dict(plan.inputs)
-    elif plan.inputs is not None:
-        inputs_by_index = dict(enumerate(plan.inputs))
-    batch_inputs = [i for i in traced.inputs if i.kind == "batch"]
-    known_paths = {i.name for i in batch_inputs}
-    for path in inputs_by_path:
-        if path not in known_paths:
-            raise ValueError(f"plan input {path!r} names no batch tensor; batch tensors are {sorted(known_paths)}")
-
+    batch = iter(plan.batch_placements([i for i in traced.inputs if i.kind == "batch"], ndim))
     placements, sources = [], []
-    batch_pos = 0
     for inp in traced.inputs:
         if inp.kind in ("param", "buffer"):
             pl, src = for_fqn(inp.name)
@@ -240,19 +228,40 @@ def _resolve(plan: Plan, traced: Any, mesh: Any) -> ResolvedPlan:
             else:
                 src = f"follows param {inp.name!r}"
         else:
-            if inp.name in inputs_by_path:
-                pl, src = normalize_placements(inputs_by_path[inp.name], ndim, f"plan input {inp.name!r}"), f"inputs[{inp.name!r}]"
-            elif batch_pos in inputs_by_index:
-                pl = normalize_placements(inputs_by_index[batch_pos], ndim, f"plan input {batch_pos}")
-                src = f"inputs[{batch_pos}]"
-            else:
-                pl, src = default_input, "default_input"
-            batch_pos += 1
-            if len(inp.shape) == 0:
-                pl, src = replicate, "replicated (0-d tensor)"
+            pl, src = next(batch)
         placements.append(_check_dims(inp, tuple(pl)))
         sources.append(src)
     return ResolvedPlan(tuple(placements), tuple(sources))
+
+
+def _batch_placements(plan: Plan, batch_inputs: list[Any], ndim: int) -> list[tuple[tuple[Placement, ...], str]]:
+    replicate = (Replicate(),) * ndim
+    if plan.default_input is not None:
+        default_input = normalize_placements(plan.default_input, ndim, "default_input")
+    else:
+        default_input = (Shard(0),) + (Replicate(),) * (ndim - 1)
+    inputs_by_index: dict[int, Any] = {}
+    inputs_by_path: dict[str, Any] = {}
+    if isinstance(plan.inputs, Mapping):
+        inputs_by_path = dict(plan.inputs)
+    elif plan.inputs is not None:
+        inputs_by_index = dict(enumerate(plan.inputs))
+    known_paths = {i.name for i in batch_inputs}
+    for path in inputs_by_path:
+        if path not in known_paths:
+            raise ValueError(f"plan input {path!r} names no batch tensor; batch tensors are {sorted(known_paths)}")
+    out = []
+    for pos, inp in enumerate(batch_inputs):
+        if inp.name in inputs_by_path:
+            pl, src = normalize_placements(inputs_by_path[inp.name], ndim, f"plan input {inp.name!r}"), f"inputs[{inp.name!r}]"
+        elif pos in inputs_by_index:
+            pl, src = normalize_placements(inputs_by_index[pos], ndim, f"plan input {pos}"), f"inputs[{pos}]"
+        else:
+            pl, src = default_input, "default_input"
+        if len(inp.shape) == 0:
+            pl, src = replicate, "replicated (0-d tensor)"
+        out.append((_check_dims(inp, tuple(pl)), src))
+    return out
 
 
 def _check_dims(inp: Any, placements: tuple[Placement, ...]) -> tuple[Placement, ...]:

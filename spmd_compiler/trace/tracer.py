@@ -100,6 +100,7 @@ class TracedStep:
     state: ModelState
     new_optim_keys: list[tuple[str, str]] = field(default_factory=list)
     trace_seconds: float = 0.0
+    model: Any = None
 
     def placeholders(self) -> list[fx.Node]:
         return [n for n in self.gm.graph.nodes if n.op == "placeholder"]
@@ -177,7 +178,7 @@ def trace(
     real: list[torch.Tensor] = []
 
     def add(kind: str, name: str, t: torch.Tensor, key: str | None = None, index: int | None = None) -> None:
-        t = t.detach() if not isinstance(t, torch.nn.Parameter) else t
+        t = pt.example_tensor(t)
         inputs.append(
             GraphInput(kind, name, tuple(t.shape), tuple(t.stride()), t.dtype, key, index, bool(t.requires_grad))
         )
@@ -203,8 +204,8 @@ def trace(
     fakes = []
     for inp, t in zip(inputs, real):
         fake = pt.to_symbolic_fake(mode, t, inp.label, dynamic=symbolic == "all" or inp.kind == "batch")
-        if isinstance(t, torch.nn.Parameter):
-            fake.requires_grad_(t.requires_grad)
+        if t.requires_grad and inp.kind == "param":
+            fake.requires_grad_(True)
         fakes.append(fake)
 
     n_params, n_buffers = len(state.params), len(state.buffers)
@@ -288,6 +289,7 @@ def trace(
         state=state,
         new_optim_keys=layout["new_keys"],
         trace_seconds=elapsed,
+        model=model,
     )
 
 

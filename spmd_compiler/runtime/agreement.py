@@ -1,0 +1,96 @@
+"""Rank agreement: every rank must run the same program, or all fail at once.
+
+Each rank fingerprints its per-rank graph (one short digest per node; collectives name
+their mesh axis instead of the process group, which differs per rank) and the
+fingerprints are exchanged once per compile. If a rank failed to compile, or two ranks
+compiled different graphs, every rank raises :class:`~spmd_compiler.RankMismatchError`
+naming the first differing node, instead of some ranks waiting in a collective forever.
+Graphs of unevenly sharded programs legitimately differ in sizes between ranks, so only
+their structure is compared.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+
+from ..errors import RankMismatchError
+
+__all__ = ["fingerprint", "exchange", "check_agreement"]
+
+log = logging.getLogger(__name__)
+
+
+def _canon(x: Any, index: dict[fx.Node, int], groups: dict[str, str], with_sizes: bool) -> Any:
+    if isinstance(x, fx.Node):
+        return f"%{index[x]}"
+    if isinstance(x, (list, tuple)):
+        return [_canon(v, index, groups, with_sizes) for v in x]
+    if isinstance(x, dict):
+        return {k: _canon(v, index, groups, with_sizes) for k, v in sorted(x.items())}
+    if isinstance(x, str) and x in groups:
+        return f"<group {groups[x]}>"
+    if isinstance(x, (int, float)) and not isinstance(x, bool) and not with_sizes:
+        return "<num>"
+    return repr(x)
+
+
+def fingerprint(gm: fx.GraphModule, group_axes: dict[str, str], *, with_sizes: bool = True) -> list[tuple[str, str]]:
+    """``[(node text, digest)]`` for every node, independent of rank-specific group names."""
+    index: dict[fx.Node, int] = {}
+    out = []
+    for i, node in enumerate(gm.graph.nodes):
+        index[node] = i
+        target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+        if isinstance(node.target, torch._ops.OpOverload):
+            target = str(node.target)
+        text = f"{node.op} {target} {_canon(node.args, index, group_axes, with_sizes)} {_canon(node.kwargs, index, group_axes, with_sizes)}"
+        out.append((f"%{node.name} = {node.op}[{target}]", hashlib.sha1(text.encode()).hexdigest()[:12]))
+    return out
+
+
+def exchange(payload: Any) -> list[Any]:
+    """All-gather a picklable object from every rank (identity on one process)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() == "fake":
+        return [payload]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, payload)
+    return out
+
+
+def check_agreement(gm: fx.GraphModule | None, group_axes: dict[str, str], *, with_sizes: bool, error: BaseException | None) -> None:
+    """Exchange fingerprints (or this rank's compile error) and raise on any mismatch.
+
+    Every rank must call this once per compile, whether its own compile failed or not.
+    """
+    mine = ("error", f"{type(error).__name__}: {error}") if error is not None else ("ok", fingerprint(gm, group_axes, with_sizes=with_sizes))
+    everyone = exchange(mine)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    failed = [(r, p[1]) for r, p in enumerate(everyone) if p[0] == "error"]
+    if error is not None:
+        raise error
+    if failed:
+        r, msg = failed[0]
+        first_line = msg.splitlines()[0] if msg else msg
+        raise RankMismatchError(
+            f"rank {r} failed to compile the step ({first_line}); every rank stops here instead of waiting "
+            f"for it in a collective. See rank {r}'s log for the full error."
+        )
+    ref = everyone[0][1]
+    for r, (_, fp) in enumerate(everyone):
+        if fp == ref:
+            continue
+        for i, (a, b) in enumerate(zip(ref, fp)):
+            if a[1] != b[1]:
+                raise RankMismatchError(
+                    f"rank {r} compiled a different graph than rank 0 (this is rank {rank}); first difference at "
+                    f"node {i}: rank 0 has {a[0]}, rank {r} has {b[0]}. fix: make the model, plan and batch shapes "
+                    f"identical on every rank (uneven batch sizes are fine only along the sharded dim)."
+                )
+        raise RankMismatchError(f"rank {r} compiled a graph with {len(fp)} nodes, rank 0 one with {len(ref)} nodes")
+    log.debug("rank agreement: %d ranks compiled the same %d-node graph", len(everyone), len(ref))

@@ -1,0 +1,307 @@
+"""Stage 6: the compile-and-run API.
+
+:func:`compile` wraps a single-device ``train_step(model, optimizer, *batch)``. The
+first call distributes the model and optimizer (parameters become DTensors), traces the
+step, expands it for this rank, optimizes it and checks that every rank compiled the
+same graph. Later calls with the same batch shapes run the cached per-rank graph on the
+local tensors directly: no tracing and no DTensor dispatch on the per-step path.
+A new batch shape or dtype, or optimizer state appearing after the first step,
+compiles again (logged at INFO with the reason).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.utils import _pytree as pytree
+
+from .. import _private_torch as pt
+from ..expand import ExpansionCache, expand
+from ..plan import Plan
+from ..trace import trace
+from ..trace.state import collect_state
+from ..trace.tracer import CONSTANT_LEAF_TYPES, _flatten_batch
+from .agreement import check_agreement, exchange
+from .distribute import distribute_state, is_distributed
+
+__all__ = ["compile", "CompiledStep"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Entry:
+    """One compiled variant of the step (for one batch signature and state structure)."""
+
+    step: Any  # ExpandedStep
+    compile_seconds: float
+    reason: str
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def _as_mesh(mesh: Any) -> DeviceMesh:
+    if isinstance(mesh, DeviceMesh):
+        return mesh
+    if isinstance(mesh, dict):
+        names, shape = tuple(mesh), tuple(int(v) for v in mesh.values())
+    elif isinstance(mesh, (tuple, list)) and all(isinstance(s, int) for s in mesh):
+        names, shape = None, tuple(mesh)
+    else:
+        raise TypeError(f"mesh must be a DeviceMesh, a shape tuple or a {{name: size}} dict, got {type(mesh).__name__}")
+    if not dist.is_initialized():
+        raise ValueError(
+            f"mesh {shape} needs an initialized process group; call torch.distributed.init_process_group() "
+            f"first (torchrun sets up the environment for it)"
+        )
+    world = dist.get_world_size()
+    size = 1
+    for s in shape:
+        size *= s
+    if size > world:
+        raise ValueError(f"mesh {dict(zip(names, shape)) if names else shape} needs {size} ranks but the world has {world}; fix: launch {size} processes or shrink the mesh")
+    device = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
+    return init_device_mesh(device, shape, mesh_dim_names=names)
+
+
+class CompiledStep:
+    """A training step compiled for a mesh; call it like the original step.
+
+    Attributes:
+        mesh: the DeviceMesh; ``plan``: the Plan.
+        compiles: how many times the step was (re)compiled.
+        last: the ExpandedStep that ran last (its ``gm`` is the per-rank graph).
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        mesh: Any,
+        plan: Plan | None = None,
+        fallback: str = "replicate",
+        symbolic: str = "batch",
+        check_ranks: bool = True,
+    ) -> None:
+        if not callable(fn):
+            raise TypeError(f"compile() needs a callable train_step, got {type(fn).__name__}")
+        if plan is not None and not isinstance(plan, Plan):
+            raise TypeError(f"plan must be a spmd_compiler.Plan, got {type(plan).__name__}")
+        self.fn = fn
+        self._mesh_arg = mesh
+        self._mesh: DeviceMesh | None = mesh if isinstance(mesh, DeviceMesh) else None
+        self.plan = plan or Plan()
+        self.fallback = fallback
+        self.symbolic = symbolic
+        self.check_ranks = check_ranks
+        self.cache = ExpansionCache()
+        self._entries: dict[Any, _Entry] = {}
+        self._last_key: Any = None
+        self.compiles = 0
+        self.last: Any = None
+        functools.update_wrapper(self, fn)
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        if self._mesh is None:
+            self._mesh = _as_mesh(self._mesh_arg)
+        return self._mesh
+
+    # ------------------------------------------------------------------ state
+    def distribute(self, model: torch.nn.Module, optimizer: Any = None) -> None:
+        """Shard ``model``/``optimizer`` per the plan now (the first call does it too).
+
+        Call it before loading a checkpoint, so the state dicts hold DTensors to load into.
+        """
+        if not is_distributed(model):
+            distribute_state(model, optimizer, self.mesh, self.plan)
+
+    # ------------------------------------------------------------------ call
+    def __call__(self, model: torch.nn.Module, optimizer: Any, *batch: Any, **kwargs: Any) -> Any:
+        self.distribute(model, optimizer)
+        key = self._signature(model, optimizer, batch, kwargs)
+        entry = self._entries.get(key)
+        if entry is None:
+            reason = self._why(key)
+            entry = self._compile(model, optimizer, batch, kwargs, reason)
+            self._entries[key] = entry
+        self._last_key = key
+        self.last = entry.step
+        return self._run(entry.step, model, optimizer, batch, kwargs)
+
+    def _signature(self, model: Any, optimizer: Any, batch: tuple, kwargs: dict) -> Any:
+        leaves, spec, paths = _flatten_batch(batch, kwargs)
+        sig = []
+        for path, leaf in zip(paths, leaves):
+            if isinstance(leaf, torch.Tensor):
+                sig.append((path, tuple(leaf.shape), leaf.dtype, leaf.device.type, leaf.requires_grad))
+            else:
+                sig.append((path, type(leaf).__name__, leaf if isinstance(leaf, CONSTANT_LEAF_TYPES) else id(leaf)))
+        state = collect_state(model, optimizer)
+        optim = tuple(sorted((n, k, tuple(v.shape) if isinstance(v, torch.Tensor) else repr(v)) for (n, k), v in state.optim.items()))
+        params = tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in state.params.items())
+        return (str(spec), tuple(sig), optim, params)
+
+    def _why(self, key: Any) -> str:
+        if self._last_key is None:
+            return "first call"
+        old = self._last_key
+        if old[2] != key[2]:
+            return "optimizer state changed (created by the first step)" if len(key[2]) > len(old[2]) else "optimizer state changed"
+        if old[1] != key[1]:
+            for a, b in zip(old[1], key[1]):
+                if a != b:
+                    return f"{b[0]} changed from {a[1:]} to {b[1:]}"
+        if old[3] != key[3]:
+            return "model parameters changed"
+        return "batch structure changed"
+
+    # ------------------------------------------------------------------ compile
+    def _global_batch(self, batch: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Global example tensors for the local batch (each rank passes its shard)."""
+        leaves, spec, paths = _flatten_batch(batch, kwargs)
+        mesh = self.mesh
+        ndim = mesh.ndim
+        placements = _batch_placements(self.plan, paths, leaves, ndim)
+        coord = tuple(mesh.get_coordinate())
+        local = [tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in leaves]
+        everyone = exchange((coord, local))
+        out = []
+        for i, (leaf, pl) in enumerate(zip(leaves, placements)):
+            if not isinstance(leaf, torch.Tensor):
+                out.append(leaf)
+                continue
+            shape = list(leaf.shape)
+            for d in range(len(shape)):
+                axes = [a for a, p in enumerate(pl) if isinstance(p, pt.Shard) and p.dim == d]
+                if not axes:
+                    continue
+                if len(everyone) == 1:  # fake group or one process: assume even shards
+                    for a in axes:
+                        shape[d] *= mesh.shape[a]
+                    continue
+                total = 0
+                for c, shapes in everyone:
+                    if all(c[a] == coord[a] for a in range(ndim) if a not in axes):
+                        total += shapes[i][d]
+                shape[d] = total
+            for c, shapes in everyone:
+                other = shapes[i]
+                for d in range(len(shape)):
+                    sharded = any(isinstance(p, pt.Shard) and p.dim == d for p in pl)
+                    if not sharded and other[d] != leaf.shape[d]:
+                        raise ValueError(
+                            f"{paths[i]} has size {leaf.shape[d]} in dim {d} here but {other[d]} on the rank at mesh "
+                            f"coordinate {c}; only the sharded dims of batch tensors may differ between ranks"
+                        )
+            out.append(torch.empty(shape, dtype=leaf.dtype, device=leaf.device).requires_grad_(leaf.requires_grad))
+        args, kw = pytree.tree_unflatten(out, spec)
+        return args, kw
+
+    def _compile(self, model: Any, optimizer: Any, batch: tuple, kwargs: dict, reason: str) -> _Entry:
+        log.info("compiling %s (%s)", getattr(self.fn, "__name__", "step"), reason)
+        start = time.perf_counter()
+        mesh = self.mesh
+        error: BaseException | None = None
+        step = None
+        try:
+            g_args, g_kwargs = self._global_batch(batch, kwargs)
+            traced = trace(self.fn, model, optimizer, *g_args, symbolic=self.symbolic, **g_kwargs)
+            step = expand(traced, mesh, self.plan, coordinate=tuple(mesh.get_coordinate()), fallback=self.fallback, cache=self.cache)
+        except Exception as e:  # reported to every rank by check_agreement
+            error = e
+        if self.check_ranks:
+            groups = {} if step is None else {g: n for g, n in zip(step.mctx.group_names, step.mctx.axis_names)}
+            check_agreement(step.gm if step else None, groups, with_sizes=bool(step and step.rank_independent), error=error)
+        elif error is not None:
+            raise error
+        elapsed = time.perf_counter() - start
+        self.compiles += 1
+        step.timings["total"] = elapsed
+        log.info(
+            "compiled %s in %.2fs (trace %.2fs, expand %.2fs, rebuild %.2fs): %d nodes, %d collectives",
+            getattr(self.fn, "__name__", "step"), elapsed, step.timings["trace"], step.timings["expand"], step.timings["rebuild"],
+            len(step.gm.graph.nodes), len(step.collectives()),
+        )
+        return _Entry(step, elapsed, reason, dict(step.timings))
+
+    # ------------------------------------------------------------------ run
+    def _run(self, step: Any, model: Any, optimizer: Any, batch: tuple, kwargs: dict) -> Any:
+        traced = step.traced
+        state = collect_state(model, optimizer)
+        leaves, _, _ = _flatten_batch(batch, kwargs)
+        inputs: list[Any] = list(step.mctx.coordinate)
+        for inp in traced.inputs:
+            if inp.kind == "param":
+                t = state.params[inp.name]
+            elif inp.kind == "buffer":
+                t = state.buffers[inp.name]
+            elif inp.kind == "optim":
+                t = state.optim[(inp.name, inp.key)]
+            else:
+                t = leaves[inp.index]
+            inputs.append(pt.local_tensor(t))
+        with torch.no_grad():
+            outs = step.gm(*inputs)
+        user: dict[int, Any] = dict(traced.user_constants)
+        mesh = self.mesh
+        for slot, out in zip(step.outputs, outs):
+            if slot.kind == "user":
+                if all(p.is_replicate() for p in slot.spec.placements):
+                    user[slot.index] = out
+                else:
+                    user[slot.index] = DTensor.from_local(out, mesh, slot.spec.placements, run_check=False, shape=slot.spec.shape, stride=slot.spec.stride)
+            else:
+                dt = DTensor.from_local(out, mesh, slot.spec.placements, run_check=False, shape=slot.spec.shape, stride=slot.spec.stride)
+                optimizer.state[state.params[slot.name]][slot.key] = dt
+        return pytree.tree_unflatten([user[i] for i in range(len(user))], traced.user_spec)
+
+    # ------------------------------------------------------------------ introspection
+    def timings(self) -> dict[str, float]:
+        """Seconds per compile phase of the last compile (trace, expand, rebuild, total)."""
+        if self._last_key is None:
+            return {}
+        return dict(self._entries[self._last_key].timings)
+
+
+def _batch_placements(plan: Plan, paths: list[str], leaves: list[Any], ndim: int) -> list[tuple | None]:
+    """Placements of every batch leaf (None for constants), resolved without a trace."""
+    from ..trace.tracer import GraphInput
+
+    inputs = [
+        GraphInput("batch", path, tuple(leaf.shape), tuple(leaf.stride()), leaf.dtype, index=i)
+        for i, (path, leaf) in enumerate(zip(paths, leaves))
+        if isinstance(leaf, torch.Tensor)
+    ]
+    resolved = iter(plan.batch_placements(inputs, ndim))
+    return [next(resolved)[0] if isinstance(leaf, torch.Tensor) else None for leaf in leaves]
+
+
+def compile(fn: Callable[..., Any] | None = None, *, mesh: Any, plan: Plan | None = None, **options: Any) -> Any:
+    """Compile a single-device training step for a mesh.
+
+    Use as a decorator or a call::
+
+        @spmd_compiler.compile(mesh=mesh, plan=plan)
+        def train_step(model, optimizer, x, y): ...
+
+        step = spmd_compiler.compile(train_step, mesh=(4,))
+
+    Args:
+        fn: ``train_step(model, optimizer, *batch)``; each rank passes its local batch shard.
+        mesh: a DeviceMesh, a shape tuple, or ``{"dp": 2, "tp": 2}``.
+        plan: placements (default: data parallel).
+        options: ``fallback`` ("replicate" | "error"), ``symbolic`` ("batch" | "all"),
+            ``check_ranks`` (exchange graph fingerprints at compile, default True).
+    """
+    if fn is None:
+        return lambda f: CompiledStep(f, mesh=mesh, plan=plan, **options)
+    return CompiledStep(fn, mesh=mesh, plan=plan, **options)
