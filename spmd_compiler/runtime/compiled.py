@@ -265,6 +265,14 @@ class CompiledStep:
         return pytree.tree_unflatten([user[i] for i in range(len(user))], traced.user_spec)
 
     # ------------------------------------------------------------------ introspection
+    def comm_summary(self) -> Any:
+        """Collectives of the last compiled graph per kind, axis and phase (per rank per step)."""
+        from ..dump.summary import comm_summary
+
+        if self.last is None:
+            raise RuntimeError("the step has not been compiled yet; call it once first")
+        return comm_summary(self.last.gm)
+
     def timings(self) -> dict[str, float]:
         """Seconds per compile phase of the last compile (trace, expand, rebuild, total)."""
         if self._last_key is None:
