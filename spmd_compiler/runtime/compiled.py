@@ -159,7 +159,9 @@ class CompiledStep:
         if old[1] != key[1]:
             for a, b in zip(old[1], key[1]):
                 if a != b:
-                    return f"{b[0]} changed from {a[1:]} to {b[1:]}"
+                    what = ["shape", "dtype", "device", "requires_grad"] if len(a) == 5 else ["type", "value"]
+                    diffs = [f"{w} {x} -> {y}" for w, x, y in zip(what, a[1:], b[1:]) if x != y]
+                    return f"{b[0]}: " + ", ".join(diffs)
         if old[3] != key[3]:
             return "model parameters changed"
         return "batch structure changed"
