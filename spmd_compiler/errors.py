@@ -25,7 +25,9 @@ __all__ = [
 ]
 
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>\S+)\n\s*(?P<code>[^\n]*)')
-_INTERNAL = ("/torch/", "/spmd_compiler/", "<frozen", "/contextlib.py", "/functools.py")
+_INTERNAL = ("/torch/", "<frozen", "/contextlib.py", "/functools.py")
+_OURS = "/spmd_compiler/"
+_OURS_USER = ("/spmd_compiler/testing/models.py",)  # our example models count as user code
 
 
 def user_source_line(node: fx.Node | None) -> str | None:
@@ -41,7 +43,12 @@ def user_source_line(node: fx.Node | None) -> str | None:
         origin = node.meta.get("spmd_origin")
         return origin.get("source") if isinstance(origin, dict) else None
     frames = list(_FRAME.finditer(trace))
-    user = [f for f in frames if not any(s in f.group("file") for s in _INTERNAL)]
+    def is_user(path: str) -> bool:
+        if any(s in path for s in _INTERNAL):
+            return False
+        return _OURS not in path or any(path.endswith(u) for u in _OURS_USER)
+
+    user = [f for f in frames if is_user(f.group("file"))]
     chosen = user[-1] if user else (frames[-1] if frames else None)
     if chosen is None:
         return None

@@ -52,6 +52,9 @@ class Recipe:
         notes: free-form facts for logs and dumps (strategy chosen, fallback used).
         coord_dependent: the recipe is only valid for ranks whose coordinate gives the
             same uneven chunk sizes (False for evenly sharded ops).
+        replacements: tensor-argument index -> OutTensor of a reduced copy of that argument
+            (a Partial input reduced for this op); later users of the argument take the
+            reduced copy instead of reducing again.
     """
 
     graph: fx.Graph
@@ -59,6 +62,7 @@ class Recipe:
     result: Any
     notes: dict = field(default_factory=dict)
     coord_dependent: bool = False
+    replacements: dict = field(default_factory=dict)
 
     def num_collectives(self) -> int:
         return sum(1 for n in self.graph.nodes if "spmd_comm" in n.meta)
@@ -80,6 +84,7 @@ class SubgraphBuilder:
         self._outputs: list[fx.Node] = []
         # set when a size used here depends on which rank we expand for (uneven shards)
         self.coord_dependent = False
+        self.replacements: dict[int, OutTensor] = {}
 
     # ------------------------------------------------------------------ sizes
     def local_chunk(self, size: int, axis: int) -> int:
@@ -160,7 +165,7 @@ class SubgraphBuilder:
 
     def finish(self, result: Any, notes: dict | None = None) -> Recipe:
         self.graph.output(list(self._outputs))
-        return Recipe(self.graph, len(self.inputs), result, notes or {}, self.coord_dependent)
+        return Recipe(self.graph, len(self.inputs), result, notes or {}, self.coord_dependent, dict(self.replacements))
 
 
 def local_fake(fake_mode: Any, shape: tuple[int, ...], dtype: torch.dtype, stride: tuple[int, ...] | None = None) -> torch.Tensor:

@@ -21,9 +21,10 @@ from .. import _private_torch as pt
 from ..errors import UnsupportedOpError
 from .builder import OutTensor, SubgraphBuilder
 from .redistribute import emit_redistribute, logical_shape
+from .registry import get_rule
 from .values import DSymInt, MeshContext, placements_text
 
-__all__ = ["TensorArg", "ScalarArg", "ExpandContext", "generic_expand", "replicate_fallback", "NoStrategy", "wrap_result"]
+__all__ = ["expand_op", "TensorArg", "ScalarArg", "ExpandContext", "generic_expand", "replicate_fallback", "NoStrategy", "wrap_result"]
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +122,7 @@ def _propagate(b: SubgraphBuilder, op: Any, args: Any, kwargs: Any) -> Any:
 def generic_expand(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: dict) -> Any:
     """Expand ``op(*args, **kwargs)`` with DTensor's strategy; returns the result pytree."""
     out = _propagate(b, op, args, kwargs)
+    _guard_partition(args, kwargs, out)
     if out.use_val_from_redistribute_schema and any(
         _uneven_axes(b, t.spec) for t in pytree.tree_leaves((args, kwargs), is_leaf=_is_tensor_arg) if isinstance(t, TensorArg)
     ):
@@ -141,10 +143,13 @@ def generic_expand(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple,
         rs_flat = rs_tree = None
     locals_: list[fx.Node] = []
     masks_by_buffer: dict[int, fx.Node] = {}
+    mutated = is_inplace(op)
     for i, (t, dst) in enumerate(zip(tensors, dst_specs)):
         reason = f"input {i} of {_op_name(op)}"
         node, mask = emit_redistribute(b, t.node, t.spec, dst, mask=t.mask, reason=reason)
         locals_.append(node)
+        if _reduces_partial(t.spec, dst) and not (mutated and i == 0):
+            b.replacements[i] = OutTensor(b.slot(node), dst, b.slot(mask) if mask is not None else None)
         if mask is not None:
             for p in dst.placements:
                 if isinstance(p, pt.MaskPartial):
@@ -160,6 +165,13 @@ def generic_expand(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple,
         l_args, l_kwargs = pytree.tree_unflatten(leaves, tree)
     result = b.call(target_op, *l_args, **l_kwargs)
     return wrap_result(b, result, out.output_spec, masks_by_buffer, ctx, op)
+
+
+def _reduces_partial(src: Any, dst: Any) -> bool:
+    """True when going ``src`` -> ``dst`` sums a Partial value (and adds no new Partial)."""
+    reduced = any(s.is_partial() and not d.is_partial() for s, d in zip(src.placements, dst.placements))
+    added = any(d.is_partial() and not s.is_partial() for s, d in zip(src.placements, dst.placements))
+    return reduced and not added
 
 
 def _op_name(op: Any) -> str:
@@ -220,6 +232,64 @@ def _guard_uneven_avg(b: SubgraphBuilder, op: Any, args: Any, kwargs: Any, out: 
     if not bad:
         return out
     raise _UnevenAvg(bad)
+
+
+class _AvoidPartition(Exception):
+    """The strategy splits a replicated input into Partial pieces (x / n per rank) to
+    add it to a Partial one. Reducing the Partial input first is exact and usually what
+    a hand-written program does (Megatron reduces right after the row-parallel matmul)."""
+
+    def __init__(self, axes: set[int]) -> None:
+        super().__init__(axes)
+        self.axes = axes
+
+
+def _dst_specs(out: Any, n: int) -> list[Any] | None:
+    if not (out.needs_redistribute and out.redistribute_schema is not None):
+        return None
+    rs = out.redistribute_schema
+    specs = [x for x in pytree.tree_leaves((tuple(rs.args_schema), dict(rs.kwargs_schema))) if isinstance(x, pt.DTensorSpec)]
+    return specs if len(specs) == n else None
+
+
+def partition_axes(args: Any, kwargs: Any, out: Any) -> set[int]:
+    """Mesh axes on which the strategy turns some Replicate input into Partial."""
+    tensors = [x for x in pytree.tree_leaves((args, kwargs), is_leaf=_is_tensor_arg) if isinstance(x, TensorArg)]
+    dsts = _dst_specs(out, len(tensors))
+    if dsts is None:
+        return set()
+    return {
+        a
+        for t, d in zip(tensors, dsts)
+        for a, (sp, dp) in enumerate(zip(t.spec.placements, d.placements))
+        if sp.is_replicate() and dp.is_partial()
+    }
+
+
+def _guard_partition(args: Any, kwargs: Any, out: Any) -> None:
+    axes = partition_axes(args, kwargs, out)
+    if not axes:
+        return
+    tensors = [x for x in pytree.tree_leaves((args, kwargs), is_leaf=_is_tensor_arg) if isinstance(x, TensorArg)]
+    partial = {a for t in tensors for a, p in enumerate(t.spec.placements) if p.is_partial()} & axes
+    if partial:
+        raise _AvoidPartition(partial)
+
+
+def reduce_partial_axes(ctx: ExpandContext, b: SubgraphBuilder, args: Any, kwargs: Any, axes: set[int], why: str) -> tuple[Any, Any]:
+    """Return args/kwargs with every Partial tensor reduced to Replicate on ``axes``."""
+
+    def fix(x: Any) -> Any:
+        if not isinstance(x, TensorArg):
+            return x
+        pl = [pt.Replicate() if (i in axes and p.is_partial()) else p for i, p in enumerate(x.spec.placements)]
+        if tuple(pl) == tuple(x.spec.placements):
+            return x
+        dst = pt.DTensorSpec(x.spec.mesh, tuple(pl), tensor_meta=x.spec.tensor_meta)
+        node, mask = emit_redistribute(b, x.node, x.spec, dst, mask=x.mask, reason=why)
+        return TensorArg(node, dst, None)
+
+    return pytree.tree_map(fix, (args, kwargs), is_leaf=_is_tensor_arg)
 
 
 class _UnevenAvg(Exception):
@@ -318,3 +388,56 @@ def inplace_follow_self(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: t
     l_args, l_kwargs = pytree.tree_map(lambda x: x.node if isinstance(x, TensorArg) else _global_leaf(x), (f_args, f_kwargs), is_leaf=_is_tensor_arg)
     node = b.call(op, *l_args, **l_kwargs)
     return _out_tensor(b, node, self_arg.spec, {})
+
+
+def expand_op(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: dict) -> Any:
+    """Emit the local program of ``op`` into ``b``; returns the result pytree."""
+    rule = get_rule(op)
+    if rule is not None:
+        return rule(ctx, b, op, args, kwargs)
+    if op in pt.custom_handled_ops():
+        return _custom_handled(ctx, b, op, args, kwargs)
+    for _ in range(ctx.mctx.ndim + 1):
+        try:
+            return generic_expand(ctx, b, op, args, kwargs)
+        except _UnevenAvg as e:
+            args, kwargs = replicate_axes(
+                ctx, b, args, kwargs, e.axes, f"uneven shards under a mean in {op}: replicated first"
+            )
+        except _AvoidPartition as e:
+            args, kwargs = reduce_partial_axes(
+                ctx, b, args, kwargs, e.axes, f"input of {op} (Partial reduced before combining with a replicated input)"
+            )
+        except NoStrategy as e:
+            if is_inplace(op) and torch.Tag.pointwise in op.tags:
+                try:
+                    return inplace_follow_self(ctx, b, op, args, kwargs)
+                except NoStrategy:
+                    pass
+            placements = input_placements_text(args, kwargs)
+            if ctx.fallback == "error":
+                raise UnsupportedOpError(op, placements, ctx.node, f"DTensor has no sharding strategy ({e})") from e
+            ctx.warn_once(
+                op,
+                "spmd_compiler: %s has no sharding strategy for inputs %s (%s); gathering its inputs to Replicate and running it unsharded",
+                op, placements, e,
+            )
+            return replicate_fallback(ctx, b, op, args, kwargs, why=f"no sharding strategy: {e}")
+    raise AssertionError("uneven-average guard did not converge")
+
+
+def _custom_handled(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: dict) -> Any:
+    """Ops DTensor runs through a Python handler: convolution is safe when only the batch
+    dim is sharded; everything else runs on replicated inputs."""
+    if op in (aten.convolution.default, aten.convolution_backward.default):
+        tensors = [x for x in pytree.tree_leaves((args, kwargs), is_leaf=lambda x: isinstance(x, TensorArg)) if isinstance(x, TensorArg)]
+        spatial = any(isinstance(p, pt.Shard) and p.dim >= 2 for t in tensors[:1] for p in t.spec.placements)
+        if not spatial:
+            try:
+                return generic_expand(ctx, b, op, args, kwargs)
+            except NoStrategy:
+                pass
+    if ctx.fallback == "error":
+        raise UnsupportedOpError(op, input_placements_text(args, kwargs), ctx.node, "DTensor needs a custom handler for this op")
+    ctx.warn_once(op, "spmd_compiler: running %s on replicated inputs (DTensor handles it with a custom handler)", op)
+    return replicate_fallback(ctx, b, op, args, kwargs, why="custom DTensor handler")

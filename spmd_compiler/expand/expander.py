@@ -21,15 +21,14 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from .. import _private_torch as pt
-from ..errors import SpmdError, UnsupportedOpError, describe_node
+from ..errors import SpmdError, describe_node
 from . import dispatch
 from .builder import Recipe, SubgraphBuilder, local_fake
 from .cache import ExpansionCache, abstract_key
 from .dispatch import ExpandContext, ScalarArg, TensorArg
-from .registry import get_rule
 from .values import DSymInt, DValue, MeshContext, RScalar, sym_apply
 
-__all__ = ["expand_graph", "ExpansionStats", "expand_op"]
+__all__ = ["expand_graph", "ExpansionStats"]
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -55,53 +54,9 @@ class ExpansionStats:
     fallbacks: list = field(default_factory=list)
 
 
-def expand_op(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: dict) -> Any:
-    """Emit the local program of ``op`` into ``b``; returns the result pytree."""
-    rule = get_rule(op)
-    if rule is not None:
-        return rule(ctx, b, op, args, kwargs)
-    if op in pt.custom_handled_ops():
-        return _custom_handled(ctx, b, op, args, kwargs)
-    for _ in range(ctx.mctx.ndim + 1):
-        try:
-            return dispatch.generic_expand(ctx, b, op, args, kwargs)
-        except dispatch._UnevenAvg as e:
-            args, kwargs = dispatch.replicate_axes(
-                ctx, b, args, kwargs, e.axes, f"uneven shards under a mean in {op}: replicated first"
-            )
-        except dispatch.NoStrategy as e:
-            if dispatch.is_inplace(op) and torch.Tag.pointwise in op.tags:
-                try:
-                    return dispatch.inplace_follow_self(ctx, b, op, args, kwargs)
-                except dispatch.NoStrategy:
-                    pass
-            placements = dispatch.input_placements_text(args, kwargs)
-            if ctx.fallback == "error":
-                raise UnsupportedOpError(op, placements, ctx.node, f"DTensor has no sharding strategy ({e})") from e
-            ctx.warn_once(
-                op,
-                "spmd_compiler: %s has no sharding strategy for inputs %s (%s); gathering its inputs to Replicate and running it unsharded",
-                op, placements, e,
-            )
-            return dispatch.replicate_fallback(ctx, b, op, args, kwargs, why=f"no sharding strategy: {e}")
-    raise AssertionError("uneven-average guard did not converge")
-
-
-def _custom_handled(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: dict) -> Any:
-    """Ops DTensor runs through a Python handler: convolution is safe when only the batch
-    dim is sharded; everything else runs on replicated inputs."""
-    if op in (aten.convolution.default, aten.convolution_backward.default):
-        tensors = [x for x in pytree.tree_leaves((args, kwargs), is_leaf=lambda x: isinstance(x, TensorArg)) if isinstance(x, TensorArg)]
-        spatial = any(isinstance(p, pt.Shard) and p.dim >= 2 for t in tensors[:1] for p in t.spec.placements)
-        if not spatial:
-            try:
-                return dispatch.generic_expand(ctx, b, op, args, kwargs)
-            except dispatch.NoStrategy:
-                pass
-    if ctx.fallback == "error":
-        raise UnsupportedOpError(op, dispatch.input_placements_text(args, kwargs), ctx.node, "DTensor needs a custom handler for this op")
-    ctx.warn_once(op, "spmd_compiler: running %s on replicated inputs (DTensor handles it with a custom handler)", op)
-    return dispatch.replicate_fallback(ctx, b, op, args, kwargs, why="custom DTensor handler")
+def inputs_by_leaf(args: Any, kwargs: Any) -> list[fx.Node]:
+    """The per-rank node of every DValue argument, in flatten order."""
+    return [x.node for x in pytree.tree_leaves((args, kwargs), is_leaf=lambda x: isinstance(x, DValue)) if isinstance(x, DValue)]
 
 
 def _is_uneven(shape: Any, placements: Any, mesh_shape: Any) -> bool:
@@ -281,7 +236,14 @@ class _Expander:
                     inputs.append(leaf.mask)
             elif isinstance(leaf, RScalar):
                 inputs.append(leaf.node)
-        return splice_recipe(self.graph, recipe, self.coords, inputs, node)
+        value, replacements = splice_recipe(self.graph, recipe, self.coords, inputs, node)
+        if replacements:
+            # a Partial argument was reduced for this op: later users take the reduced copy
+            traced_args = [a for a in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(a, fx.Node) and isinstance(self.env.get(a), DValue)]
+            for i, new in replacements.items():
+                if i < len(traced_args) and self.env[traced_args[i]].node is inputs_by_leaf(args, kwargs)[i]:
+                    self.env[traced_args[i]] = new
+        return value
 
     def _build(self, node: fx.Node, op: Any, args: tuple, kwargs: dict) -> Recipe:
         b = SubgraphBuilder(self.mctx, self.fake_mode)
@@ -297,7 +259,7 @@ class _Expander:
             return x
 
         r_args, r_kwargs = pytree.tree_map(to_arg, (args, kwargs), is_leaf=lambda x: isinstance(x, DValue))
-        result = expand_op(ctx, b, op, r_args, r_kwargs)
+        result = dispatch.expand_op(ctx, b, op, r_args, r_kwargs)
         notes = {}
         fallback = [n.meta["spmd_fallback"] for n in b.graph.nodes if "spmd_fallback" in n.meta]
         if fallback:

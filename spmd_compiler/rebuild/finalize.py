@@ -98,7 +98,7 @@ def redistribute_value(ex: Any, value: DValue, dst: Any, reason: str, origin: fx
 
     recipe = b.finish(OutTensor(b.slot(out), dst))
     inputs = [value.node] + ([value.mask] if value.mask is not None else [])
-    return splice_recipe(ex.graph, recipe, ex.coords, inputs, origin)
+    return splice_recipe(ex.graph, recipe, ex.coords, inputs, origin)[0]
 
 
 def finalize(ex: Any, *, reduce_partial_outputs: bool = True) -> ExpandedStep:

@@ -45,8 +45,9 @@ def splice_recipe(
 ) -> Any:
     """Copy ``recipe`` into ``graph`` with its placeholders bound to ``coords + inputs``.
 
-    Returns the traced node's value: the recipe result with every :class:`OutTensor`
-    replaced by a :class:`DValue` over the copied node.
+    Returns ``(value, replacements)``: the traced node's value (the recipe result with
+    every :class:`OutTensor` replaced by a :class:`DValue` over the copied node), and
+    reduced copies of tensor arguments by argument index (see ``Recipe.replacements``).
     """
     placeholders = [n for n in recipe.graph.nodes if n.op == "placeholder"]
     bound = list(coords) + list(inputs)
@@ -87,4 +88,6 @@ def splice_recipe(
             return RScalar(outputs[leaf.index], leaf.hint)
         return leaf
 
-    return pytree.tree_map(to_value, recipe.result, is_leaf=lambda x: isinstance(x, (OutTensor, OutScalar)))
+    result = pytree.tree_map(to_value, recipe.result, is_leaf=lambda x: isinstance(x, (OutTensor, OutScalar)))
+    replacements = {i: to_value(o) for i, o in recipe.replacements.items()}
+    return result, replacements
