@@ -126,7 +126,7 @@ def main() -> int:
             ref_losses = []
             for i in range(args.steps):
                 ids, targets = batch_for_step(i, args)
-                ref_losses.append(float(train_step(reference, ref_opt, ids.to(device), targets.to(device))))
+                ref_losses.append(train_step(reference, ref_opt, ids.to(device), targets.to(device)).item())
             worst = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref_losses))
             ok = worst <= args.tolerance
             print(f"single-device check: max relative loss difference {worst:.2e} over {args.steps} steps "

@@ -35,11 +35,21 @@ class NoStrategy(Exception):
 
 @dataclass
 class TensorArg:
-    """A tensor argument inside a recipe: its recipe node, spec and optional mask node."""
+    """A tensor argument inside a recipe: its recipe node, spec and optional mask node.
+
+    ``index`` is its position among the traced node's tensor arguments (None for values
+    a rule derives inside the recipe, which ``label`` describes instead).
+    """
 
     node: fx.Node
     spec: Any
     mask: fx.Node | None = None
+    index: int | None = None
+    label: str | None = None
+
+    def moved(self, node: fx.Node, spec: Any, mask: fx.Node | None) -> "TensorArg":
+        """The same argument after a redistribution."""
+        return TensorArg(node, spec, mask, self.index, self.label)
 
     @property
     def local(self) -> torch.Tensor:
@@ -145,8 +155,8 @@ def generic_expand(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple,
     masks_by_buffer: dict[int, fx.Node] = {}
     mutated = is_inplace(op)
     for i, (t, dst) in enumerate(zip(tensors, dst_specs)):
-        reason = f"input {i} of {_op_name(op)}"
-        node, mask = emit_redistribute(b, t.node, t.spec, dst, mask=t.mask, reason=reason)
+        reason = f"input {i} of {_op_name(op)}"  # i counts this op's tensor arguments
+        node, mask = emit_redistribute(b, t.node, t.spec, dst, mask=t.mask, reason=reason, input_index=t.index, value_label=t.label)
         locals_.append(node)
         if _reduces_partial(t.spec, dst) and not (mutated and i == 0):
             b.replacements[i] = OutTensor(b.slot(node), dst, b.slot(mask) if mask is not None else None)
@@ -279,15 +289,18 @@ def _guard_partition(args: Any, kwargs: Any, out: Any) -> None:
 def reduce_partial_axes(ctx: ExpandContext, b: SubgraphBuilder, args: Any, kwargs: Any, axes: set[int], why: str) -> tuple[Any, Any]:
     """Return args/kwargs with every Partial tensor reduced to Replicate on ``axes``."""
 
+    counter = iter(range(1 << 30))
+
     def fix(x: Any) -> Any:
         if not isinstance(x, TensorArg):
             return x
+        index = next(counter)
         pl = [pt.Replicate() if (i in axes and p.is_partial()) else p for i, p in enumerate(x.spec.placements)]
         if tuple(pl) == tuple(x.spec.placements):
             return x
         dst = pt.DTensorSpec(x.spec.mesh, tuple(pl), tensor_meta=x.spec.tensor_meta)
-        node, mask = emit_redistribute(b, x.node, x.spec, dst, mask=x.mask, reason=why)
-        return TensorArg(node, dst, None)
+        node, mask = emit_redistribute(b, x.node, x.spec, dst, mask=x.mask, reason=why, input_index=x.index, value_label=x.label)
+        return x.moved(node, dst, None)
 
     return pytree.tree_map(fix, (args, kwargs), is_leaf=_is_tensor_arg)
 
@@ -302,11 +315,14 @@ def replicate_fallback(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tu
     """Gather every tensor input to Replicate and run ``op`` on whole tensors."""
     flat, tree = pytree.tree_flatten((args, kwargs), is_leaf=_is_tensor_arg)
     leaves = []
-    for i, x in enumerate(flat):
+    i = 0
+    for x in flat:
         if isinstance(x, TensorArg):
             dst = pt.make_spec(ctx.mctx.mesh, [pt.Replicate()] * ctx.mctx.ndim, x.spec.shape, x.spec.stride, x.spec.tensor_meta.dtype)
-            node, _ = emit_redistribute(b, x.node, x.spec, dst, mask=x.mask, reason=f"input {i} of {_op_name(op)} (replicate fallback{': ' + why if why else ''})")
+            reason = f"input {i} of {_op_name(op)} (replicate fallback{': ' + why if why else ''})"
+            node, _ = emit_redistribute(b, x.node, x.spec, dst, mask=x.mask, reason=reason, input_index=x.index, value_label=x.label)
             leaves.append(node)
+            i += 1
         else:
             leaves.append(_global_leaf(x))
     l_args, l_kwargs = pytree.tree_unflatten(leaves, tree)
@@ -334,15 +350,18 @@ def _replicated_result(ctx: ExpandContext, b: SubgraphBuilder, node: fx.Node) ->
 def replicate_axes(ctx: ExpandContext, b: SubgraphBuilder, args: Any, kwargs: Any, axes: set[int], why: str) -> tuple[Any, Any]:
     """Return args/kwargs with every tensor redistributed to Replicate on ``axes``."""
 
+    counter = iter(range(1 << 30))
+
     def fix(x: Any) -> Any:
         if not isinstance(x, TensorArg):
             return x
+        index = next(counter)
         pl = [pt.Replicate() if i in axes else p for i, p in enumerate(x.spec.placements)]
         if tuple(pl) == tuple(x.spec.placements):
             return x
         dst = pt.DTensorSpec(x.spec.mesh, tuple(pl), tensor_meta=x.spec.tensor_meta)
-        node, mask = emit_redistribute(b, x.node, x.spec, dst, mask=x.mask, reason=why)
-        return TensorArg(node, dst, mask)
+        node, mask = emit_redistribute(b, x.node, x.spec, dst, mask=x.mask, reason=why, input_index=x.index, value_label=x.label)
+        return x.moved(node, dst, mask)
 
     return pytree.tree_map(fix, (args, kwargs), is_leaf=_is_tensor_arg)
 
@@ -368,8 +387,13 @@ def inplace_follow_self(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: t
         raise NoStrategy(f"in-place {op} on a Partial value")
     s_shape = list(self_arg.spec.shape)
 
+    counter = iter(range(1 << 30))
+
     def fix(x: Any) -> Any:
-        if not isinstance(x, TensorArg) or x is self_arg:
+        if not isinstance(x, TensorArg):
+            return x
+        index = next(counter)
+        if x is self_arg:
             return x
         shape = list(x.spec.shape)
         lead = len(s_shape) - len(shape)
@@ -381,8 +405,8 @@ def inplace_follow_self(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: t
             else:
                 placements.append(pt.Replicate())
         dst = pt.DTensorSpec(x.spec.mesh, tuple(placements), tensor_meta=x.spec.tensor_meta)
-        node, mask = emit_redistribute(b, x.node, x.spec, dst, mask=x.mask, reason=f"input of in-place {_op_name(op)} follows self")
-        return TensorArg(node, dst, mask)
+        node, mask = emit_redistribute(b, x.node, x.spec, dst, mask=x.mask, reason=f"input {index} of in-place {_op_name(op)} follows self", input_index=x.index, value_label=x.label)
+        return x.moved(node, dst, mask)
 
     f_args, f_kwargs = pytree.tree_map(fix, (args, kwargs), is_leaf=_is_tensor_arg)
     l_args, l_kwargs = pytree.tree_map(lambda x: x.node if isinstance(x, TensorArg) else _global_leaf(x), (f_args, f_kwargs), is_leaf=_is_tensor_arg)

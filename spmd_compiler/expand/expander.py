@@ -236,10 +236,10 @@ class _Expander:
                     inputs.append(leaf.mask)
             elif isinstance(leaf, RScalar):
                 inputs.append(leaf.node)
-        value, replacements = splice_recipe(self.graph, recipe, self.coords, inputs, node)
+        traced_args = [a for a in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(a, fx.Node) and isinstance(self.env.get(a), DValue)]
+        value, replacements = splice_recipe(self.graph, recipe, self.coords, inputs, node, [a.name for a in traced_args])
         if replacements:
             # a Partial argument was reduced for this op: later users take the reduced copy
-            traced_args = [a for a in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(a, fx.Node) and isinstance(self.env.get(a), DValue)]
             for i, new in replacements.items():
                 if i < len(traced_args) and self.env[traced_args[i]].node is inputs_by_leaf(args, kwargs)[i]:
                     self.env[traced_args[i]] = new
@@ -249,11 +249,13 @@ class _Expander:
         b = SubgraphBuilder(self.mctx, self.fake_mode)
         ctx = ExpandContext(self.mctx, self.fake_mode, self.fallback, node, self.warned)
 
+        counter = iter(range(1 << 30))
+
         def to_arg(x: Any) -> Any:
             if isinstance(x, DValue):
                 n = b.input(x.local, x.node.name)
                 mask = b.input(x.mask.meta["val"], x.node.name + "_mask") if x.mask is not None else None
-                return TensorArg(n, x.spec, mask)
+                return TensorArg(n, x.spec, mask, index=next(counter))
             if isinstance(x, RScalar):
                 return ScalarArg(b.input(x.hint, "scalar"), x.hint)
             return x

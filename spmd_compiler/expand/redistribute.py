@@ -89,6 +89,7 @@ def _collective(b: SubgraphBuilder, op: Any, kind: str, x: fx.Node, axis: int, a
             "bytes": buffer_bytes,
             "wire_bytes": _wire_bytes(kind, buffer_bytes, n),
             "dtype": str(val.dtype).replace("torch.", ""),
+            **getattr(b, "comm_context", {}),
         }
     }
     started = b.call(op, x, *args, group, meta=meta)
@@ -135,9 +136,13 @@ def emit_redistribute(
     *,
     mask: fx.Node | None = None,
     reason: str = "",
+    input_index: int | None = None,
+    value_label: str | None = None,
 ) -> tuple[fx.Node, fx.Node | None]:
     """Emit the ops that turn local tensor ``x`` laid out as ``src`` into ``dst``.
 
+    ``reason`` and ``input_index`` (which tensor argument of the op is redistributed)
+    are recorded on every collective emitted, for provenance.
     Returns the new local node and, when ``dst`` has a MaskPartial placement created here,
     its mask node (else the incoming ``mask``).
     """
@@ -155,7 +160,16 @@ def emit_redistribute(
             current[axis] = t
             continue
         logical = logical_shape(b, global_shape, current, axis)
-        why = f"{reason}: {placements_text([s])}->{placements_text([t])} on '{mctx.axis_names[axis]}'"
+        transition = f"{placements_text([s])}->{placements_text([t])}"
+        why = f"{reason}: {transition} on '{mctx.axis_names[axis]}'"
+        b.comm_context = {
+            "input_index": input_index,
+            "transition": transition,
+            "from": placements_text(src.placements),
+            "to": placements_text(dst.placements),
+            "why": reason,
+            **({"value_label": value_label} if value_label else {}),
+        }
         x, mask = _emit_step(b, x, axis, s, t, logical, mask, why)
         current[axis] = t
     return x, mask

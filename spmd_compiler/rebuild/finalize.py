@@ -86,19 +86,19 @@ def _storage_root(node: fx.Node) -> fx.Node:
     return node
 
 
-def redistribute_value(ex: Any, value: DValue, dst: Any, reason: str, origin: fx.Node | None) -> DValue:
+def redistribute_value(ex: Any, value: DValue, dst: Any, reason: str, origin: fx.Node | None, value_name: str | None = None) -> DValue:
     """Splice the redistribution of ``value`` to ``dst`` into the per-rank graph."""
     if tuple(value.spec.placements) == tuple(dst.placements):
         return value
     b = SubgraphBuilder(ex.mctx, ex.fake_mode)
     x = b.input(value.local, value.node.name)
     mask = b.input(value.mask.meta["val"], "mask") if value.mask is not None else None
-    out, _ = emit_redistribute(b, x, value.spec, dst, mask=mask, reason=reason)
+    out, _ = emit_redistribute(b, x, value.spec, dst, mask=mask, reason=reason, input_index=0)
     from ..expand.builder import OutTensor
 
     recipe = b.finish(OutTensor(b.slot(out), dst))
     inputs = [value.node] + ([value.mask] if value.mask is not None else [])
-    return splice_recipe(ex.graph, recipe, ex.coords, inputs, origin)[0]
+    return splice_recipe(ex.graph, recipe, ex.coords, inputs, origin, [value_name or value.node.name])[0]
 
 
 def finalize(ex: Any, *, reduce_partial_outputs: bool = True) -> ExpandedStep:
@@ -111,7 +111,9 @@ def finalize(ex: Any, *, reduce_partial_outputs: bool = True) -> ExpandedStep:
     out_nodes: list[fx.Node] = []
     slots: list[OutputSlot] = []
     new_keys = set(traced.new_optim_keys)
-    for desc, value in zip(traced.outputs, ex.output_values):
+    out_args = list(output_node.args[0])
+    for desc, value, traced_out in zip(traced.outputs, ex.output_values, out_args):
+        tname = traced_out.name if isinstance(traced_out, fx.Node) else None
         if desc.kind == "user":
             if not isinstance(value, DValue):
                 raise SpmdError(f"step output {desc.index} is not a tensor after expansion: {value!r}")
@@ -121,13 +123,13 @@ def finalize(ex: Any, *, reduce_partial_outputs: bool = True) -> ExpandedStep:
                     tuple(pt.Replicate() if p.is_partial() else p for p in value.spec.placements),
                     tensor_meta=value.spec.tensor_meta,
                 )
-                value = redistribute_value(ex, value, dst, f"step output {desc.index} is Partial", output_node)
+                value = redistribute_value(ex, value, dst, f"step output {desc.index} is Partial", output_node, tname)
             out_nodes.append(value.node)
             slots.append(OutputSlot("user", value.spec, index=desc.index))
             continue
         if desc.kind == "optim" and (desc.name, desc.key) in new_keys:
             dst = _new_state_spec(traced, ex, desc, value)
-            value = redistribute_value(ex, value, dst, f"new optimizer state {desc.name}[{desc.key!r}]", output_node)
+            value = redistribute_value(ex, value, dst, f"new optimizer state {desc.name}[{desc.key!r}]", output_node, tname)
             out_nodes.append(value.node)
             slots.append(OutputSlot("optim", value.spec, name=desc.name, key=desc.key))
             continue
@@ -137,7 +139,7 @@ def finalize(ex: Any, *, reduce_partial_outputs: bool = True) -> ExpandedStep:
             raise SpmdError(f"updated {desc.kind} {desc.name} is not a tensor after expansion")
         if _storage_root(value.node) is target.node and tuple(value.spec.placements) == tuple(target.spec.placements):
             continue
-        value = redistribute_value(ex, value, target.spec, f"write back {desc.kind} {desc.name}", output_node)
+        value = redistribute_value(ex, value, target.spec, f"write back {desc.kind} {desc.name}", output_node, tname)
         if _storage_root(value.node) is target.node:
             continue
         copy = g.call_function(aten.copy_.default, (target.node, value.node))

@@ -42,8 +42,12 @@ def splice_recipe(
     coords: list[fx.Node],
     inputs: list[fx.Node],
     origin: fx.Node | None,
+    arg_names: list[str] | None = None,
 ) -> Any:
     """Copy ``recipe`` into ``graph`` with its placeholders bound to ``coords + inputs``.
+
+    ``arg_names`` names the traced value behind each tensor argument (for provenance:
+    a collective says which value it moves).
 
     Returns ``(value, replacements)``: the traced node's value (the recipe result with
     every :class:`OutTensor` replaced by a :class:`DValue` over the copied node), and
@@ -74,7 +78,17 @@ def splice_recipe(
             if "stack_trace" in origin.meta:
                 new.meta["stack_trace"] = origin.meta["stack_trace"]
             if "spmd_comm" in n.meta:
-                new.meta["spmd_comm"] = {**n.meta["spmd_comm"], "origin": origin.name}
+                comm = {**n.meta["spmd_comm"], "origin": origin.name, "op": str(origin.target), "source": record["source"]}
+                idx = comm.get("input_index")
+                if arg_names is not None and idx is not None and idx < len(arg_names):
+                    comm["value"] = arg_names[idx]
+                elif "value_label" in comm:
+                    label = comm["value_label"]
+                    try:
+                        comm["value"] = label.format(*(arg_names or []))
+                    except (IndexError, KeyError, ValueError):
+                        comm["value"] = label
+                new.meta["spmd_comm"] = comm
         env[n] = new
 
     def to_value(leaf: Any) -> Any:

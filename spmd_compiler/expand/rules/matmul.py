@@ -32,4 +32,8 @@ def _addmm(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs:
         return generic_expand(ctx, b, op, args, kwargs)
     product = expand_op(ctx, b, aten.mm.default, (m1, m2), {})
     node = b._outputs[product.index]
-    return expand_op(ctx, b, aten.add.Tensor, (TensorArg(node, product.spec), bias), {})
+    # "{1} @ {2}" is filled with the traced names of addmm's inputs when spliced
+    left = m1.label or ("{%d}" % m1.index if m1.index is not None else "input 1")
+    right = m2.label or ("{%d}" % m2.index if m2.index is not None else "input 2")
+    product_arg = TensorArg(node, product.spec, label=f"{left} @ {right}")
+    return expand_op(ctx, b, aten.add.Tensor, (product_arg, bias), {})
