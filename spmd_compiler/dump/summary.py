@@ -9,17 +9,11 @@ from typing import Any
 
 import torch.fx as fx
 
+from .format import format_bytes
+
 __all__ = ["CommRow", "CommSummary", "comm_summary", "format_bytes"]
 
 PHASE_ORDER = ("forward", "backward", "optimizer", "output")
-
-
-def format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
 
 
 @dataclass(frozen=True)

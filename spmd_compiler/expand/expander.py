@@ -26,7 +26,7 @@ from . import dispatch
 from .builder import Recipe, SubgraphBuilder, local_fake
 from .cache import ExpansionCache, abstract_key
 from .dispatch import ExpandContext, ScalarArg, TensorArg
-from .values import DSymInt, DValue, MeshContext, RScalar, sym_apply
+from .values import DSymInt, DValue, MeshContext, RScalar, placements_text, sym_apply
 
 __all__ = ["expand_graph", "ExpansionStats"]
 
@@ -95,10 +95,15 @@ class _Expander:
 
     # ------------------------------------------------------------------ nodes
     def run(self) -> None:
+        from .progress import Progress
+
         start = time.perf_counter()
         inputs = iter(zip(self.traced.inputs, self.placements))
-        for node in self.traced.gm.graph.nodes:
+        nodes = list(self.traced.gm.graph.nodes)
+        progress = Progress("expanding", len(nodes), log)
+        for node in nodes:
             self.stats.nodes += 1
+            progress.update(self.stats.nodes)
             try:
                 if node.op == "placeholder":
                     inp, pl = next(inputs)
@@ -115,6 +120,7 @@ class _Expander:
                 raise
             except Exception as e:
                 raise SpmdError(f"expanding {node.name} failed: {type(e).__name__}: {e}" + describe_node(node)) from e
+        progress.done()
         self.stats.seconds = time.perf_counter() - start
         self.stats.cache = self.cache.stats()
 
@@ -221,9 +227,17 @@ class _Expander:
 
         key = (op, abstract_key(args), abstract_key(kwargs), self.fallback)
         recipe = self.cache.lookup(key, self.mctx.coordinate)
+        hit = recipe is not None
         if recipe is None:
             recipe = self._build(node, op, args, kwargs)
             self.cache.store(key, self.mctx.coordinate, recipe)
+        if log.isEnabledFor(logging.DEBUG):
+            ins = ", ".join(placements_text(a.spec.placements) for a in pytree.tree_leaves((args, kwargs), is_leaf=lambda x: isinstance(x, DValue)) if isinstance(a, DValue))
+            out = recipe.result.spec.placements if hasattr(recipe.result, "spec") else None
+            log.debug(
+                "expand %s = %s(%s) -> %s: %d nodes, %d collectives (%s)",
+                node.name, op, ins, placements_text(out) if out else "-", len(recipe.graph.nodes), recipe.num_collectives(), "cached" if hit else "new",
+            )
         if recipe.coord_dependent:
             self.stats.coord_dependent = True
         if "fallback" in recipe.notes:

@@ -102,6 +102,10 @@ def splice_recipe(
             return RScalar(outputs[leaf.index], leaf.hint)
         return leaf
 
+    if origin is not None and isinstance(recipe.result, OutTensor):
+        main = outputs[recipe.result.index]
+        if main not in bound:  # the op's own result takes the traced node's name
+            pt.rename_node(main, origin.name)
     result = pytree.tree_map(to_value, recipe.result, is_leaf=lambda x: isinstance(x, (OutTensor, OutScalar)))
     replacements = {i: to_value(o) for i, o in recipe.replacements.items()}
     return result, replacements

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -90,6 +91,7 @@ class CompiledStep:
         fallback: str = "replicate",
         symbolic: str = "batch",
         check_ranks: bool = True,
+        dump_dir: str | None = None,
     ) -> None:
         if not callable(fn):
             raise TypeError(f"compile() needs a callable train_step, got {type(fn).__name__}")
@@ -107,6 +109,10 @@ class CompiledStep:
         self._last_key: Any = None
         self.compiles = 0
         self.last: Any = None
+        self.dump_dir = dump_dir
+        self.dumps: list[Any] = []
+        # explain mode (python -m spmd_compiler explain): compile and dump, never execute
+        self.explain = os.environ.get("SPMD_COMPILER_EXPLAIN") == "1"
         functools.update_wrapper(self, fn)
 
     @property
@@ -228,12 +234,28 @@ class CompiledStep:
         elapsed = time.perf_counter() - start
         self.compiles += 1
         step.timings["total"] = elapsed
+        self._maybe_dump(step)
+        if log.isEnabledFor(logging.INFO):
+            from ..dump.summary import comm_summary
+
+            log.info("collectives per rank per step:\n%s", comm_summary(step.gm).table())
         log.info(
             "compiled %s in %.2fs (trace %.2fs, expand %.2fs, rebuild %.2fs): %d nodes, %d collectives",
             getattr(self.fn, "__name__", "step"), elapsed, step.timings["trace"], step.timings["expand"], step.timings["rebuild"],
             len(step.gm.graph.nodes), len(step.collectives()),
         )
         return _Entry(step, elapsed, reason, dict(step.timings))
+
+    def _maybe_dump(self, step: Any) -> None:
+        from ..dump.writer import dump_root, should_dump, write_dump
+
+        root = dump_root(self.dump_dir)
+        if root is None or not should_dump(dist.get_rank() if dist.is_initialized() else 0):
+            return
+        name = getattr(self.fn, "__name__", "step")
+        folder = write_dump(root, step, name=name, info={"world size": dist.get_world_size() if dist.is_initialized() else 1})
+        self.dumps.append(folder)
+        log.info("dump of %s written to %s", name, folder)
 
     # ------------------------------------------------------------------ run
     def _run(self, step: Any, model: Any, optimizer: Any, batch: tuple, kwargs: dict) -> Any:
@@ -251,8 +273,12 @@ class CompiledStep:
             else:
                 t = leaves[inp.index]
             inputs.append(pt.local_tensor(t))
-        with torch.no_grad():
-            outs = step.gm(*inputs)
+        if self.explain:
+            vals = [n.meta["val"] for n in step.gm.graph.find_nodes(op="output")[0].args[0]]
+            outs = [torch.zeros(v.shape, dtype=v.dtype, device=v.device) for v in vals]
+        else:
+            with torch.no_grad():
+                outs = step.gm(*inputs)
         user: dict[int, Any] = dict(traced.user_constants)
         mesh = self.mesh
         for slot, out in zip(step.outputs, outs):
@@ -310,7 +336,8 @@ def compile(fn: Callable[..., Any] | None = None, *, mesh: Any, plan: Plan | Non
         mesh: a DeviceMesh, a shape tuple, or ``{"dp": 2, "tp": 2}``.
         plan: placements (default: data parallel).
         options: ``fallback`` ("replicate" | "error"), ``symbolic`` ("batch" | "all"),
-            ``check_ranks`` (exchange graph fingerprints at compile, default True).
+            ``check_ranks`` (exchange graph fingerprints at compile, default True),
+            ``dump_dir`` (write a dump folder per compile; ``$SPMD_COMPILER_DUMP`` too).
     """
     if fn is None:
         return lambda f: CompiledStep(f, mesh=mesh, plan=plan, **options)

@@ -1,0 +1,135 @@
+"""Writing one dump folder per compile.
+
+Layout of ``<dump_dir>/<step>-<NNN>-rank<R>/``:
+
+=====================  =====================================================
+``traced.py``          the traced single-device graph, annotated
+``expanded.py``        the per-rank graph right after expansion, annotated
+``pass_NN_<name>.py``  the per-rank graph after each optimization pass
+``stage_<k>.py``       each pipeline stage, when there are stages
+``collectives.json``   every collective with its provenance and bytes
+``comm_summary.json``  count and bytes per phase, kind and mesh axis (and ``.txt``)
+``meta.json``          mesh, coordinate, plan source of every input, timings
+``report.html``        self-contained, searchable report (open in a browser)
+=====================  =====================================================
+
+Dumps are written when ``compile(..., dump_dir=...)`` is given or the environment
+variable ``SPMD_COMPILER_DUMP`` names a directory; by default only rank 0 writes
+(``SPMD_COMPILER_DUMP_RANKS=all`` makes every rank write its own folder).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pathlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch.distributed as dist
+import torch.fx as fx
+
+from .html import render_report
+from .printer import annotated_code
+from .summary import comm_summary
+
+__all__ = ["write_dump", "dump_root", "collectives_table", "should_dump"]
+
+log = logging.getLogger(__name__)
+
+ENV_DIR = "SPMD_COMPILER_DUMP"
+ENV_RANKS = "SPMD_COMPILER_DUMP_RANKS"
+
+
+def dump_root(explicit: str | os.PathLike | None) -> pathlib.Path | None:
+    """The dump directory: the explicit argument, else ``$SPMD_COMPILER_DUMP``, else None."""
+    value = explicit if explicit is not None else os.environ.get(ENV_DIR)
+    return pathlib.Path(value) if value else None
+
+
+def should_dump(rank: int) -> bool:
+    return rank == 0 or os.environ.get(ENV_RANKS, "") == "all"
+
+
+def collectives_table(gm: fx.GraphModule) -> list[dict[str, Any]]:
+    """One JSON-able record per collective node of ``gm``."""
+    out = []
+    for node in gm.graph.nodes:
+        c = node.meta.get("spmd_comm")
+        if c is None:
+            continue
+        rec = {k: v for k, v in c.items() if isinstance(v, (str, int, float, bool, list, type(None)))}
+        rec["node"] = node.name
+        rec["phase"] = node.meta.get("spmd_phase", "?")
+        out.append(rec)
+    return out
+
+
+def _next_folder(root: pathlib.Path, name: str, rank: int) -> pathlib.Path:
+    root.mkdir(parents=True, exist_ok=True)
+    existing = [p.name for p in root.glob(f"{name}-*-rank{rank}")]
+    n = 0
+    while f"{name}-{n:03d}-rank{rank}" in existing:
+        n += 1
+    folder = root / f"{name}-{n:03d}-rank{rank}"
+    folder.mkdir()
+    return folder
+
+
+def write_dump(
+    root: str | os.PathLike,
+    step: Any,
+    *,
+    name: str = "step",
+    passes: Sequence[tuple[str, fx.GraphModule]] = (),
+    stages: Sequence[tuple[str, fx.GraphModule]] = (),
+    final: fx.GraphModule | None = None,
+    info: dict[str, Any] | None = None,
+) -> pathlib.Path:
+    """Write the dump of one compile (an ExpandedStep) and return its folder.
+
+    ``passes`` are (pass name, graph after it); ``final`` is the graph that runs (the last
+    pass's output, or the expanded graph); the summary and report describe ``final``.
+    """
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    folder = _next_folder(pathlib.Path(root), name, rank)
+    final = final if final is not None else step.gm
+    (folder / "traced.py").write_text(annotated_code(step.traced.gm, title=f"{name}: traced single-device graph", traced=True))
+    (folder / "expanded.py").write_text(annotated_code(step.gm, title=f"{name}: per-rank graph after expansion (coordinate {step.mctx.coordinate})"))
+    for i, (pass_name, gm) in enumerate(passes):
+        (folder / f"pass_{i:02d}_{pass_name}.py").write_text(annotated_code(gm, title=f"{name}: after pass {pass_name}"))
+    for stage_name, gm in stages:
+        (folder / f"stage_{stage_name}.py").write_text(annotated_code(gm, title=f"{name}: pipeline stage {stage_name}"))
+    summary = comm_summary(final)
+    (folder / "comm_summary.json").write_text(summary.to_json())
+    (folder / "comm_summary.txt").write_text(summary.table() + "\n")
+    (folder / "collectives.json").write_text(json.dumps(collectives_table(final), indent=1))
+    meta = {
+        "name": name,
+        "rank": rank,
+        "mesh": dict(zip(step.mctx.axis_names, step.mctx.shape)),
+        "coordinate": list(step.mctx.coordinate),
+        "rank_independent": step.rank_independent,
+        "timings": step.timings,
+        "nodes": {"traced": len(step.traced.gm.graph.nodes), "expanded": len(step.gm.graph.nodes), "final": len(final.graph.nodes)},
+        "inputs": [
+            {"name": inp.label, "kind": inp.kind, "global_shape": list(inp.shape), "placements": str(list(spec.placements)), "from": src}
+            for inp, spec, src in zip(step.traced.inputs, step.input_specs, step.plan_sources or [""] * len(step.input_specs))
+        ],
+        "passes": [p for p, _ in passes],
+        **(info or {}),
+    }
+    (folder / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
+    report_step = step if final is step.gm else _with_gm(step, final)
+    (folder / "report.html").write_text(render_report(report_step, summary, title=f"spmd-compiler: {name}", info=info))
+    log.info("wrote dump %s", folder)
+    return folder
+
+
+def _with_gm(step: Any, gm: fx.GraphModule) -> Any:
+    import copy
+
+    clone = copy.copy(step)
+    clone.gm = gm
+    return clone
