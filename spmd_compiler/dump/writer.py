@@ -82,23 +82,26 @@ def write_dump(
     step: Any,
     *,
     name: str = "step",
-    passes: Sequence[tuple[str, fx.GraphModule]] = (),
+    expanded_text: str | None = None,
+    pass_texts: Sequence[tuple[str, str]] = (),
     stages: Sequence[tuple[str, fx.GraphModule]] = (),
-    final: fx.GraphModule | None = None,
     info: dict[str, Any] | None = None,
 ) -> pathlib.Path:
     """Write the dump of one compile (an ExpandedStep) and return its folder.
 
-    ``passes`` are (pass name, graph after it); ``final`` is the graph that runs (the last
-    pass's output, or the expanded graph); the summary and report describe ``final``.
+    ``step.gm`` is the graph that runs (after the passes); the summary, collectives and
+    report describe it. ``expanded_text`` is the annotated graph before the passes (taken
+    before they changed it; default: ``step.gm``), ``pass_texts`` one (name, annotated
+    graph) per pass.
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     folder = _next_folder(pathlib.Path(root), name, rank)
-    final = final if final is not None else step.gm
+    final = step.gm
     (folder / "traced.py").write_text(annotated_code(step.traced.gm, title=f"{name}: traced single-device graph", traced=True))
-    (folder / "expanded.py").write_text(annotated_code(step.gm, title=f"{name}: per-rank graph after expansion (coordinate {step.mctx.coordinate})"))
-    for i, (pass_name, gm) in enumerate(passes):
-        (folder / f"pass_{i:02d}_{pass_name}.py").write_text(annotated_code(gm, title=f"{name}: after pass {pass_name}"))
+    expanded = expanded_text or annotated_code(step.gm, title=f"{name}: per-rank graph after expansion (coordinate {step.mctx.coordinate})")
+    (folder / "expanded.py").write_text(expanded)
+    for i, (pass_name, text) in enumerate(pass_texts):
+        (folder / f"pass_{i:02d}_{pass_name}.py").write_text(text)
     for stage_name, gm in stages:
         (folder / f"stage_{stage_name}.py").write_text(annotated_code(gm, title=f"{name}: pipeline stage {stage_name}"))
     summary = comm_summary(final)
@@ -117,19 +120,10 @@ def write_dump(
             {"name": inp.label, "kind": inp.kind, "global_shape": list(inp.shape), "placements": str(list(spec.placements)), "from": src}
             for inp, spec, src in zip(step.traced.inputs, step.input_specs, step.plan_sources or [""] * len(step.input_specs))
         ],
-        "passes": [p for p, _ in passes],
+        "passes": [p for p, _ in pass_texts],
         **(info or {}),
     }
     (folder / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
-    report_step = step if final is step.gm else _with_gm(step, final)
-    (folder / "report.html").write_text(render_report(report_step, summary, title=f"spmd-compiler: {name}", info=info))
+    (folder / "report.html").write_text(render_report(step, summary, title=f"spmd-compiler: {name}", info=info))
     log.info("wrote dump %s", folder)
     return folder
-
-
-def _with_gm(step: Any, gm: fx.GraphModule) -> Any:
-    import copy
-
-    clone = copy.copy(step)
-    clone.gm = gm
-    return clone

@@ -69,6 +69,7 @@ class ExpandedStep:
     stats: Any
     plan_sources: tuple[str, ...] = ()
     timings: dict[str, float] = field(default_factory=dict)
+    pass_records: list = field(default_factory=list)
 
     def collectives(self) -> list[fx.Node]:
         return [n for n in self.gm.graph.nodes if "spmd_comm" in n.meta]

@@ -92,6 +92,9 @@ class CompiledStep:
         symbolic: str = "batch",
         check_ranks: bool = True,
         dump_dir: str | None = None,
+        passes: Any = None,
+        passes_disabled: tuple[str, ...] = (),
+        bucket_mb: float = 25.0,
     ) -> None:
         if not callable(fn):
             raise TypeError(f"compile() needs a callable train_step, got {type(fn).__name__}")
@@ -111,6 +114,10 @@ class CompiledStep:
         self.last: Any = None
         self.dump_dir = dump_dir
         self.dumps: list[Any] = []
+        from ..optimize import default_passes
+
+        self.passes = default_passes(bucket_mb=bucket_mb) if passes is None else list(passes)
+        self.passes_disabled = tuple(passes_disabled)
         # explain mode (python -m spmd_compiler explain): compile and dump, never execute
         self.explain = os.environ.get("SPMD_COMPILER_EXPLAIN") == "1"
         functools.update_wrapper(self, fn)
@@ -224,6 +231,7 @@ class CompiledStep:
             g_args, g_kwargs = self._global_batch(batch, kwargs)
             traced = trace(self.fn, model, optimizer, *g_args, symbolic=self.symbolic, **g_kwargs)
             step = expand(traced, mesh, self.plan, coordinate=tuple(mesh.get_coordinate()), fallback=self.fallback, cache=self.cache)
+            dump_texts = self._optimize(step)
         except Exception as e:  # reported to every rank by check_agreement
             error = e
         if self.check_ranks:
@@ -234,26 +242,56 @@ class CompiledStep:
         elapsed = time.perf_counter() - start
         self.compiles += 1
         step.timings["total"] = elapsed
-        self._maybe_dump(step)
+        self._maybe_dump(step, dump_texts)
         if log.isEnabledFor(logging.INFO):
             from ..dump.summary import comm_summary
 
             log.info("collectives per rank per step:\n%s", comm_summary(step.gm).table())
         log.info(
-            "compiled %s in %.2fs (trace %.2fs, expand %.2fs, rebuild %.2fs): %d nodes, %d collectives",
+            "compiled %s in %.2fs (trace %.2fs, expand %.2fs, rebuild %.2fs, passes %.2fs): %d nodes, %d collectives",
             getattr(self.fn, "__name__", "step"), elapsed, step.timings["trace"], step.timings["expand"], step.timings["rebuild"],
+            step.timings.get("passes", 0.0),
             len(step.gm.graph.nodes), len(step.collectives()),
         )
         return _Entry(step, elapsed, reason, dict(step.timings))
 
-    def _maybe_dump(self, step: Any) -> None:
-        from ..dump.writer import dump_root, should_dump, write_dump
+    def _dumping(self) -> bool:
+        from ..dump.writer import dump_root, should_dump
 
-        root = dump_root(self.dump_dir)
-        if root is None or not should_dump(dist.get_rank() if dist.is_initialized() else 0):
+        return dump_root(self.dump_dir) is not None and should_dump(dist.get_rank() if dist.is_initialized() else 0)
+
+    def _optimize(self, step: Any) -> dict[str, Any]:
+        """Run the passes on ``step.gm`` (in place); returns graph texts for the dump."""
+        from ..dump.printer import annotated_code
+        from ..optimize import run_passes
+
+        texts: dict[str, Any] = {"expanded": None, "passes": []}
+        dumping = self._dumping()
+        if dumping:
+            texts["expanded"] = annotated_code(step.gm, title="per-rank graph after expansion")
+
+        def after(name: str, gm: Any) -> None:
+            if dumping:
+                texts["passes"].append((name, annotated_code(gm, title=f"after pass {name}")))
+
+        t0 = time.perf_counter()
+        step.gm, step.pass_records = run_passes(step.gm, self.passes, disabled=self.passes_disabled, after_pass=after)
+        step.timings["passes"] = time.perf_counter() - t0
+        for r in step.pass_records:
+            step.timings[f"pass {r.name}"] = r.seconds
+        return texts
+
+    def _maybe_dump(self, step: Any, texts: dict[str, Any]) -> None:
+        from ..dump.writer import dump_root, write_dump
+
+        if not self._dumping():
             return
+        root = dump_root(self.dump_dir)
         name = getattr(self.fn, "__name__", "step")
-        folder = write_dump(root, step, name=name, info={"world size": dist.get_world_size() if dist.is_initialized() else 1})
+        folder = write_dump(
+            root, step, name=name, expanded_text=texts.get("expanded"), pass_texts=texts.get("passes", []),
+            info={"world size": dist.get_world_size() if dist.is_initialized() else 1},
+        )
         self.dumps.append(folder)
         log.info("dump of %s written to %s", name, folder)
 
@@ -337,7 +375,9 @@ def compile(fn: Callable[..., Any] | None = None, *, mesh: Any, plan: Plan | Non
         plan: placements (default: data parallel).
         options: ``fallback`` ("replicate" | "error"), ``symbolic`` ("batch" | "all"),
             ``check_ranks`` (exchange graph fingerprints at compile, default True),
-            ``dump_dir`` (write a dump folder per compile; ``$SPMD_COMPILER_DUMP`` too).
+            ``dump_dir`` (write a dump folder per compile; ``$SPMD_COMPILER_DUMP`` too),
+            ``passes`` (a list of PassSpec; default :func:`spmd_compiler.optimize.default_passes`),
+            ``passes_disabled`` (pass names to skip), ``bucket_mb`` (gradient bucket size, 25).
     """
     if fn is None:
         return lambda f: CompiledStep(f, mesh=mesh, plan=plan, **options)

@@ -37,18 +37,20 @@ def assert_training_matches(
     atol: float = 1e-9,
     rtol: float = 1e-7,
     fallback: str = "replicate",
+    passes: Any = None,
 ) -> TrainingComparison:
     """Train a copy of ``model`` on one device and on all ranks of ``mesh`` (simulated in
     this process) over ``batches``; assert losses and parameters agree within tolerance.
 
-    ``batches`` are global; each rank gets its shard as the plan says. Use float64 models
+    ``batches`` are global; each rank gets its shard as the plan says. ``passes`` are
+    optimization passes run on the per-rank graphs (default none). Use float64 models
     for tight tolerances: Adam amplifies reduction-order rounding in float32.
     """
     ref = copy.deepcopy(model)
     dist_model = copy.deepcopy(model)
     ref_opt = make_optimizer(ref.parameters())
     dist_opt = make_optimizer(dist_model.parameters())
-    sim = SimulatedTraining(step_fn, dist_model, dist_opt, mesh, plan, fallback=fallback)
+    sim = SimulatedTraining(step_fn, dist_model, dist_opt, mesh, plan, fallback=fallback, passes=passes)
     losses, ref_losses = [], []
     for batch in batches:
         out = sim.step(*batch)

@@ -33,7 +33,17 @@ class SimulatedTraining:
     by mesh coordinate.
     """
 
-    def __init__(self, step_fn: Callable[..., Any], model: torch.nn.Module, optimizer: Any, mesh: Any, plan: Plan | None = None, *, fallback: str = "replicate") -> None:
+    def __init__(
+        self,
+        step_fn: Callable[..., Any],
+        model: torch.nn.Module,
+        optimizer: Any,
+        mesh: Any,
+        plan: Plan | None = None,
+        *,
+        fallback: str = "replicate",
+        passes: Any = None,
+    ) -> None:
         self.step_fn = step_fn
         self.model = model
         self.optimizer = optimizer
@@ -46,6 +56,7 @@ class SimulatedTraining:
         self.expansions: dict[tuple[int, ...], Any] = {}
         self._key: Any = None
         self.compiles = 0
+        self.passes = list(passes) if passes is not None else []
 
     def _structure_key(self, batch: tuple) -> Any:
         state = collect_state(self.model, self.optimizer)
@@ -61,6 +72,11 @@ class SimulatedTraining:
             self.expansions[c] = first if first.rank_independent else expand(
                 traced, self.mesh, self.plan, coordinate=c, fallback=self.fallback, cache=self.cache
             )
+        if self.passes:
+            from ..optimize import run_passes
+
+            for e in {id(e): e for e in self.expansions.values()}.values():
+                e.gm, e.pass_records = run_passes(e.gm, self.passes)
         self.traced = traced
         self.compiles += 1
 

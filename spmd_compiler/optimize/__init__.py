@@ -1,0 +1,19 @@
+"""Stage 4: optimization passes on the per-rank graph (``(gm, *, options) -> gm``)."""
+
+from .bucketing import bucket_gradients_pass
+from .overlap import overlap_pass
+from .redundant import cse_pass, fold_gather_narrow_pass, remove_redundant_collectives_pass
+from .runner import DEFAULT_PASSES, PassRecord, PassSpec, default_passes, run_passes
+
+__all__ = [
+    "run_passes",
+    "PassSpec",
+    "PassRecord",
+    "default_passes",
+    "DEFAULT_PASSES",
+    "remove_redundant_collectives_pass",
+    "cse_pass",
+    "fold_gather_narrow_pass",
+    "bucket_gradients_pass",
+    "overlap_pass",
+]

@@ -1,0 +1,156 @@
+"""Facts about per-rank graphs that passes need: aliasing, mutation, purity, order."""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from ..expand.redistribute import COLLECTIVE_OPS
+
+__all__ = [
+    "is_inplace",
+    "is_view",
+    "alias_root",
+    "written_roots",
+    "is_pure",
+    "is_collective",
+    "is_wait",
+    "WAIT",
+]
+
+WAIT = torch.ops._c10d_functional.wait_tensor.default
+_PY_PURE = {operator.mul, operator.add, operator.sub, operator.floordiv, operator.getitem, min, max}
+
+
+def is_inplace(node: fx.Node) -> bool:
+    t = node.target
+    if node.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
+        return False
+    args = t._schema.arguments
+    return bool(args and args[0].alias_info is not None and args[0].alias_info.is_write)
+
+
+def is_view(node: fx.Node) -> bool:
+    """The op returns an alias of its first argument (view, t, detach, getitem of split...)."""
+    t = node.target
+    if node.op != "call_function":
+        return False
+    if t is operator.getitem:
+        return True
+    if not isinstance(t, torch._ops.OpOverload):
+        return False
+    rets = t._schema.returns
+    return bool(rets and rets[0].alias_info is not None and not rets[0].alias_info.is_write)
+
+
+def alias_root(node: Any) -> Any:
+    """The node whose storage ``node`` shares (through views and in-place ops)."""
+    while isinstance(node, fx.Node) and (is_view(node) or is_inplace(node)) and node.args and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
+
+
+def written_roots(gm: fx.GraphModule) -> set[fx.Node]:
+    """Storage roots written by some in-place op anywhere in the graph."""
+    return {alias_root(n.args[0]) for n in gm.graph.nodes if is_inplace(n) and isinstance(n.args[0], fx.Node)}
+
+
+def is_collective(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target in COLLECTIVE_OPS
+
+
+def is_wait(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is WAIT
+
+
+def is_pure(node: fx.Node) -> bool:
+    """No side effect and deterministic: safe to deduplicate or move."""
+    if node.op != "call_function":
+        return False
+    t = node.target
+    if t in _PY_PURE:
+        return True
+    if not isinstance(t, torch._ops.OpOverload):
+        return False
+    if is_inplace(node) or t._schema.is_mutable:
+        return False
+    if torch.Tag.nondeterministic_seeded in t.tags:
+        return False
+    return True
+
+
+def positions(gm: fx.GraphModule) -> dict[fx.Node, int]:
+    return {n: i for i, n in enumerate(gm.graph.nodes)}
+
+
+_PREP_TARGETS = {
+    torch.ops.aten.contiguous.default,
+    torch.ops.aten.movedim.int,
+    torch.ops.aten.constant_pad_nd.default,
+    torch.ops.aten.reshape.default,
+    torch.ops.aten.view.default,
+    torch.ops.aten.clone.default,
+    torch.ops.aten.detach.default,
+}
+
+
+def prep_chain(collective: fx.Node) -> list[fx.Node]:
+    """The local ops that only prepare ``collective``'s input (contiguous, movedim, pad),
+    nearest first; they can move with it."""
+    chain = []
+    node = collective.args[0]
+    while isinstance(node, fx.Node) and node.op == "call_function" and node.target in _PREP_TARGETS and len(node.users) == 1:
+        chain.append(node)
+        node = node.args[0]
+    return chain
+
+
+def hoist(gm: fx.GraphModule, node: fx.Node, pos: dict[fx.Node, int] | None = None, *, not_before: fx.Node | None = None) -> None:
+    """Move ``node`` (and its prep chain) to right after the latest of its inputs, or after
+    ``not_before`` if that is later. Never moves a node past a write to one of its inputs."""
+    pos = pos if pos is not None else positions(gm)
+    for prep in reversed(prep_chain(node)) if is_collective(node) else []:
+        hoist(gm, prep, pos)
+        pos.update(positions(gm))
+    inputs = [a for a in node.all_input_nodes]
+    anchor = max(inputs, key=lambda a: pos[a]) if inputs else None
+    if not_before is not None and (anchor is None or pos[not_before] > pos[anchor]):
+        anchor = not_before
+    if anchor is None or pos[anchor] >= pos[node]:
+        return
+    # do not read an input before an in-place write to it that precedes us
+    roots = {alias_root(a) for a in inputs}
+    for other in gm.graph.nodes:
+        p = pos[other]
+        if p <= pos[anchor] or p >= pos[node]:
+            continue
+        if is_inplace(other) and alias_root(other.args[0]) in roots:
+            anchor = other
+    if anchor is not node.prev:
+        anchor.append(node)
+        pos.update(positions(gm))
+
+
+def fake_call(target: Any, args: tuple, kwargs: dict | None = None) -> Any:
+    """Run ``target`` on the fake values of its node arguments (for ``meta['val']``)."""
+    from torch.utils import _pytree as pytree
+
+    kwargs = kwargs or {}
+    vals = pytree.tree_map_only(fx.Node, lambda n: n.meta["val"], (args, kwargs))
+    mode = next((v.fake_mode for v in pytree.tree_leaves(vals) if hasattr(v, "fake_mode")), None)
+    if mode is None:
+        return target(*vals[0], **vals[1])
+    with mode:
+        return target(*vals[0], **vals[1])
+
+
+def new_node(graph: fx.Graph, target: Any, args: tuple, kwargs: dict | None = None, meta: dict | None = None) -> fx.Node:
+    """Create a call_function node (at the graph's insertion point) with its fake value."""
+    node = graph.call_function(target, args, kwargs or {})
+    node.meta["val"] = fake_call(target, args, kwargs)
+    if meta:
+        node.meta.update(meta)
+    return node

@@ -1,0 +1,67 @@
+"""Overlapping communication with computation.
+
+Functional collectives are asynchronous until their ``wait_tensor``. This pass issues
+each collective as soon as its input exists and waits for it as late as its first use,
+so local work runs while data moves. All ranks run the same graph, so every group sees
+its collectives issued in the same order on every rank.
+
+Gathers of sharded parameters (FSDP-style plans) are the exception: issued as early as
+possible they would materialize every parameter at once. Each is issued only when the
+``prefetch``-th previous parameter gather is first used, i.e. one step ahead of need,
+and the gathered tensor is released after its last use (the generated code drops it).
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from .graph_utils import alias_root, hoist, is_collective, is_wait, positions, prep_chain
+
+__all__ = ["overlap_pass"]
+
+
+def _is_param_gather(n: fx.Node) -> bool:
+    if n.meta["spmd_comm"]["kind"] != "all_gather":
+        return False
+    chain = prep_chain(n)
+    src = chain[-1].args[0] if chain else n.args[0]
+    root = alias_root(src)
+    inp = root.meta.get("spmd_input") if isinstance(root, fx.Node) else None
+    return root.op == "placeholder" and inp is not None and inp.kind in ("param", "buffer")
+
+
+def _first_use(n: fx.Node, pos: dict[fx.Node, int]) -> fx.Node | None:
+    users = list(n.users)
+    return min(users, key=lambda u: pos[u]) if users else None
+
+
+def overlap_pass(gm: fx.GraphModule, *, prefetch: int = 2) -> fx.GraphModule:
+    """Issue collectives early and wait late; parameter gathers ``prefetch`` ahead."""
+    if prefetch < 1:
+        raise ValueError(f"prefetch must be >= 1, got {prefetch}")
+    pos = positions(gm)
+    collectives = [n for n in gm.graph.nodes if is_collective(n)]
+    gathers = [n for n in collectives if _is_param_gather(n)]
+    for n in collectives:
+        if n not in gathers:
+            hoist(gm, n, pos)
+            pos = positions(gm)
+    # parameter gathers: in order of need, each issued when an earlier one is first used
+    waits = {n: next(u for u in n.users if is_wait(u)) for n in gathers}
+    order = sorted(gathers, key=lambda n: pos[_first_use(waits[n], pos)] if waits[n].users else pos[n])
+    for i, n in enumerate(order):
+        if i < prefetch:
+            hoist(gm, n, pos)
+        else:
+            earlier = order[i - prefetch]
+            use = _first_use(waits[earlier], pos)
+            if use is not None and use.prev is not None:
+                hoist(gm, n, pos, not_before=use.prev)
+        pos = positions(gm)
+    # waits: as late as the first use
+    for w in [n for n in gm.graph.nodes if is_wait(n)]:
+        use = _first_use(w, pos)
+        if use is not None and use is not w.next:
+            use.prepend(w)
+            pos = positions(gm)
+    return gm

@@ -1,0 +1,190 @@
+"""Optimization passes: numerics unchanged, duplicates removed, buckets, overlap order."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+
+import spmd_compiler as sc
+from spmd_compiler.dump.summary import comm_summary
+from spmd_compiler.optimize import (
+    PassSpec,
+    bucket_gradients_pass,
+    default_passes,
+    overlap_pass,
+    remove_redundant_collectives_pass,
+    run_passes,
+)
+from spmd_compiler.optimize.bucketing import gradient_reductions
+from spmd_compiler.optimize.graph_utils import is_collective, is_wait, positions
+from spmd_compiler.testing import assert_training_matches
+from spmd_compiler.testing.models import GPT, MLP, gpt_2d_plan, gpt_fsdp_plan, train_step
+
+
+def adam_gpt(layers=1):
+    model = GPT(vocab=32, seq=8, dim=16, heads=2, layers=layers)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    ids = torch.randint(0, 32, (8, 8))
+    train_step(model, opt, ids, ids)  # materialize Adam state: trace the steady step
+    return sc.trace(train_step, model, opt, ids, ids)
+
+
+def _kinds(gm):
+    return [n.meta["spmd_comm"]["kind"] for n in gm.graph.nodes if is_collective(n)]
+
+
+@pytest.mark.slow
+def test_passes_keep_numerics_2d_transformer(mesh2x2):
+    model = GPT(vocab=32, seq=8, dim=16, heads=2, layers=2).double()
+    batches = [(torch.randint(0, 32, (4, 8)), torch.randint(0, 32, (4, 8))) for _ in range(3)]
+    res = assert_training_matches(
+        train_step, model, lambda p: torch.optim.AdamW(p, lr=0.01), batches, mesh2x2, gpt_2d_plan(),
+        passes=default_passes(bucket_mb=0.001),
+    )
+    records = res.sim.expansions[(0, 0)].pass_records
+    assert [r.name for r in records] == ["remove_redundant_collectives", "bucket_gradients", "overlap"]
+    assert records[1].collectives_after < records[1].collectives_before  # buckets formed
+
+
+def test_passes_keep_numerics_fsdp(mesh4):
+    batches = [(torch.randn(8, 16, dtype=torch.float64), torch.randn(8, 16, dtype=torch.float64)) for _ in range(3)]
+
+    def step(model, opt, x, y):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    assert_training_matches(step, MLP().double(), lambda p: torch.optim.Adam(p, lr=0.01), batches, mesh4,
+                            sc.Plan(params={"*": [sc.Shard(0)]}), passes=default_passes(bucket_mb=0.001))
+
+
+def test_duplicate_collectives_removed(mesh4):
+    traced = adam_gpt()
+    step = sc.expand(traced, mesh4, gpt_fsdp_plan())
+    gm = step.gm
+    before = _kinds(gm)
+    remove_redundant_collectives_pass(gm)
+    after = _kinds(gm)
+    assert len(after) < len(before)
+    # no two collectives left with the same op, input and arguments
+    keys = [(n.target, n.args) for n in gm.graph.nodes if is_collective(n)]
+    assert len(keys) == len(set(keys))
+    merged = [n for n in gm.graph.nodes if is_collective(n) and n.meta["spmd_comm"].get("history")]
+    assert merged and "duplicate" in merged[0].meta["spmd_comm"]["history"][0]
+
+
+def test_never_merges_values_written_in_place(mesh4):
+    """Adam's exp_avg and exp_avg_sq start as identical zeros_like: merging them would make
+    two optimizer states share storage."""
+    model = MLP()
+    opt = torch.optim.Adam(model.parameters())
+    traced = sc.trace(train_step_mse, model, opt, torch.randn(8, 16), torch.randn(8, 16))
+    step = sc.expand(traced, mesh4)
+    zeros = [n for n in step.gm.graph.nodes if n.target is torch.ops.aten.zeros_like.default]
+    remove_redundant_collectives_pass(step.gm)
+    assert [n for n in step.gm.graph.nodes if n.target is torch.ops.aten.zeros_like.default] == zeros
+
+
+def train_step_mse(model, opt, x, y):
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+@pytest.mark.parametrize("bucket_mb", [0.002, 0.01, 25.0])
+def test_bucket_count_is_ceil_of_bytes(mesh4, bucket_mb):
+    traced = adam_gpt(layers=2)
+    step = sc.expand(traced, mesh4)  # data parallel: every gradient all_reduced over dp
+    grads = gradient_reductions(step.gm)
+    total = sum(n.meta["spmd_comm"]["bytes"] for n in grads)
+    bucket_gradients_pass(step.gm, bucket_mb=bucket_mb)
+    buckets = gradient_reductions(step.gm)
+    cap = bucket_mb * 2**20
+    largest = max(n.meta["spmd_comm"]["bytes"] for n in grads)
+    # a bucket closes once it reaches the cap, so every bucket but the last holds >= cap
+    # and < cap + largest gradient bytes
+    assert len(buckets) <= total // cap + 1
+    assert len(buckets) >= total / (cap + largest)
+    if largest * 4 < cap:  # gradients small next to a bucket: exactly ceil(bytes / bucket)
+        assert len(buckets) == math.ceil(total / cap)
+    assert sum(n.meta["spmd_comm"]["bytes"] for n in buckets) == total
+
+
+def test_overlap_issues_early_and_waits_late(mesh4):
+    traced = adam_gpt()
+    step = sc.expand(traced, mesh4)
+    gm = step.gm
+    bucket_gradients_pass(gm, bucket_mb=0.002)
+    overlap_pass(gm)
+    pos = positions(gm)
+    for n in gm.graph.nodes:
+        if is_collective(n):
+            # issued right after its input is ready (only input preparation in between)
+            wait = next(u for u in n.users if is_wait(u))
+            assert pos[wait] > pos[n]
+        if is_wait(n) and n.users:
+            first = min(pos[u] for u in n.users)
+            assert first == pos[n] + 1  # waited for just before its first use
+    # gradient reductions now start in the backward region, before the optimizer needs them
+    grads = gradient_reductions(gm)
+    first_opt = min(pos[n] for n in gm.graph.nodes if n.meta.get("spmd_phase") == "optimizer" and not is_collective(n) and n.op == "call_function" and n.target is not torch.ops.aten.reshape.default and "bucket" not in str(n.meta.get("spmd_origin", {}).get("node", "")))
+    assert any(pos[n] < first_opt for n in grads)
+
+
+def test_fsdp_prefetch_limits_live_gathers(mesh4):
+    traced = adam_gpt(layers=2)
+    step = sc.expand(traced, mesh4, gpt_fsdp_plan())
+    gm = step.gm
+    overlap_pass(gm, prefetch=2)
+    pos = positions(gm)
+    from spmd_compiler.optimize.overlap import _is_param_gather
+
+    gathers = [n for n in gm.graph.nodes if is_collective(n) and _is_param_gather(n)]
+    assert gathers
+    # gathers are issued a couple ahead of need, not all at the top: before the first
+    # gathered parameter is used, only about `prefetch` gathers have been issued
+    def first_use(g):
+        return min(pos[u] for u in next(w for w in g.users if is_wait(w)).users)
+
+    earliest_use = min(first_use(g) for g in gathers)
+    issued_early = [g for g in gathers if pos[g] < earliest_use]
+    assert len(issued_early) <= 2 + 1 < len(gathers)  # prefetch, plus one tie (weight and bias used together)
+    for g in gathers:
+        assert pos[g] < first_use(g)
+
+
+def test_runner_logs_disables_and_names_failures(mesh4, caplog):
+    traced = adam_gpt()
+    step = sc.expand(traced, mesh4)
+    with caplog.at_level(logging.INFO, logger="spmd_compiler.optimize"):
+        gm, records = run_passes(step.gm, default_passes(), disabled=["overlap"])
+    assert [r.name for r in records] == ["remove_redundant_collectives", "bucket_gradients"]
+    assert any("pass overlap: disabled" in r.getMessage() for r in caplog.records)
+    assert any(r.getMessage().startswith("pass bucket_gradients:") and "collectives" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ValueError, match="cannot disable unknown passes"):
+        run_passes(gm, default_passes(), disabled=["bucketing"])
+
+    def broken(gm):
+        raise RuntimeError("boom")
+
+    with pytest.raises(sc.SpmdError, match="optimization pass 'broken' failed: RuntimeError: boom"):
+        run_passes(gm, [PassSpec("broken", broken)])
+
+
+def test_compile_runs_passes_and_dumps_each(mesh4, tmp_path):
+    model = MLP()
+    step = sc.compile(train_step_mse, mesh=mesh4, dump_dir=str(tmp_path), bucket_mb=0.001)
+    opt = torch.optim.Adam(model.parameters())
+    step(model, opt, torch.randn(2, 16), torch.randn(2, 16))
+    assert [r.name for r in step.last.pass_records] == ["remove_redundant_collectives", "bucket_gradients", "overlap"]
+    folder = step.dumps[-1]
+    assert sorted(p.name for p in folder.glob("pass_*.py")) == ["pass_00_remove_redundant_collectives.py", "pass_01_bucket_gradients.py", "pass_02_overlap.py"]
+    assert "bucket of" in (folder / "pass_01_bucket_gradients.py").read_text()
+    assert step.timings()["passes"] > 0
