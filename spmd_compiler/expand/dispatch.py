@@ -158,8 +158,8 @@ def generic_expand(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple,
         reason = f"input {i} of {_op_name(op)}"  # i counts this op's tensor arguments
         node, mask = emit_redistribute(b, t.node, t.spec, dst, mask=t.mask, reason=reason, input_index=t.index, value_label=t.label)
         locals_.append(node)
-        if _reduces_partial(t.spec, dst) and not (mutated and i == 0):
-            b.replacements[i] = OutTensor(b.slot(node), dst, b.slot(mask) if mask is not None else None)
+        if _reduces_partial(t.spec, dst) and not (mutated and i == 0) and t.index is not None:
+            b.replacements[t.index] = OutTensor(b.slot(node), dst, b.slot(mask) if mask is not None else None)
         if mask is not None:
             for p in dst.placements:
                 if isinstance(p, pt.MaskPartial):

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.utils import _pytree as pytree
+from .tree import leaves, tree_map
 
 from .. import _private_torch as pt
 from ..errors import SpmdError, describe_node
@@ -56,7 +56,7 @@ class ExpansionStats:
 
 def inputs_by_leaf(args: Any, kwargs: Any) -> list[fx.Node]:
     """The per-rank node of every DValue argument, in flatten order."""
-    return [x.node for x in pytree.tree_leaves((args, kwargs), is_leaf=lambda x: isinstance(x, DValue)) if isinstance(x, DValue)]
+    return [x.node for x in leaves((args, kwargs)) if isinstance(x, DValue)]
 
 
 def _is_uneven(shape: Any, placements: Any, mesh_shape: Any) -> bool:
@@ -113,7 +113,7 @@ class _Expander:
                 elif node.op == "call_function":
                     self.env[node] = self._call(node)
                 elif node.op == "output":
-                    self.output_values = pytree.tree_map(self._lookup, node.args[0], is_leaf=lambda x: isinstance(x, fx.Node))
+                    self.output_values = tree_map(self._lookup, node.args[0])
                 else:
                     raise SpmdError(f"unexpected node kind {node.op}" + describe_node(node))
             except (SpmdError, ValueError, TypeError):
@@ -153,7 +153,7 @@ class _Expander:
 
     def _call(self, node: fx.Node) -> Any:
         target = node.target
-        args, kwargs = pytree.tree_map(self._lookup, (node.args, node.kwargs), is_leaf=lambda x: isinstance(x, fx.Node))
+        args, kwargs = tree_map(self._lookup, (node.args, node.kwargs))
         if target is operator.getitem:
             return args[0][args[1]]
         if target in _DROPPED:
@@ -169,9 +169,9 @@ class _Expander:
         if target is aten.sym_storage_offset.default:
             return DSymInt(0, 0)
         if not isinstance(target, torch._ops.OpOverload):
-            if any(isinstance(x, RScalar) for x in pytree.tree_leaves((args, kwargs))):
+            if any(isinstance(x, RScalar) for x in leaves((args, kwargs))):
                 return self._scalar_call(node, target, args, kwargs)
-            if target in _SIZE_FUNCS or not any(isinstance(x, DValue) for x in pytree.tree_leaves((args, kwargs))):
+            if target in _SIZE_FUNCS or not any(isinstance(x, DValue) for x in leaves((args, kwargs))):
                 return sym_apply(target, *args, **kwargs) if not kwargs else target(*args, **kwargs)
             raise SpmdError(f"cannot expand call to {target}: only aten ops reach expansion" + describe_node(node))
         self.stats.ops += 1
@@ -194,8 +194,8 @@ class _Expander:
                 return x.global_value
             return x
 
-        n_args, n_kwargs = pytree.tree_map(as_node, (args, kwargs))
-        h_args, h_kwargs = pytree.tree_map(as_hint, (args, kwargs))
+        n_args, n_kwargs = tree_map(as_node, (args, kwargs))
+        h_args, h_kwargs = tree_map(as_hint, (args, kwargs))
         new = self.graph.call_function(target, tuple(n_args), dict(n_kwargs))
         try:
             hint = target(*h_args, **h_kwargs)
@@ -232,7 +232,7 @@ class _Expander:
             recipe = self._build(node, op, args, kwargs)
             self.cache.store(key, self.mctx.coordinate, recipe)
         if log.isEnabledFor(logging.DEBUG):
-            ins = ", ".join(placements_text(a.spec.placements) for a in pytree.tree_leaves((args, kwargs), is_leaf=lambda x: isinstance(x, DValue)) if isinstance(a, DValue))
+            ins = ", ".join(placements_text(a.spec.placements) for a in leaves((args, kwargs)) if isinstance(a, DValue))
             out = recipe.result.spec.placements if hasattr(recipe.result, "spec") else None
             log.debug(
                 "expand %s = %s(%s) -> %s: %d nodes, %d collectives (%s)",
@@ -243,14 +243,14 @@ class _Expander:
         if "fallback" in recipe.notes:
             self.stats.fallbacks.append((node.name, str(op), recipe.notes["fallback"]))
         inputs: list[fx.Node] = []
-        for leaf in pytree.tree_leaves((args, kwargs), is_leaf=lambda x: isinstance(x, DValue)):
+        for leaf in leaves((args, kwargs)):
             if isinstance(leaf, DValue):
                 inputs.append(leaf.node)
                 if leaf.mask is not None:
                     inputs.append(leaf.mask)
             elif isinstance(leaf, RScalar):
                 inputs.append(leaf.node)
-        traced_args = [a for a in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(a, fx.Node) and isinstance(self.env.get(a), DValue)]
+        traced_args = [a for a in leaves((node.args, node.kwargs)) if isinstance(a, fx.Node) and isinstance(self.env.get(a), DValue)]
         value, replacements = splice_recipe(self.graph, recipe, self.coords, inputs, node, [a.name for a in traced_args])
         if replacements:
             # a Partial argument was reduced for this op: later users take the reduced copy
@@ -274,7 +274,7 @@ class _Expander:
                 return ScalarArg(b.input(x.hint, "scalar"), x.hint)
             return x
 
-        r_args, r_kwargs = pytree.tree_map(to_arg, (args, kwargs), is_leaf=lambda x: isinstance(x, DValue))
+        r_args, r_kwargs = tree_map(to_arg, (args, kwargs))
         result = dispatch.expand_op(ctx, b, op, r_args, r_kwargs)
         notes = {}
         fallback = [n.meta["spmd_fallback"] for n in b.graph.nodes if "spmd_fallback" in n.meta]
