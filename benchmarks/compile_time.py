@@ -123,6 +123,7 @@ def main() -> None:
     torch.set_num_threads(1)
     rows = []
     for plan in args.plans:
+        measure(1, plan, retrace=False)  # warm-up: first-use costs of DTensor's propagation
         for layers in args.layers:
             r = measure(layers, plan, retrace=layers <= args.skip_retrace_above)
             rows.append(r)

@@ -8,17 +8,16 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-settings.register_profile(
-    "ci",
-    derandomize=True,
-    deadline=None,
-    max_examples=60,
-    print_blob=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
-settings.register_profile("dev", deadline=None, max_examples=30, suppress_health_check=[HealthCheck.too_slow])
-settings.register_profile("thorough", deadline=None, max_examples=2000, suppress_health_check=[HealthCheck.too_slow])
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
+_SLOW_OK = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
+# ci: derandomized (the same examples every run), bounded, no deadline (shared CI machines)
+settings.register_profile("ci", derandomize=True, deadline=None, max_examples=60, print_blob=True, suppress_health_check=_SLOW_OK)
+settings.register_profile("dev", deadline=None, max_examples=30, suppress_health_check=_SLOW_OK)
+# thorough: random, 10x the examples; run with HYPOTHESIS_PROFILE=thorough
+settings.register_profile("thorough", deadline=None, max_examples=2000, suppress_health_check=_SLOW_OK)
+PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev")
+settings.load_profile(PROFILE)
+# property tests scale their example counts with the profile (tests/test_properties.py)
+os.environ["SPMD_HYPOTHESIS_SCALE"] = {"ci": "1.0", "dev": "0.25", "thorough": "10"}.get(PROFILE, "1.0")
 
 
 @pytest.fixture

@@ -74,10 +74,3 @@ def test_optimizer_with_foreign_parameter():
     opt = torch.optim.SGD([*model.parameters(), other], lr=0.1)
     with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[1\] \(shape \(3,\)\) is not a parameter of the model"):
         sc.trace(step, model, opt, torch.randn(8, 4))
-
-
-def test_uneven_strided_shard_error_names_dim_and_fix():
-    from spmd_compiler.expand.redistribute import _check_even_strided
-
-    with pytest.raises(sc.UnsupportedPlacementError, match="make the dim a multiple of 8"):
-        _check_even_strided(12, 2, 4, "test")

@@ -20,7 +20,7 @@ from torch.utils import _pytree as pytree
 from .. import _private_torch as pt
 from ..errors import UnsupportedOpError
 from .builder import OutTensor, SubgraphBuilder
-from .redistribute import emit_redistribute, logical_shape
+from .redistribute import chunk_sizes, emit_redistribute, logical_shape
 from .registry import get_rule
 from .values import DSymInt, MeshContext, placements_text
 
@@ -121,10 +121,34 @@ def _uneven_axes(b: SubgraphBuilder, spec: Any) -> set[int]:
     return out
 
 
+def _placement_choice(out: Any) -> Any:
+    """What a strategy decided, without sizes: output and required input placements."""
+    specs = out.output_spec if isinstance(out.output_spec, (tuple, list)) else [out.output_spec]
+    choice = [tuple(s.placements) if isinstance(s, pt.DTensorSpec) else None for s in specs]
+    if out.redistribute_schema is not None:
+        leaves = pytree.tree_leaves((tuple(out.redistribute_schema.args_schema), dict(out.redistribute_schema.kwargs_schema)))
+        choice += [tuple(s.placements) for s in leaves if isinstance(s, pt.DTensorSpec)]
+    return choice
+
+
 def _propagate(b: SubgraphBuilder, op: Any, args: Any, kwargs: Any) -> Any:
+    """DTensor's strategy for this op, chosen the same way on every rank.
+
+    DTensor's cost model reads this rank's local shard sizes, so with uneven shards two
+    ranks could pick different strategies (and issue different collectives). The choice
+    is made for coordinate 0; only when the strategy localizes size arguments (view ops)
+    is it recomputed for this rank's coordinate, and it must pick the same placements.
+    """
     s_args, s_kwargs = pytree.tree_map(_schema_leaf, (args, kwargs), is_leaf=_is_tensor_arg)
+    canonical = (0,) * b.mctx.ndim
     try:
-        return pt.propagate_sharding(op, tuple(s_args), dict(s_kwargs), coordinate=b.mctx.coordinate)
+        out = pt.propagate_sharding(op, tuple(s_args), dict(s_kwargs), coordinate=canonical)
+        if out.use_val_from_redistribute_schema and tuple(b.mctx.coordinate) != canonical:
+            mine = pt.propagate_sharding(op, tuple(s_args), dict(s_kwargs), coordinate=b.mctx.coordinate)
+            if _placement_choice(mine) != _placement_choice(out):
+                raise RuntimeError(f"DTensor chose different placements on rank {b.mctx.coordinate} than on rank {canonical}")
+            out = mine
+        return out
     except Exception as e:  # DTensor signals "cannot shard this" with several exception types
         raise NoStrategy(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
 
@@ -224,24 +248,51 @@ def _out_tensor(b: SubgraphBuilder, node: fx.Node, spec: Any, masks: dict[int, f
 
 
 def _guard_uneven_avg(b: SubgraphBuilder, op: Any, args: Any, kwargs: Any, out: Any) -> Any:
-    """Partial(avg) over an unevenly split dim averages unequal chunks as if equal, a
-    silently wrong mean. Where that would happen, replicate the uneven inputs on that
-    axis first and propagate again."""
+    """Reductions that go wrong on uneven shards, whatever DTensor's rule says:
+
+    * Partial(avg) over an unevenly split dim averages unequal chunks as if they were
+      equal (a silently wrong mean);
+    * Partial(max/min) over a dim some rank holds zero elements of fails on that rank
+      only (max of nothing), while the others wait for it in the reduction.
+
+    Where that would happen the uneven inputs are replicated on that axis first
+    (decided from global sizes, so every rank decides the same).
+    """
     specs = out.output_spec if isinstance(out.output_spec, (tuple, list)) else [out.output_spec]
-    avg_axes = {
-        axis
-        for s in specs
-        if isinstance(s, pt.DTensorSpec)
-        for axis, p in enumerate(s.placements)
-        if p.is_partial() and getattr(p, "reduce_op", None) == "avg"
-    }
-    if not avg_axes:
+    partial_ops: dict[int, set[str]] = {}
+    for s in specs:
+        if isinstance(s, pt.DTensorSpec):
+            for axis, p in enumerate(s.placements):
+                if p.is_partial():
+                    partial_ops.setdefault(axis, set()).add(getattr(p, "reduce_op", "sum"))
+    if not partial_ops:
         return out
     tensors = [x for x in pytree.tree_leaves((args, kwargs), is_leaf=_is_tensor_arg) if isinstance(x, TensorArg)]
-    bad = {axis for t in tensors for axis in _uneven_axes(b, t.spec)} & avg_axes
-    if not bad:
-        return out
-    raise _UnevenAvg(bad)
+    bad = set()
+    for axis, ops in partial_ops.items():
+        for t in tensors:
+            p = t.spec.placements[axis]
+            if not (p.is_shard() or isinstance(p, pt.StridedShard)):
+                continue
+            size = t.spec.shape[p.dim]
+            ways = _ways(t.spec.placements, axis, p.dim, b.mctx.shape)
+            if "avg" in ops and size % ways:
+                bad.add(axis)
+            if ops & {"max", "min"} and 0 in chunk_sizes(size, ways):
+                bad.add(axis)
+    if bad:
+        raise _UnevenAvg(bad)
+    return out
+
+
+def _ways(placements: Any, axis: int, dim: int, mesh_shape: Any) -> int:
+    """Into how many pieces mesh axes up to ``axis`` split tensor ``dim``."""
+    ways = 1
+    for j in range(axis + 1):
+        p = placements[j]
+        if getattr(p, "dim", None) == dim and (p.is_shard() or isinstance(p, pt.StridedShard)):
+            ways *= mesh_shape[j]
+    return ways
 
 
 class _AvoidPartition(Exception):

@@ -118,12 +118,12 @@ def _apply_mask(b: SubgraphBuilder, x: fx.Node, mask: fx.Node | None) -> fx.Node
     return b.call(aten.masked_fill.Scalar, x, m, 0)
 
 
-def _shard_start(b: SubgraphBuilder, axis: int, size: int) -> Any:
+def _shard_start(b: SubgraphBuilder, axis: int, size: int, uneven: bool) -> Any:
     """Start of this rank's chunk of a dim of ``size`` over ``axis``: a runtime int."""
     n = b.mctx.shape[axis]
     full = -(-size // n) if size else 0
     start = b.call(operator.mul, b.coords[axis], full)
-    if size % n:
+    if uneven:
         start = b.call(min, start, size)
     return start
 
@@ -160,6 +160,7 @@ def emit_redistribute(
             current[axis] = t
             continue
         logical = logical_shape(b, global_shape, current, axis)
+        b.uneven = {d: _globally_uneven(global_shape, current, axis, d, mctx.shape) for d in range(len(global_shape))}
         transition = f"{placements_text([s])}->{placements_text([t])}"
         why = f"{reason}: {transition} on '{mctx.axis_names[axis]}'"
         b.comm_context = {
@@ -173,6 +174,21 @@ def emit_redistribute(
         x, mask = _emit_step(b, x, axis, s, t, logical, mask, why)
         current[axis] = t
     return x, mask
+
+
+def _globally_uneven(global_shape: tuple[int, ...], placements: list, axis: int, dim: int, mesh_shape: tuple[int, ...]) -> bool:
+    """Whether splitting ``dim`` over ``axis`` can be uneven on *some* rank.
+
+    Decided from the global size alone, so every rank emits the same ops (padding of zero
+    where its own chunk happens to be full): the graph's structure never depends on the
+    coordinate, only its sizes do.
+    """
+    ways = mesh_shape[axis]
+    for j in range(axis):
+        p = placements[j]
+        if getattr(p, "dim", None) == dim and (p.is_shard() or isinstance(p, pt.StridedShard)):
+            ways *= mesh_shape[j]
+    return global_shape[dim] % ways != 0
 
 
 def _emit_step(b: SubgraphBuilder, x: fx.Node, axis: int, s: Any, t: Any, logical: list[int], mask: fx.Node | None, why: str) -> tuple[fx.Node, fx.Node | None]:
@@ -192,7 +208,7 @@ def _emit_step(b: SubgraphBuilder, x: fx.Node, axis: int, s: Any, t: Any, logica
     if isinstance(s, pt.Shard) and isinstance(t, pt.Shard):
         a, d = s.dim, t.dim
         la, ld = logical[a], logical[d]
-        if la % n == 0 and ld % n == 0:
+        if not b.uneven[a] and not b.uneven[d]:
             return _all_to_all(b, x, axis, a, d, n, why), mask
         full = _all_gather(b, x, axis, a, la, why + " (uneven: gather then narrow)")
         return _narrow_shard(b, full, axis, d, ld), mask
@@ -210,7 +226,7 @@ def _emit_step(b: SubgraphBuilder, x: fx.Node, axis: int, s: Any, t: Any, logica
 
 def _narrow_shard(b: SubgraphBuilder, x: fx.Node, axis: int, dim: int, size: int) -> fx.Node:
     local = b.local_chunk(size, axis)
-    start = _shard_start(b, axis, size)
+    start = _shard_start(b, axis, size, b.uneven[dim])
     piece = b.call(aten.narrow.default, x, dim, start, local)
     return b.call(aten.clone.default, piece, memory_format=torch.contiguous_format)
 
@@ -219,7 +235,7 @@ def _all_gather(b: SubgraphBuilder, x: fx.Node, axis: int, dim: int, size: int, 
     n = b.mctx.shape[axis]
     sizes = chunk_sizes(size, n)
     full = max(sizes)
-    uneven = len(set(sizes)) > 1
+    uneven = b.uneven[dim]
     local = x.meta["val"]
     if uneven:
         pad = full - local.shape[dim]
@@ -232,8 +248,8 @@ def _all_gather(b: SubgraphBuilder, x: fx.Node, axis: int, dim: int, size: int, 
     g = _collective(b, c10d.all_gather_into_tensor.default, "all_gather", x, axis, (n,), why)
     if moved:
         g = b.call(aten.movedim.int, g, 0, dim)
-    if uneven:
-        pieces = [b.call(aten.narrow.default, g, dim, j * full, sz) for j, sz in enumerate(sizes) if sz > 0]
+    if uneven:  # every rank's piece, empty ones included (the same ops on every rank)
+        pieces = [b.call(aten.narrow.default, g, dim, j * full, sz) for j, sz in enumerate(sizes)]
         g = b.call(aten.cat.default, pieces, dim)
     return g
 
@@ -242,7 +258,7 @@ def _reduce_scatter(b: SubgraphBuilder, x: fx.Node, axis: int, dim: int, size: i
     n = b.mctx.shape[axis]
     sizes = chunk_sizes(size, n)
     full = max(sizes)
-    uneven = len(set(sizes)) > 1
+    uneven = b.uneven[dim]
     local = x.meta["val"]
     if uneven:
         pad = full * n - local.shape[dim]
@@ -279,7 +295,7 @@ def _mask_ids(b: SubgraphBuilder, x: fx.Node, axis: int, t: Any) -> tuple[fx.Nod
     """Replicate -> MaskPartial: shift ids into this rank's vocab shard, mask the rest."""
     size = t.offset_shape[t.offset_dim]
     local = b.local_chunk(size, axis)
-    start = _shard_start(b, axis, size)
+    start = _shard_start(b, axis, size, size % b.mctx.shape[axis] != 0)
     end = b.call(operator.add, start, local)
     below = b.call(aten.lt.Scalar, x, start)
     above = b.call(aten.ge.Scalar, x, end)
@@ -311,30 +327,73 @@ def _strided_step(b: SubgraphBuilder, x: fx.Node, axis: int, s: Any, t: Any, log
     return _emit_step(b, full, axis, pt.Replicate(), t, logical, mask, why)
 
 
-def _check_even_strided(size: int, sf: int, n: int, why: str) -> int:
-    if size % (sf * n):
-        raise UnsupportedPlacementError(
-            f"strided shard of a dim of size {size} with split factor {sf} over {n} ranks is uneven ({why}); "
-            f"fix: make the dim a multiple of {sf * n}"
-        )
-    return size // (sf * n)
+def _even_strided(size: int, sf: int, n: int) -> bool:
+    return size % (sf * n) == 0
+
+
+def _strided_layout(size: int, sf: int, n: int) -> list[list[tuple[int, int]]]:
+    """``layout[k][j] = (global start, length)`` of rank j's chunk of block k."""
+    blocks = chunk_sizes(size, sf)
+    out, start = [], 0
+    for bsize in blocks:
+        full = -(-bsize // n) if bsize else 0
+        row = []
+        for j, c in enumerate(chunk_sizes(bsize, n)):
+            row.append((start + min(j * full, bsize), c))
+        out.append(row)
+        start += bsize
+    return out
 
 
 def _strided_to_replicate(b: SubgraphBuilder, x: fx.Node, axis: int, s: Any, size: int, why: str) -> fx.Node:
     n, sf, d = b.mctx.shape[axis], int(s.split_factor), s.dim
-    c = _check_even_strided(size, sf, n, why)
-    g = _all_gather(b, x, axis, d, size, why)  # rank-major: [n][sf][c] along d
-    shape = list(g.meta["val"].shape)
-    g = b.call(aten.reshape.default, g, shape[:d] + [n, sf, c] + shape[d + 1 :])
-    g = b.call(aten.transpose.int, g, d, d + 1)
-    return b.call(aten.reshape.default, g, shape)
+    if _even_strided(size, sf, n):
+        c = size // (sf * n)
+        g = _all_gather(b, x, axis, d, size, why)  # rank-major: [n][sf][c] along d
+        shape = list(g.meta["val"].shape)
+        g = b.call(aten.reshape.default, g, shape[:d] + [n, sf, c] + shape[d + 1 :])
+        g = b.call(aten.transpose.int, g, d, d + 1)
+        return b.call(aten.reshape.default, g, shape)
+    # uneven: pad every rank's piece to the longest, gather, and put each chunk back
+    layout = _strided_layout(size, sf, n)
+    lengths = [sum(layout[k][j][1] for k in range(sf)) for j in range(n)]
+    longest = max(lengths)
+    local = x.meta["val"]
+    pad = longest - local.shape[d]
+    x = b.call(aten.constant_pad_nd.default, x, [0, 0] * (local.dim() - 1 - d) + [0, pad], 0)
+    if d != 0:
+        x = b.call(aten.movedim.int, x, d, 0)
+    g = _collective(b, c10d.all_gather_into_tensor.default, "all_gather", _contiguous(b, x), axis, (n,), why)
+    if d != 0:
+        g = b.call(aten.movedim.int, g, 0, d)
+    pieces = []
+    for k in range(sf):
+        for j in range(n):
+            before = sum(layout[kk][j][1] for kk in range(k))
+            pieces.append(b.call(aten.narrow.default, g, d, j * longest + before, layout[k][j][1]))
+    return b.call(aten.cat.default, pieces, d)
 
 
 def _replicate_to_strided(b: SubgraphBuilder, x: fx.Node, axis: int, t: Any, size: int, why: str) -> fx.Node:
     n, sf, d = b.mctx.shape[axis], int(t.split_factor), t.dim
-    c = _check_even_strided(size, sf, n, why)
     shape = list(x.meta["val"].shape)
-    y = b.call(aten.reshape.default, x, shape[:d] + [sf, n, c] + shape[d + 1 :])
-    y = b.call(aten.narrow.default, y, d + 1, b.coords[axis], 1)
-    y = b.call(aten.reshape.default, y, shape[:d] + [sf * c] + shape[d + 1 :])
+    if _even_strided(size, sf, n):
+        c = size // (sf * n)
+        y = b.call(aten.reshape.default, x, shape[:d] + [sf, n, c] + shape[d + 1 :])
+        y = b.call(aten.narrow.default, y, d + 1, b.coords[axis], 1)
+        y = b.call(aten.reshape.default, y, shape[:d] + [sf * c] + shape[d + 1 :])
+        return b.call(aten.clone.default, y, memory_format=torch.contiguous_format)
+    # uneven: this rank's chunk of every block, at run-time offsets
+    b.coord_dependent = True
+    layout = _strided_layout(size, sf, n)
+    j = b.mctx.coordinate[axis]
+    pieces = []
+    start = 0
+    for k, bsize in enumerate(chunk_sizes(size, sf)):
+        full = -(-bsize // n) if bsize else 0
+        off = b.call(min, b.call(operator.mul, b.coords[axis], full), bsize)
+        at = b.call(operator.add, off, start)
+        pieces.append(b.call(aten.narrow.default, x, d, at, layout[k][j][1]))
+        start += bsize
+    y = b.call(aten.cat.default, pieces, d)
     return b.call(aten.clone.default, y, memory_format=torch.contiguous_format)

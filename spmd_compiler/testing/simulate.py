@@ -38,16 +38,38 @@ def rank_coordinates(mesh_shape: Sequence[int]) -> list[tuple[int, ...]]:
     return list(itertools.product(*[range(s) for s in mesh_shape]))
 
 
+def index_lists(shape: Sequence[int], placements: Sequence[Any], mesh_shape: Sequence[int], coord: Sequence[int]) -> list[list[int]]:
+    """For each dim, the global indices the rank at ``coord`` holds, in local order.
+
+    Placements apply left to right: ``Shard(d)`` keeps chunk ``coord[axis]`` (torch.chunk
+    sizes) of the current indices; ``_StridedShard(d, sf)`` splits them into ``sf`` blocks
+    and keeps that chunk of every block.
+    """
+    idx = [list(range(n)) for n in shape]
+    for axis, p in enumerate(placements):
+        n, j = mesh_shape[axis], coord[axis]
+        if isinstance(p, pt.StridedShard):
+            blocks = _chunks(idx[p.dim], int(p.split_factor))
+            idx[p.dim] = [i for blk in blocks for i in _chunks(blk, n)[j]]
+        elif isinstance(p, pt.Shard):
+            idx[p.dim] = _chunks(idx[p.dim], n)[j]
+    return idx
+
+
+def _chunks(items: list[int], n: int) -> list[list[int]]:
+    full = -(-len(items) // n) if items else 0
+    return [items[j * full : (j + 1) * full] for j in range(n)]
+
+
 def shard_tensor(t: torch.Tensor, placements: Sequence[Any], mesh_shape: Sequence[int], coord: Sequence[int]) -> torch.Tensor:
     """The local tensor of the rank at ``coord`` for global ``t`` laid out as ``placements``.
 
     Partial placements put the whole value on coordinate 0 of that axis and zeros elsewhere.
     """
-    shape, offset = pt.local_shape_and_offset(tuple(t.shape), tuple(mesh_shape), tuple(coord), list(placements))
     out = t
-    for d, (size, off) in enumerate(zip(shape, offset)):
-        if size != t.shape[d] or off:
-            out = out.narrow(d, off, size)
+    for d, ix in enumerate(index_lists(tuple(t.shape), placements, mesh_shape, coord)):
+        if ix != list(range(t.shape[d])):
+            out = out.index_select(d, torch.tensor(ix, dtype=torch.long))
     out = out.clone()
     for axis, p in enumerate(placements):
         if p.is_partial() and coord[axis] != 0:
@@ -61,16 +83,16 @@ def assemble(placements: Sequence[Any], global_shape: Sequence[int], locals_by_c
     out = torch.zeros(tuple(global_shape), dtype=first.dtype)
     partial_axes = [a for a, p in enumerate(placements) if p.is_partial()]
     for coord, local in locals_by_coord.items():
-        if any(coord[a] != 0 for a, p in enumerate(placements) if not p.is_shard() and not p.is_partial()):
+        if any(coord[a] != 0 for a, p in enumerate(placements) if p.is_replicate()):
             continue  # replicated copies: take coordinate 0 only
-        shape, offset = pt.local_shape_and_offset(tuple(global_shape), tuple(mesh_shape), coord, list(placements))
-        view = out
-        for d, (size, off) in enumerate(zip(shape, offset)):
-            view = view.narrow(d, off, size)
+        ix = index_lists(tuple(global_shape), placements, mesh_shape, coord)
+        if any(len(i) == 0 for i in ix):
+            continue
+        grid = torch.meshgrid(*[torch.tensor(i, dtype=torch.long) for i in ix], indexing="ij") if ix else ()
         if partial_axes:
-            view += local
+            out.index_put_(grid, local, accumulate=True) if ix else out.add_(local)
         else:
-            view.copy_(local)
+            out.index_put_(grid, local) if ix else out.copy_(local)
     return out
 
 
@@ -127,11 +149,15 @@ def run_lockstep(
     graphs: dict[tuple[int, ...], fx.GraphModule],
     inputs: dict[tuple[int, ...], list[Any]],
     mesh_shape: Sequence[int],
+    *,
+    record: dict[tuple[int, ...], dict[str, Any]] | None = None,
 ) -> dict[tuple[int, ...], list[Any]]:
     """Run the per-rank graphs of all ranks together; returns each rank's outputs.
 
     ``graphs`` and ``inputs`` are keyed by mesh coordinate; ``inputs[c]`` excludes the
-    coordinate arguments (they are supplied here).
+    coordinate arguments (they are supplied here). If ``record`` is a dict, it receives
+    every rank's value of every node, by node name (values later mutated in place are
+    recorded as they end up).
     """
     coords = list(graphs)
     node_lists = {c: list(graphs[c].graph.nodes) for c in coords}
@@ -155,6 +181,9 @@ def run_lockstep(
         if ref.op == "output":
             for c in coords:
                 results[c] = pytree.tree_map_only(fx.Node, lambda n: envs[c][n], nodes[c].args[0])
+            if record is not None:
+                for c in coords:
+                    record[c] = {n.name: v for n, v in envs[c].items()}
             break
         args = {c: pytree.tree_map_only(fx.Node, lambda n, c=c: envs[c][n], (nodes[c].args, nodes[c].kwargs)) for c in coords}
         if "spmd_comm" in ref.meta:

@@ -162,7 +162,8 @@ def trace(
     ``symbolic`` chooses which sizes are traced as symbols (and so become
     :class:`~spmd_compiler.expand.DSymInt` during expansion): ``"batch"`` (default) the
     batch tensors' dims, ``"all"`` parameter and state dims too (2-3x slower to trace;
-    lets factory ops sized by a sharded parameter dim be built sharded).
+    lets factory ops sized by a sharded parameter dim be built sharded), ``"none"`` no
+    symbols (fastest; sizes are constants, so factory ops are never built sharded).
 
     Example::
 
@@ -198,12 +199,12 @@ def trace(
         else:
             batch_constants[i] = leaf
 
-    if symbolic not in ("batch", "all"):
-        raise ValueError(f"symbolic must be 'batch' or 'all', got {symbolic!r}")
+    if symbolic not in ("batch", "all", "none"):
+        raise ValueError(f"symbolic must be 'batch', 'all' or 'none', got {symbolic!r}")
     mode = pt.symbolic_fake_mode()
     fakes = []
     for inp, t in zip(inputs, real):
-        fake = pt.to_symbolic_fake(mode, t, inp.label, dynamic=symbolic == "all" or inp.kind == "batch")
+        fake = pt.to_symbolic_fake(mode, t, inp.label, dynamic=symbolic == "all" or (symbolic == "batch" and inp.kind == "batch"))
         if t.requires_grad and inp.kind == "param":
             fake.requires_grad_(True)
         fakes.append(fake)
