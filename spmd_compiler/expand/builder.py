@@ -96,6 +96,21 @@ class SubgraphBuilder:
         j = self.mctx.coordinate[axis]
         return max(0, min(size, (j + 1) * full) - j * full)
 
+    def local_strided(self, size: int, split_factor: int, axis: int) -> int:
+        """This rank's share of a dim of ``size`` under ``_StridedShard(split_factor)``:
+        its chunk of each of the ``split_factor`` blocks."""
+        n = self.mctx.shape[axis]
+        if size % (split_factor * n):
+            self.coord_dependent = True
+        j = self.mctx.coordinate[axis]
+        total = 0
+        full_b = -(-size // split_factor) if size else 0
+        for k in range(split_factor):
+            block = max(0, min(size, (k + 1) * full_b) - k * full_b)
+            full = -(-block // n) if block else 0
+            total += max(0, min(block, (j + 1) * full) - j * full)
+        return total
+
     def local_shape(self, global_shape: Any, placements: Any) -> tuple[int, ...]:
         """Local shape of a tensor with ``placements`` on this rank (shards left to right)."""
         from .. import _private_torch as pt

@@ -55,7 +55,9 @@ def logical_shape(b: SubgraphBuilder, global_shape: tuple[int, ...], placements:
     shape = list(global_shape)
     for i in range(axis):
         p = placements[i]
-        if isinstance(p, (pt.Shard, pt.StridedShard)):
+        if isinstance(p, pt.StridedShard):
+            shape[p.dim] = b.local_strided(shape[p.dim], int(p.split_factor), i)
+        elif isinstance(p, pt.Shard):
             shape[p.dim] = b.local_chunk(shape[p.dim], i)
     return shape
 
@@ -151,7 +153,8 @@ def emit_redistribute(
     mctx = b.mctx
     current = list(src.placements)
     global_shape = tuple(src.shape)
-    for step in pt.transform_steps(src, dst):
+    steps = _conservative_steps(src, dst) if _needs_conservative(src, dst) else pt.transform_steps(src, dst)
+    for step in steps:
         axis, s, t = step.axis, step.src, step.dst
         n = mctx.shape[axis]
         if s == t:
@@ -174,6 +177,47 @@ def emit_redistribute(
         x, mask = _emit_step(b, x, axis, s, t, logical, mask, why)
         current[axis] = t
     return x, mask
+
+
+def _needs_conservative(src: Any, dst: Any) -> bool:
+    """Strided shards, or one tensor dim split by several axes: the order of the per-axis
+    steps decides which shape each step sees, so we use a fixed, always-valid order."""
+    for spec in (src, dst):
+        dims = [getattr(p, "dim", None) for p in spec.placements if p.is_shard() or isinstance(p, pt.StridedShard)]
+        if any(isinstance(p, pt.StridedShard) for p in spec.placements) or len(dims) != len(set(dims)):
+            return True
+    return False
+
+
+def _conservative_steps(src: Any, dst: Any) -> list[Any]:
+    """Gather/reduce the axes that must change to Replicate from the last axis to the
+    first, then split into the target from the first axis to the last. Each step then
+    sees the tensor as left-to-right sharding defines it (all later axes that split the
+    same dim already replicated)."""
+    ndim = len(src.placements)
+    cur = list(src.placements)
+    target = list(dst.placements)
+
+    def shard_dim(p: Any) -> int | None:
+        return p.dim if (p.is_shard() or isinstance(p, pt.StridedShard)) else None
+
+    steps = []
+    for axis in reversed(range(ndim)):
+        s = cur[axis]
+        if s.is_replicate():
+            continue
+        d = shard_dim(s)
+        earlier_changes = d is not None and any(shard_dim(cur[i]) == d and cur[i] != target[i] for i in range(axis))
+        later_target = d is not None and any(shard_dim(target[i]) == d for i in range(axis + 1, ndim))
+        if s == target[axis] and not earlier_changes and not later_target:
+            continue
+        steps.append(pt.TransformStep(axis, s, pt.Replicate()))
+        cur[axis] = pt.Replicate()
+    for axis in range(ndim):
+        if cur[axis] != target[axis]:
+            steps.append(pt.TransformStep(axis, cur[axis], target[axis]))
+            cur[axis] = target[axis]
+    return steps
 
 
 def _globally_uneven(global_shape: tuple[int, ...], placements: list, axis: int, dim: int, mesh_shape: tuple[int, ...]) -> bool:
@@ -246,8 +290,8 @@ def _all_gather(b: SubgraphBuilder, x: fx.Node, axis: int, dim: int, size: int, 
         x = b.call(aten.movedim.int, x, dim, 0)
     x = _contiguous(b, x)
     g = _collective(b, c10d.all_gather_into_tensor.default, "all_gather", x, axis, (n,), why)
-    if moved:
-        g = b.call(aten.movedim.int, g, 0, dim)
+    if moved:  # back to the original dim order, in the original (contiguous) layout
+        g = _contiguous(b, b.call(aten.movedim.int, g, 0, dim))
     if uneven:  # every rank's piece, empty ones included (the same ops on every rank)
         pieces = [b.call(aten.narrow.default, g, dim, j * full, sz) for j, sz in enumerate(sizes)]
         g = b.call(aten.cat.default, pieces, dim)
@@ -270,7 +314,7 @@ def _reduce_scatter(b: SubgraphBuilder, x: fx.Node, axis: int, dim: int, size: i
     x = _contiguous(b, x)
     r = _collective(b, c10d.reduce_scatter_tensor.default, "reduce_scatter", x, axis, (op, n), why)
     if moved:
-        r = b.call(aten.movedim.int, r, 0, dim)
+        r = _contiguous(b, b.call(aten.movedim.int, r, 0, dim))
     if uneven:
         r = b.call(aten.narrow.default, r, dim, 0, b.local_chunk(size, axis))
     return r
@@ -365,7 +409,7 @@ def _strided_to_replicate(b: SubgraphBuilder, x: fx.Node, axis: int, s: Any, siz
         x = b.call(aten.movedim.int, x, d, 0)
     g = _collective(b, c10d.all_gather_into_tensor.default, "all_gather", _contiguous(b, x), axis, (n,), why)
     if d != 0:
-        g = b.call(aten.movedim.int, g, 0, d)
+        g = _contiguous(b, b.call(aten.movedim.int, g, 0, d))
     pieces = []
     for k in range(sf):
         for j in range(n):

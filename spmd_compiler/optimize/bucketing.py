@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .graph_utils import WAIT, hoist, is_collective, is_wait, new_node, positions
+from .graph_utils import WAIT, hoist, is_collective, is_wait, new_node, positions, writes_by_root
 
 __all__ = ["bucket_gradients_pass", "gradient_reductions"]
 
@@ -49,10 +49,10 @@ def _wait_of(n: fx.Node) -> fx.Node:
     return waits[0]
 
 
-def _fuse(gm: fx.GraphModule, bucket: list[fx.Node]) -> None:
+def _fuse(gm: fx.GraphModule, bucket: list[fx.Node], pos: dict[fx.Node, float]) -> None:
     g = gm.graph
     kind = bucket[0].meta["spmd_comm"]["kind"]
-    last = max(bucket, key=lambda n: positions(gm)[n])
+    last = max(bucket, key=lambda n: pos[n])
     first_comm = bucket[0].meta["spmd_comm"]
     group = bucket[0].args[-1]
     op = bucket[0].args[1]
@@ -62,8 +62,10 @@ def _fuse(gm: fx.GraphModule, bucket: list[fx.Node]) -> None:
 
     def add(target: Any, args: tuple, kwargs: dict | None = None, meta: dict | None = None) -> fx.Node:
         nonlocal anchor
+        nxt = anchor.next
         with g.inserting_after(anchor):
             node = new_node(g, target, args, kwargs, meta)
+        pos[node] = (pos[anchor] + pos.get(nxt, pos[anchor] + 1.0)) / 2.0
         node.meta["spmd_phase"] = last.meta.get("spmd_phase")
         node.meta["spmd_origin"] = {"node": f"bucket of {len(bucket)}", "op": "bucket_gradients", "source": None}
         anchor = node
@@ -117,9 +119,9 @@ def bucket_gradients_pass(gm: fx.GraphModule, *, bucket_mb: float = 25.0) -> fx.
     cap = bucket_mb * 2**20
     reductions = gradient_reductions(gm)
     pos = positions(gm)
+    writes = writes_by_root(gm)
     for n in reductions:  # issue each reduction as soon as its gradient exists
-        hoist(gm, n, pos)
-        pos = positions(gm)
+        hoist(gm, n, pos, writes=writes)
     groups: dict[tuple, list[fx.Node]] = defaultdict(list)
     for n in sorted(reductions, key=lambda n: pos[n]):
         c = n.meta["spmd_comm"]
@@ -147,6 +149,6 @@ def bucket_gradients_pass(gm: fx.GraphModule, *, bucket_mb: float = 25.0) -> fx.
             buckets.append(bucket)
         for b in buckets:
             if len(b) > 1:
-                _fuse(gm, b)
+                _fuse(gm, b, pos)
     gm.graph.eliminate_dead_code()
     return gm

@@ -82,8 +82,24 @@ def is_pure(node: fx.Node) -> bool:
     return True
 
 
-def positions(gm: fx.GraphModule) -> dict[fx.Node, int]:
-    return {n: i for i, n in enumerate(gm.graph.nodes)}
+def positions(gm: fx.GraphModule) -> dict[fx.Node, float]:
+    """Node -> position in the graph (floats, so moves can keep them up to date cheaply)."""
+    return {n: float(i) for i, n in enumerate(gm.graph.nodes)}
+
+
+def move_after(node: fx.Node, anchor: fx.Node, pos: dict[fx.Node, float]) -> None:
+    """Move ``node`` right after ``anchor`` and give it a position between its neighbours."""
+    nxt = anchor.next
+    anchor.append(node)
+    upper = pos.get(nxt, pos[anchor] + 1.0) if nxt is not node else pos[anchor] + 1.0
+    if nxt.op == "root":
+        upper = pos[anchor] + 1.0
+    pos[node] = (pos[anchor] + upper) / 2.0
+
+
+def move_before(node: fx.Node, anchor: fx.Node, pos: dict[fx.Node, float]) -> None:
+    """Move ``node`` right before ``anchor``."""
+    move_after(node, anchor.prev, pos) if anchor.prev is not node else None
 
 
 _PREP_TARGETS = {
@@ -108,30 +124,44 @@ def prep_chain(collective: fx.Node) -> list[fx.Node]:
     return chain
 
 
-def hoist(gm: fx.GraphModule, node: fx.Node, pos: dict[fx.Node, int] | None = None, *, not_before: fx.Node | None = None) -> None:
+def writes_by_root(gm: fx.GraphModule) -> dict[Any, list[fx.Node]]:
+    """In-place ops of the graph, grouped by the storage root they write."""
+    out: dict[Any, list[fx.Node]] = {}
+    for n in gm.graph.nodes:
+        if is_inplace(n) and isinstance(n.args[0], fx.Node):
+            out.setdefault(alias_root(n.args[0]), []).append(n)
+    return out
+
+
+def hoist(
+    gm: fx.GraphModule,
+    node: fx.Node,
+    pos: dict[fx.Node, float],
+    *,
+    not_before: fx.Node | None = None,
+    writes: dict[Any, list[fx.Node]] | None = None,
+) -> None:
     """Move ``node`` (and its prep chain) to right after the latest of its inputs, or after
-    ``not_before`` if that is later. Never moves a node past a write to one of its inputs."""
-    pos = pos if pos is not None else positions(gm)
-    for prep in reversed(prep_chain(node)) if is_collective(node) else []:
-        hoist(gm, prep, pos)
-        pos.update(positions(gm))
-    inputs = [a for a in node.all_input_nodes]
+    ``not_before`` if that is later. Never moves a node past a write to one of its inputs.
+    ``pos`` (from :func:`positions`) is kept up to date; pass ``writes`` (from
+    :func:`writes_by_root`) when hoisting many nodes."""
+    writes = writes if writes is not None else writes_by_root(gm)
+    if is_collective(node):
+        for prep in reversed(prep_chain(node)):
+            hoist(gm, prep, pos, writes=writes)
+    inputs = list(node.all_input_nodes)
     anchor = max(inputs, key=lambda a: pos[a]) if inputs else None
     if not_before is not None and (anchor is None or pos[not_before] > pos[anchor]):
         anchor = not_before
     if anchor is None or pos[anchor] >= pos[node]:
         return
-    # do not read an input before an in-place write to it that precedes us
-    roots = {alias_root(a) for a in inputs}
-    for other in gm.graph.nodes:
-        p = pos[other]
-        if p <= pos[anchor] or p >= pos[node]:
-            continue
-        if is_inplace(other) and alias_root(other.args[0]) in roots:
-            anchor = other
+    # do not read an input before an in-place write to it that lies in between
+    for a in inputs:
+        for w in writes.get(alias_root(a), ()):
+            if pos[anchor] < pos[w] < pos[node]:
+                anchor = w
     if anchor is not node.prev:
-        anchor.append(node)
-        pos.update(positions(gm))
+        move_after(node, anchor, pos)
 
 
 def fake_call(target: Any, args: tuple, kwargs: dict | None = None) -> Any:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from .graph_utils import alias_root, hoist, is_collective, is_wait, positions, prep_chain
+from .graph_utils import alias_root, hoist, is_collective, is_wait, move_before, positions, prep_chain, writes_by_root
 
 __all__ = ["overlap_pass"]
 
@@ -40,28 +40,27 @@ def overlap_pass(gm: fx.GraphModule, *, prefetch: int = 2) -> fx.GraphModule:
     if prefetch < 1:
         raise ValueError(f"prefetch must be >= 1, got {prefetch}")
     pos = positions(gm)
+    writes = writes_by_root(gm)
     collectives = [n for n in gm.graph.nodes if is_collective(n)]
     gathers = [n for n in collectives if _is_param_gather(n)]
+    gather_set = set(gathers)
     for n in collectives:
-        if n not in gathers:
-            hoist(gm, n, pos)
-            pos = positions(gm)
+        if n not in gather_set:
+            hoist(gm, n, pos, writes=writes)
     # parameter gathers: in order of need, each issued when an earlier one is first used
     waits = {n: next(u for u in n.users if is_wait(u)) for n in gathers}
     order = sorted(gathers, key=lambda n: pos[_first_use(waits[n], pos)] if waits[n].users else pos[n])
     for i, n in enumerate(order):
         if i < prefetch:
-            hoist(gm, n, pos)
+            hoist(gm, n, pos, writes=writes)
         else:
             earlier = order[i - prefetch]
             use = _first_use(waits[earlier], pos)
             if use is not None and use.prev is not None:
-                hoist(gm, n, pos, not_before=use.prev)
-        pos = positions(gm)
+                hoist(gm, n, pos, not_before=use.prev, writes=writes)
     # waits: as late as the first use
     for w in [n for n in gm.graph.nodes if is_wait(n)]:
         use = _first_use(w, pos)
         if use is not None and use is not w.next:
-            use.prepend(w)
-            pos = positions(gm)
+            move_before(w, use, pos)
     return gm
