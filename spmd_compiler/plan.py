@@ -78,6 +78,11 @@ class Plan:
         style_axis: mesh axis name or index the ParallelStyles apply to (default: the
             axis named "tp", else the last axis).
         strict: raise when a pattern matches no parameter or buffer.
+        fsdp_axes: mesh axes (names or indices) with FSDP semantics: a parameter sharded
+            on one of them is stored sharded but all-gathered (Replicate on that axis)
+            before its use in forward and again in backward, and its gradient is
+            reduce-scattered into the shard, as ``fully_shard`` does. Without it, DTensor
+            picks per op whether to gather the parameter or to shard the activation.
     """
 
     params: Mapping[str, Any] = field(default_factory=dict)
@@ -86,6 +91,22 @@ class Plan:
     default_input: Any = None
     style_axis: str | int | None = None
     strict: bool = True
+    fsdp_axes: Sequence[str | int] = ()
+
+    def fsdp_axis_indices(self, mesh: Any) -> tuple[int, ...]:
+        """``fsdp_axes`` as mesh axis indices (ValueError for unknown names)."""
+        names = list(mesh.mesh_dim_names or [])
+        out = []
+        for a in self.fsdp_axes:
+            if isinstance(a, int):
+                if not 0 <= a < mesh.ndim:
+                    raise ValueError(f"fsdp axis {a} is out of range for a {mesh.ndim}-D mesh")
+                out.append(a)
+            elif a in names:
+                out.append(names.index(a))
+            else:
+                raise ValueError(f"fsdp axis {a!r} is not a mesh axis name; mesh axes are {names}")
+        return tuple(out)
 
     def resolve(self, traced: Any, mesh: Any) -> "ResolvedPlan":
         """Placements for every input of ``traced`` (a TracedStep) on ``mesh``."""

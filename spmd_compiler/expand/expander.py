@@ -74,7 +74,7 @@ def _is_uneven(shape: Any, placements: Any, mesh_shape: Any) -> bool:
 
 
 class _Expander:
-    def __init__(self, traced: Any, mctx: MeshContext, placements: Any, *, fallback: str, cache: ExpansionCache) -> None:
+    def __init__(self, traced: Any, mctx: MeshContext, placements: Any, *, fallback: str, cache: ExpansionCache, fsdp_axes: tuple[int, ...] = ()) -> None:
         self.traced = traced
         self.mctx = mctx
         self.placements = list(placements)
@@ -86,6 +86,8 @@ class _Expander:
         self.env: dict[fx.Node, Any] = {}
         self.stats = ExpansionStats()
         self.warned: set = set()
+        self.fsdp_axes = tuple(fsdp_axes)
+        self._gathered: dict[tuple[fx.Node, str], DValue] = {}
         self.coords = []
         for name, c in zip(mctx.axis_names, mctx.coordinate):
             node = self.graph.placeholder(f"coord_{name}")
@@ -136,7 +138,24 @@ class _Expander:
         new.meta["val"] = local_fake(self.fake_mode, local_shape, inp.dtype)
         new.meta["spmd_spec"] = spec
         new.meta["spmd_input"] = inp
-        return DValue(new, spec)
+        value = DValue(new, spec)
+        if inp.kind == "param" and any(placements[a].is_shard() for a in self.fsdp_axes):
+            value.extra["fsdp"] = inp.name
+        return value
+
+    def _fsdp_gathered(self, value: DValue, node: fx.Node, phase: str) -> DValue:
+        """FSDP: the parameter gathered (Replicate on the FSDP axes) for forward or
+        backward compute; one gather per parameter and phase, the shard stays stored."""
+        key = (value.node, phase)
+        got = self._gathered.get(key)
+        if got is None:
+            from ..rebuild.finalize import redistribute_value
+
+            pl = tuple(pt.Replicate() if a in self.fsdp_axes else p for a, p in enumerate(value.spec.placements))
+            dst = pt.DTensorSpec(value.spec.mesh, pl, tensor_meta=value.spec.tensor_meta)
+            got = redistribute_value(self, value, dst, f"FSDP: gather parameter {value.extra['fsdp']} for {phase}", node)
+            self._gathered[key] = got
+        return got
 
     def _constant(self, node: fx.Node) -> DValue:
         value = getattr(self.traced.gm, node.target)
@@ -154,6 +173,11 @@ class _Expander:
     def _call(self, node: fx.Node) -> Any:
         target = node.target
         args, kwargs = tree_map(self._lookup, (node.args, node.kwargs))
+        phase = node.meta.get("spmd_phase")
+        if self.fsdp_axes and phase in ("forward", "backward") and isinstance(target, torch._ops.OpOverload):
+            args, kwargs = tree_map(
+                lambda v: self._fsdp_gathered(v, node, phase) if isinstance(v, DValue) and "fsdp" in v.extra else v, (args, kwargs)
+            )
         if target is operator.getitem:
             return args[0][args[1]]
         if target in _DROPPED:
@@ -283,10 +307,18 @@ class _Expander:
         return b.finish(result, notes)
 
 
-def expand_graph(traced: Any, mctx: MeshContext, placements: Any, *, fallback: str = "replicate", cache: ExpansionCache | None = None) -> "_Expander":
+def expand_graph(
+    traced: Any,
+    mctx: MeshContext,
+    placements: Any,
+    *,
+    fallback: str = "replicate",
+    cache: ExpansionCache | None = None,
+    fsdp_axes: tuple[int, ...] = (),
+) -> "_Expander":
     """Run the expander; returns it (graph, env, constants, stats) for :mod:`rebuild`."""
     if fallback not in ("replicate", "error"):
         raise ValueError(f"fallback must be 'replicate' or 'error', got {fallback!r}")
-    ex = _Expander(traced, mctx, placements, fallback=fallback, cache=cache if cache is not None else ExpansionCache())
+    ex = _Expander(traced, mctx, placements, fallback=fallback, cache=cache if cache is not None else ExpansionCache(), fsdp_axes=fsdp_axes)
     ex.run()
     return ex

@@ -207,7 +207,9 @@ def _conservative_steps(src: Any, dst: Any) -> list[Any]:
         if s.is_replicate():
             continue
         d = shard_dim(s)
-        earlier_changes = d is not None and any(shard_dim(cur[i]) == d and cur[i] != target[i] for i in range(axis))
+        earlier_changes = d is not None and any(
+            d in (shard_dim(cur[i]), shard_dim(target[i])) and cur[i] != target[i] for i in range(axis)
+        )
         later_target = d is not None and any(shard_dim(target[i]) == d for i in range(axis + 1, ndim))
         if s == target[axis] and not earlier_changes and not later_target:
             continue

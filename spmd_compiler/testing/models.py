@@ -158,8 +158,9 @@ def gpt_tp_plan() -> Plan:
 
 
 def gpt_fsdp_plan(ndim: int = 1) -> Plan:
-    """Every parameter split along dim 0 (FSDP-style); batch split along dim 0."""
-    return Plan(params={"*": [Shard(0)] * ndim}, default_input=[Shard(0)] * ndim)
+    """FSDP: every parameter stored split along dim 0 and gathered for compute; batch
+    split along dim 0."""
+    return Plan(params={"*": [Shard(0)] * ndim}, default_input=[Shard(0)] * ndim, fsdp_axes=tuple(range(ndim)))
 
 
 def gpt_2d_plan() -> Plan:
