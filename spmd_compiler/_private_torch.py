@@ -255,3 +255,66 @@ def rename_node(node: "torch.fx.Node", name: str) -> None:
 
 
 __all__ += ["rename_node"]
+
+
+def preserve_node_meta():
+    """Context manager: make_fx records ``seq_nr`` (the autograd sequence number of the
+    forward op) on every node, and backward nodes get their forward op's number."""
+    import torch.fx.traceback as fx_traceback
+
+    return fx_traceback.preserve_node_meta()
+
+
+def link_backward_to_forward(loss: torch.Tensor) -> None:
+    """Before ``loss.backward()`` while tracing: hook every autograd node reachable from
+    ``loss`` so the nodes traced while it runs carry its forward op's ``seq_nr`` (and
+    stack trace), as AOTAutograd does."""
+    if loss.grad_fn is None:
+        return
+    from torch._functorch._aot_autograd.logging_utils import setup_stacktrace_preservation_hooks
+
+    setup_stacktrace_preservation_hooks([loss.grad_fn])
+
+
+__all__ += ["preserve_node_meta", "link_backward_to_forward"]
+
+
+def pipeline_order(schedule: str, pp_size: int, n_microbatches: int, stages_per_rank: int = 1) -> dict[int, list[Any]]:
+    """torch.distributed.pipelining's action order for a schedule, without building it.
+
+    Returns ``{pp rank: [(stage, "F" | "B", microbatch) or None (idle), ...]}`` from
+    the schedule classes' own order computations (GPipe, 1F1B, Interleaved1F1B).
+    """
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining import schedules as S
+
+    if schedule in ("GPipe", "1F1B"):
+        cls = S.ScheduleGPipe if schedule == "GPipe" else S.Schedule1F1B
+        order = cls._get_pipeline_order(SimpleNamespace(_num_stages=pp_size, _n_microbatches=n_microbatches))
+    elif schedule == "Interleaved1F1B":
+        rounds = max(1, n_microbatches // pp_size)
+        fake = SimpleNamespace(
+            n_local_stages=stages_per_rank,
+            pp_group_size=pp_size,
+            _n_microbatches=n_microbatches,
+            number_of_rounds=rounds,
+            microbatches_per_round=n_microbatches // rounds,
+        )
+        order = {r: S.ScheduleInterleaved1F1B._calculate_single_rank_operations(fake, r) for r in range(pp_size)}
+    else:
+        raise ValueError(f"unknown schedule {schedule!r}")
+    kinds = {S._ComputationType.FORWARD: "F", S._ComputationType.FULL_BACKWARD: "B"}
+    out: dict[int, list[Any]] = {}
+    for rank, actions in order.items():
+        row = []
+        for a in actions:
+            if a is None:
+                row.append(None)
+            elif a.computation_type in kinds:
+                row.append((a.stage_index, kinds[a.computation_type], a.microbatch_index))
+        out[rank] = row
+    return out
+
+
+__all__ += ["pipeline_order"]

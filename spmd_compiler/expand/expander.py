@@ -25,6 +25,7 @@ from ..errors import SpmdError, describe_node
 from . import dispatch
 from .builder import Recipe, SubgraphBuilder, local_fake
 from .cache import ExpansionCache, abstract_key
+from ..trace.markers import MARKER
 from .dispatch import ExpandContext, ScalarArg, TensorArg
 from .values import DSymInt, DValue, MeshContext, RScalar, placements_text, sym_apply
 
@@ -181,6 +182,10 @@ class _Expander:
         if target is operator.getitem:
             return args[0][args[1]]
         if target in _DROPPED:
+            return None
+        if target is MARKER:  # pipeline stage boundaries pass through unchanged
+            new = self.graph.call_function(MARKER, tuple(node.args))
+            new.meta.update(spmd_phase=node.meta.get("spmd_phase"), spmd_origin={"node": node.name, "op": str(target), "source": None})
             return None
         if target is aten.sym_size.int:
             return self._sym_size(args[0], args[1])

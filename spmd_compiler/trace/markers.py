@@ -11,6 +11,7 @@ Users place ``pipe_split`` markers (``tag="pipe_split"``) for pipeline stages.
 from __future__ import annotations
 
 import contextlib
+import enum
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,7 +19,7 @@ import torch
 import torch.fx as fx
 from torch.fx.node import has_side_effect
 
-__all__ = ["marker", "MARKER", "phase_markers", "tag_phases", "PHASES"]
+__all__ = ["marker", "MARKER", "phase_markers", "tag_phases", "PHASES", "pipe_split", "SplitPoint", "split_point_hooks", "PIPE_SPLIT"]
 
 _lib = torch.library.Library("spmd_compiler", "DEF")
 _lib.define("marker(str tag) -> ()")
@@ -41,19 +42,65 @@ def marker(tag: str) -> None:
     MARKER(tag)
 
 
+PIPE_SPLIT = "pipe_split"
+
+
+def pipe_split() -> None:
+    """Mark a pipeline stage boundary inside ``forward``.
+
+    Everything the forward computes after this call belongs to the next stage. A no-op
+    when the model runs eagerly or when the step is compiled without a pipeline.
+    """
+    marker(PIPE_SPLIT)
+
+
+class SplitPoint(enum.Enum):
+    """Where a split spec cuts relative to a module: before its forward or after it."""
+
+    BEGINNING = "beginning"
+    END = "end"
+
+
+@contextlib.contextmanager
+def split_point_hooks(model: torch.nn.Module, split_points: dict[str, SplitPoint] | None) -> Iterator[None]:
+    """While tracing: a ``pipe_split`` at the beginning or end of each named module."""
+    handles = []
+    for fqn, where in (split_points or {}).items():
+        mod = model.get_submodule(fqn)
+        if where is SplitPoint.BEGINNING:
+            handles.append(mod.register_forward_pre_hook(lambda m, a: pipe_split()))
+        else:
+            handles.append(mod.register_forward_hook(lambda m, a, o: pipe_split()))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
 @contextlib.contextmanager
 def phase_markers(optimizer: Any) -> Iterator[None]:
     """While tracing: mark the start of backward and the optimizer step."""
     orig_backward = torch.Tensor.backward
     orig_autograd_backward = torch.autograd.backward
 
+    from .. import _private_torch as pt
+
     def backward(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         marker("backward")
-        return orig_backward(self, *args, **kwargs)
+        pt.link_backward_to_forward(self)
+        out = orig_backward(self, *args, **kwargs)
+        marker("backward_end")
+        return out
 
-    def autograd_backward(*args: Any, **kwargs: Any) -> Any:
+    def autograd_backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
         marker("backward")
-        return orig_autograd_backward(*args, **kwargs)
+        for t in tensors if isinstance(tensors, (list, tuple)) else [tensors]:
+            if isinstance(t, torch.Tensor):
+                pt.link_backward_to_forward(t)
+        out = orig_autograd_backward(tensors, *args, **kwargs)
+        marker("backward_end")
+        return out
 
     torch.Tensor.backward = backward  # type: ignore[method-assign]
     torch.autograd.backward = autograd_backward  # type: ignore[assignment]
@@ -81,15 +128,18 @@ def phase_markers(optimizer: Any) -> Iterator[None]:
 def tag_phases(gm: fx.GraphModule) -> None:
     """Set ``node.meta["spmd_phase"]`` from the phase markers and erase them.
 
-    Nodes after ``optimizer_end`` (``zero_grad``, user code after the step) count as
-    ``optimizer``; the output node (and what rebuild adds for it, such as reducing a
+    ``backward`` holds what autograd computes inside ``loss.backward()``; user code on
+    the gradients before the step (gradient clipping) and after it (``zero_grad``) counts
+    as ``optimizer``: it runs once per step even when the batch is split into
+    micro-batches. The output node (and what rebuild adds for it, such as reducing a
     Partial loss) is ``output``. Other markers (pipe_split) are left in place.
     """
     phase = "forward"
+    tags = {"backward": "backward", "backward_end": "optimizer", "optimizer": "optimizer", "optimizer_end": "optimizer"}
     for node in list(gm.graph.nodes):
-        if node.op == "call_function" and node.target is MARKER and node.args[0] in ("backward", "optimizer", "optimizer_end"):
+        if node.op == "call_function" and node.target is MARKER and node.args[0] in tags:
             tag = node.args[0]
-            phase = {"backward": "backward", "optimizer": "optimizer", "optimizer_end": "optimizer"}[tag]
+            phase = tags[tag]
             gm.graph.erase_node(node)
             continue
         node.meta["spmd_phase"] = "output" if node.op == "output" else phase

@@ -24,7 +24,7 @@ from torch.utils import _pytree as pytree
 
 from .. import _private_torch as pt
 from .decompositions import decomposition_table
-from .markers import phase_markers, tag_phases
+from .markers import phase_markers, split_point_hooks, tag_phases
 from .state import ModelState, collect_state, swapped_state
 
 __all__ = ["GraphInput", "GraphOutput", "TracedStep", "trace", "CONSTANT_LEAF_TYPES"]
@@ -149,6 +149,7 @@ def trace(
     optimizer: torch.optim.Optimizer | None,
     *batch: Any,
     symbolic: str = "batch",
+    split_points: dict[str, Any] | None = None,
     **batch_kwargs: Any,
 ) -> TracedStep:
     """Trace ``step_fn(model, optimizer, *batch, **batch_kwargs)`` into a :class:`TracedStep`.
@@ -164,6 +165,9 @@ def trace(
     batch tensors' dims, ``"all"`` parameter and state dims too (2-3x slower to trace;
     lets factory ops sized by a sharded parameter dim be built sharded), ``"none"`` no
     symbols (fastest; sizes are constants, so factory ops are never built sharded).
+
+    ``split_points`` (``{module FQN: SplitPoint}``) inserts pipeline stage boundaries
+    at the beginning or end of those modules' forward, like ``pipe_split()`` calls.
 
     Example::
 
@@ -256,7 +260,7 @@ def trace(
         return outs
 
     start = time.perf_counter()
-    with phase_markers(optimizer):
+    with phase_markers(optimizer), pt.preserve_node_meta(), split_point_hooks(model, split_points):
         gm = make_fx(
             functional_step,
             decomposition_table=decomposition_table(),
