@@ -14,6 +14,7 @@ from .errors import (
     UnsupportedPlacementError,
 )
 from .expand import DSymInt, ExpansionCache, expand, register_rule
+from .pipeline import Pipeline, SplitPoint, pipe_split
 from .plan import Plan
 from .rebuild import ExpandedStep
 from .runtime import CompiledStep, compile
@@ -27,6 +28,9 @@ __all__ = [
     "trace",
     "expand",
     "Plan",
+    "Pipeline",
+    "SplitPoint",
+    "pipe_split",
     "TracedStep",
     "ExpandedStep",
     "DSymInt",

@@ -232,6 +232,7 @@ class _Expander:
             hint = 1.0
         new.meta["val"] = hint
         new.meta["spmd_origin"] = {"node": node.name, "op": str(target), "source": None}
+        new.meta["spmd_phase"] = node.meta.get("spmd_phase")
         return RScalar(new, hint)
 
     def _shard_axes(self, t: DValue, dim: int | None = None) -> tuple[int, ...]:

@@ -9,7 +9,10 @@ traced during its backward carry its forward op's autograd sequence number
 (``node.meta["seq_nr"]``, as AOTAutograd does); the forward node with that number
 gives the stage. Nodes with no forward op of their own (gradient accumulation into
 ``.grad``, sums of gradient contributions) take the stage of the earliest stage among
-the backward nodes they read, i.e. where the gradient flows to next.
+the backward nodes they read, i.e. where the gradient flows to next; and no backward
+node runs later than a stage whose gradient it reads (gradients flow to earlier stages:
+autograd sums two gradient contributions while running whichever op finished last, so
+that sum gets the earlier of the two stages).
 
 Optimizer (and any code on gradients after ``backward()``): a node belongs to every
 stage that owns a parameter it touches; a parameter is owned by each stage whose
@@ -60,8 +63,12 @@ def _phase(n: fx.Node) -> str:
     return n.meta.get("spmd_phase", "forward")
 
 
-def assign_stages(gm: fx.GraphModule) -> StageAssignment:
-    """Assign stages to the nodes of a traced train step (see module docstring)."""
+def assign_stages(gm: fx.GraphModule, outputs: list[Any] | None = None) -> StageAssignment:
+    """Assign stages to the nodes of a traced train step (see module docstring).
+
+    ``outputs`` (the TracedStep's GraphOutput list) tells which parameter each state
+    output belongs to: optimizer state made from constants and returned unread (Adam's
+    first ``step``) lives with its parameter."""
     nodes = list(gm.graph.nodes)
     stage = 0
     fwd: dict[fx.Node, int] = {}
@@ -99,20 +106,23 @@ def assign_stages(gm: fx.GraphModule) -> StageAssignment:
         if n.op != "call_function" or _phase(n) != "backward" or is_pipe_split(n):
             continue
         seq = n.meta.get("seq_nr", -1)
+        bwd_in = [min(stages[a]) for a in n.all_input_nodes if _phase(a) == "backward" and stages.get(a)]
         if n.target is not operator.getitem and isinstance(seq, int) and seq in seq_stage:
-            stages[n] = frozenset([seq_stage[seq]])
+            # gradients only flow to earlier stages: a node reading stage t's gradient runs
+            # at stage t or before (autograd's accumulation of two gradient contributions
+            # is traced under whichever op finished last, not the one that reads the sum)
+            stages[n] = frozenset([min([seq_stage[seq], *bwd_in])])
             continue
-        bwd_in = [stages[a] for a in n.all_input_nodes if _phase(a) == "backward" and a in stages]
         if bwd_in:
-            stages[n] = frozenset([min(min(s) for s in bwd_in if s)])
+            stages[n] = frozenset([min(bwd_in)])
             continue
         fwd_in = [s for a in n.all_input_nodes for s in stages.get(a, ())]
         stages[n] = frozenset([max(fwd_in)]) if fwd_in else frozenset([num - 1])
 
-    # optimizer: every stage owning a parameter the node touches (through its inputs)
-    for n in nodes:
-        if n.op != "call_function" or _phase(n) not in ("optimizer",):
-            continue
+    # optimizer: every stage owning a parameter the node touches (through its inputs, or,
+    # for values made from constants such as Adam's initial step, through its users)
+    opt_nodes = [n for n in nodes if n.op == "call_function" and _phase(n) == "optimizer"]
+    for n in opt_nodes:
         owners: set[int] = set()
         for a in n.all_input_nodes:
             inp = a.meta.get("spmd_input")
@@ -120,6 +130,18 @@ def assign_stages(gm: fx.GraphModule) -> StageAssignment:
                 owners |= set(out.param_stages.get(inp.name, ()))
             elif a in stages and _phase(a) in ("optimizer", "backward"):
                 owners |= set(stages[a])
+        if owners:
+            stages[n] = frozenset(owners)
+    output_owner: dict[fx.Node, set[int]] = {}
+    output_node = next(n for n in nodes if n.op == "output")
+    for arg, desc in zip(output_node.args[0], outputs or []):
+        if isinstance(arg, fx.Node) and getattr(desc, "kind", None) in ("param", "optim"):
+            output_owner.setdefault(arg, set()).update(out.param_stages.get(desc.name, ()))
+    for n in reversed(opt_nodes):
+        if n in stages:
+            continue
+        owners = {s for u in n.users if u in stages and u.op == "call_function" for s in stages[u]}
+        owners |= output_owner.get(n, set())
         stages[n] = frozenset(owners) if owners else frozenset(range(num))
 
     # optimizer-state placeholders live with their parameter

@@ -377,8 +377,17 @@ def compile(fn: Callable[..., Any] | None = None, *, mesh: Any, plan: Plan | Non
             ``check_ranks`` (exchange graph fingerprints at compile, default True),
             ``dump_dir`` (write a dump folder per compile; ``$SPMD_COMPILER_DUMP`` too),
             ``passes`` (a list of PassSpec; default :func:`spmd_compiler.optimize.default_passes`),
-            ``passes_disabled`` (pass names to skip), ``bucket_mb`` (gradient bucket size, 25).
+            ``passes_disabled`` (pass names to skip), ``bucket_mb`` (gradient bucket size, 25),
+            ``pipeline`` (a :class:`spmd_compiler.Pipeline`: run the step as a pipeline over
+            one mesh axis; the plan then gives placements for the other axes).
     """
+    pipeline = options.pop("pipeline", None)
+    if pipeline is not None:
+        from ..pipeline.step import PipelinedStep
+
+        cls: Any = lambda f, **kw: PipelinedStep(f, pipeline=pipeline, **kw)  # noqa: E731
+    else:
+        cls = CompiledStep
     if fn is None:
-        return lambda f: CompiledStep(f, mesh=mesh, plan=plan, **options)
-    return CompiledStep(fn, mesh=mesh, plan=plan, **options)
+        return lambda f: cls(f, mesh=mesh, plan=plan, **options)
+    return cls(fn, mesh=mesh, plan=plan, **options)

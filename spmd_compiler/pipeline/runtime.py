@@ -1,0 +1,242 @@
+"""Running the per-stage programs of a pipelined step on one rank.
+
+Each rank of the pipeline axis holds one stage (or several with Interleaved1F1B: stage
+``s`` lives on pipeline rank ``s mod p``). For every step the rank walks its schedule:
+
+* ``F(s, mb)``: receive the forward values stage ``s`` reads from earlier stages (shapes
+  and dtypes are known from compile time, so buffers are allocated up front and nothing
+  else is exchanged), run ``F[s]`` on micro-batch ``mb``, send its values to later stages;
+* ``B(s, mb)``: receive gradients from later stages, run ``B[s]``, send gradients to
+  earlier stages, add the parameter gradients into this step's accumulators;
+* after all micro-batches: gradients summed (and divided by the number of micro-batches
+  when ``scale_grads``) go through ``O[s]``, the optimizer, once.
+
+Sends are asynchronous and receives wait, so a rank only ever waits for data another
+rank has already scheduled. Every action is timed; :meth:`PipelineRunner.timeline`
+returns the spans for the Chrome trace and the text timeline.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..errors import SpmdError
+from .schedule import Action, build_schedule
+from .stages import StageProgram
+
+__all__ = ["PipelineRunner", "Span"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Span:
+    """One timed action of one rank: ``kind`` F, B, O, send, recv; times in seconds."""
+
+    rank: int
+    kind: str
+    stage: int
+    microbatch: int | None
+    start: float
+    end: float
+    detail: str = ""
+
+
+@dataclass
+class _Route:
+    value: str
+    src: int  # stage
+    dst: int
+    src_kind: str
+    dst_kind: str
+    tag: int
+
+
+class PipelineRunner:
+    """Executes a :class:`StageProgram` on this rank for a given schedule."""
+
+    def __init__(self, program: StageProgram, *, pp_size: int, pp_coord: int, stage_rank: Any, chunks: int,
+                 schedule: str, stages_per_rank: int, scale_grads: bool, pp_group: Any, checkpoint: str = "never") -> None:
+        self.program = program
+        self.pp = pp_size
+        self.me = pp_coord
+        self.stage_rank = stage_rank  # stage -> global rank holding it (with this rank's other coordinates)
+        self.m = chunks
+        self.scale_grads = scale_grads
+        self.pp_group = pp_group
+        self.checkpoint = checkpoint
+        self.my_stages = [s for s in range(program.num_stages) if s % pp_size == pp_coord]
+        self.order = build_schedule(schedule, pp_size, chunks, stages_per_rank)[pp_coord]
+        self.routes: list[_Route] = []
+        first_use: dict[tuple[str, int, int], tuple[str, str]] = {}
+        for value, t, s, tk, k in sorted(program.cross_stage()):
+            if tk == "F" and k == "O" or tk == "O":
+                raise SpmdError(f"value {value} flows from the {tk} of stage {t} to the {k} of stage {s}; not supported")
+            key = (value, t, s)  # sent once per destination stage, received at its first use
+            if key not in first_use or "FBO".index(k) < "FBO".index(first_use[key][1]):
+                first_use[key] = (tk, k)
+        for i, ((value, t, s), (tk, k)) in enumerate(sorted(first_use.items())):
+            self.routes.append(_Route(value, t, s, tk, k, i))
+        self.spans: list[Span] = []
+        self.last_stage = program.num_stages - 1
+
+    # ------------------------------------------------------------------ helpers
+    def _tag(self, route: _Route, mb: int | None) -> int:
+        return route.tag * 4096 + (mb if mb is not None else 4095)
+
+    def _buffer(self, name: str) -> torch.Tensor:
+        v = self.program.vals[name]
+        return torch.empty(tuple(v.shape), dtype=v.dtype, device=v.device if v.device.type != "meta" else "cpu")
+
+    def _span(self, kind: str, stage: int, mb: int | None, start: float, detail: str = "") -> None:
+        self.spans.append(Span(dist.get_rank() if dist.is_initialized() else 0, kind, stage, mb, start, time.perf_counter(), detail))
+
+    # ------------------------------------------------------------------ step
+    def run(self, feed: Any) -> dict[str, Any]:
+        """Run one step. ``feed(name, mb)`` returns the value of an expanded-graph
+        placeholder (coordinate, parameter, state, or micro-batch ``mb`` of a batch
+        tensor). Returns graph-output values by name (combined over micro-batches)."""
+        self.spans = []
+        store: list[dict[str, Any]] = [dict() for _ in range(self.m)]
+        inputs_cache: list[dict[str, Any]] = [dict() for _ in range(self.m)]  # checkpointing: stage inputs
+        acc: dict[str, torch.Tensor] = {}
+        sends: list[Any] = []
+        outputs: dict[str, list[Any]] = defaultdict(list)
+        program = self.program
+
+        def recv(route: _Route, mb: int | None, into: dict[str, Any]) -> None:
+            if route.value in into:
+                return
+            t0 = time.perf_counter()
+            buf = self._buffer(route.value)
+            log.debug("recv %s mb %s from rank %d tag %d", route.value, mb, self.stage_rank(route.src), self._tag(route, mb))
+            dist.irecv(buf, src=self.stage_rank(route.src), tag=self._tag(route, mb)).wait()
+            into[route.value] = buf
+            self._span("recv", route.dst, mb, t0, f"{route.value} from stage {route.src}")
+
+        def send(route: _Route, mb: int | None, value: torch.Tensor) -> None:
+            t0 = time.perf_counter()
+            value = value.contiguous()
+            log.debug("send %s mb %s to rank %d tag %d", route.value, mb, self.stage_rank(route.dst), self._tag(route, mb))
+            sends.append((dist.isend(value, dst=self.stage_rank(route.dst), tag=self._tag(route, mb)), value))
+            self._span("send", route.src, mb, t0, f"{route.value} to stage {route.dst}")
+
+        def run_piece(stage: int, kind: str, mb: int | None, values: dict[str, Any]) -> None:
+            piece = program.pieces.get((stage, kind))
+            if piece is None:
+                return
+            args = []
+            for name in piece.inputs:
+                if name in program.placeholders:
+                    args.append(feed(name, mb))
+                elif name in values:
+                    args.append(values[name])
+                elif kind == "O" and name in acc:
+                    args.append(acc[name])
+                else:
+                    raise SpmdError(f"stage {stage} {kind} needs {name}, which no earlier action produced on this rank")
+            t0 = time.perf_counter()
+            log.debug("run %s%d mb %s", kind, stage, mb)
+            with torch.no_grad():
+                outs = piece.gm(*args)
+            for name, v in zip(piece.outputs, outs):
+                values[name] = v
+            self._span(kind, stage, mb, t0)
+
+        for position, action in enumerate(self.order):
+            s, kind, mb = action.stage, action.kind, action.microbatch
+            values = store[mb]
+            for r in self.routes:  # inputs from other stages
+                if r.dst == s and r.dst_kind == kind and r.src_kind in ("F", "B") and r.src not in self.my_stages:
+                    recv(r, mb, values)
+                elif r.dst == s and r.dst_kind == kind and r.src in self.my_stages and r.value not in values:
+                    raise SpmdError(f"schedule runs {action} before stage {r.src} produced {r.value}")
+            if kind == "B" and self.checkpoint_stage(s) and (s, "F") in program.pieces:
+                run_piece(s, "F", mb, values)  # recompute the stage's forward for its backward
+            run_piece(s, kind, mb, values)
+            for r in self.routes:  # outputs to other stages
+                if r.src == s and r.src_kind == kind and r.dst not in self.my_stages and r.dst_kind in ("F", "B"):
+                    send(r, mb, values[r.value])
+            if kind == "F":
+                for name in program.outputs:
+                    if name in values and program.producer.get(name, (None,))[0] == s:
+                        outputs[name].append(values[name])
+            if kind == "B":
+                self._accumulate(s, values, acc)
+            self._release(position, mb, values)
+        # gradients summed over micro-batches, to the optimizer
+        if self.scale_grads and self.m > 1:
+            for name in acc:
+                acc[name] = acc[name] / self.m
+        for r in self.routes:
+            if r.src_kind == "B" and r.dst_kind == "O":
+                if r.src in self.my_stages and r.dst not in self.my_stages:
+                    send(r, None, acc[r.value])
+                elif r.dst in self.my_stages and r.src not in self.my_stages:
+                    holder: dict[str, Any] = {}
+                    recv(r, None, holder)
+                    acc[r.value] = holder[r.value]
+        step_values: dict[str, Any] = {}
+        for s in self.my_stages:
+            run_piece(s, "O", None, step_values)
+        for work, _ in sends:
+            work.wait()
+        result = {name: vs for name, vs in outputs.items()}
+        for name in program.outputs:
+            if name in step_values:
+                result[name] = [step_values[name]]
+        return result
+
+    # ------------------------------------------------------------------ memory
+    def checkpoint_stage(self, stage: int) -> bool:
+        if self.checkpoint == "always":
+            return True
+        if self.checkpoint == "except_last":
+            return stage != self.last_stage
+        return False
+
+    def _accumulate(self, stage: int, values: dict[str, Any], acc: dict[str, torch.Tensor]) -> None:
+        """Add this micro-batch's gradients (B values the optimizer reads) into ``acc``."""
+        piece = self.program.pieces.get((stage, "B"))
+        if piece is None:
+            return
+        for name in piece.outputs:
+            consumers = [k for (s, k), p in self.program.pieces.items() if k == "O" and name in p.inputs]
+            if not consumers:
+                continue
+            v = values[name]
+            if name in acc:
+                acc[name] = acc[name] + v
+            else:
+                acc[name] = v.clone()
+
+    def _release(self, position: int, mb: int, values: dict[str, Any]) -> None:
+        """Drop the micro-batch's values that no later action of this rank reads."""
+        needed: set[str] = set(self.program.outputs)
+        for a in self.order[position + 1 :]:
+            if a.microbatch != mb:
+                continue
+            piece = self.program.pieces.get((a.stage, a.kind))
+            if piece is not None:
+                if a.kind == "B" and self.checkpoint_stage(a.stage):
+                    # recomputed: keep the forward's inputs, not its saved activations
+                    f = self.program.pieces.get((a.stage, "F"))
+                    made_by_f = set(f.outputs) if f is not None else set()
+                    needed |= {n for n in piece.inputs if n not in made_by_f}
+                    needed |= set(f.inputs) if f is not None else set()
+                else:
+                    needed |= set(piece.inputs)
+        for name in list(values):
+            if name not in needed:
+                values.pop(name)
+
+    # ------------------------------------------------------------------ timeline
+    def timeline(self) -> list[Span]:
+        return list(self.spans)

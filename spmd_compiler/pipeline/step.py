@@ -1,0 +1,278 @@
+"""``compile(..., pipeline=Pipeline(...))``: a compiled step run as a pipeline.
+
+The step is traced on one micro-batch with stage markers, expanded over the whole mesh
+(Replicate on the pipeline axis, so no collective crosses it), split into per-stage
+programs, and run by a :class:`~.runtime.PipelineRunner` on each rank. After the first
+compile each rank keeps only the parameters (and optimizer state) of its own stages,
+under their original FQNs: ``model.state_dict()`` on a rank holds that stage's subset.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import pathlib
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.utils import _pytree as pytree
+
+from .. import _private_torch as pt
+from ..errors import SpmdError
+from ..expand import expand
+from ..runtime.agreement import check_agreement
+from ..runtime.compiled import CompiledStep, _Entry
+from ..trace import trace
+from ..trace.state import collect_state
+from ..trace.tracer import _flatten_batch
+from .api import Pipeline, check_split_points, pipeline_plan
+from .balance import balanced_split
+from .partition import assign_stages
+from .runtime import PipelineRunner
+from .stages import split_program
+
+__all__ = ["PipelinedStep"]
+
+log = logging.getLogger(__name__)
+
+
+class PipelinedStep(CompiledStep):
+    """A compiled step whose program runs as a pipeline over ``pipeline.axis``."""
+
+    def __init__(self, fn: Any, *, mesh: Any, plan: Any = None, pipeline: Pipeline, **options: Any) -> None:
+        options.setdefault("passes", [])
+        super().__init__(fn, mesh=mesh, plan=plan, **options)
+        self.pipeline = pipeline
+        self._ghosts: dict[str, tuple[Any, ...]] = {}  # dropped params: shape, dtype, device, grad, group, position
+        self._ghost_states: dict[str, dict[str, Any]] = {}  # their optimizer state: key -> (shape, dtype)
+        self.runner: PipelineRunner | None = None
+        self._user_plan = self.plan
+
+    # ------------------------------------------------------------------ mesh and plan
+    @property
+    def pp_index(self) -> int:
+        return self.pipeline.axis_index(self.mesh)
+
+    @property
+    def full_plan(self) -> Any:
+        return pipeline_plan(self._user_plan, self.pp_index, self.mesh.ndim)
+
+    def distribute(self, model: torch.nn.Module, optimizer: Any = None) -> None:
+        self.plan = self.full_plan
+        super().distribute(model, optimizer)
+
+    # ------------------------------------------------------------------ batch
+    def _global_batch(self, batch: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        args, kw = super()._global_batch(batch, kwargs)
+        m = self.pipeline.chunks
+        leaves, spec, paths = _flatten_batch(args, kw)
+        out = []
+        for path, leaf in zip(paths, leaves):
+            if isinstance(leaf, torch.Tensor) and path not in self.pipeline.no_chunk:
+                if leaf.dim() == 0 or leaf.shape[0] < m:
+                    raise ValueError(
+                        f"{path} has {leaf.shape[0] if leaf.dim() else 0} rows but chunks={m}: expected at least one "
+                        f"row per micro-batch. fix: chunks <= {leaf.shape[0] if leaf.dim() else 1}, or list it in "
+                        f"Pipeline(no_chunk=[{path!r}])"
+                    )
+                if leaf.shape[0] % m:
+                    raise ValueError(f"{path} has {leaf.shape[0]} rows, which do not split into {m} equal micro-batches; fix: a batch size divisible by chunks")
+                leaf = torch.empty((leaf.shape[0] // m, *leaf.shape[1:]), dtype=leaf.dtype, device=leaf.device)
+            out.append(leaf)
+        return pytree.tree_unflatten(out, spec)
+
+    # ------------------------------------------------------------------ compile
+    def _compile(self, model: Any, optimizer: Any, batch: tuple, kwargs: dict, reason: str) -> _Entry:
+        log.info("compiling pipelined %s (%s)", getattr(self.fn, "__name__", "step"), reason)
+        start = time.perf_counter()
+        mesh, cfg = self.mesh, self.pipeline
+        pp_index = self.pp_index
+        pp = mesh.shape[pp_index]
+        error: BaseException | None = None
+        step = None
+        try:
+            check_split_points(model, cfg.split)
+            split = dict(cfg.split or {})
+            stages = pp * cfg.stages_per_rank
+            if cfg.auto and not split:
+                with self._ghosted(model, optimizer):
+                    split = balanced_split(model, stages, "params")
+            g_args, g_kwargs = self._global_batch(batch, kwargs)
+            with self._ghosted(model, optimizer):
+                traced = trace(self.fn, model, optimizer, *g_args, symbolic=self.symbolic, split_points=split, **g_kwargs)
+            assignment = assign_stages(traced.gm, traced.outputs)
+            if assignment.num_stages != stages:
+                raise ValueError(
+                    f"the step cuts into {assignment.num_stages} stage(s) ({assignment.num_stages - 1} split point(s)) but "
+                    f"the pipeline needs {stages} = {pp} ranks on axis {cfg.axis!r} x {cfg.stages_per_rank} stage(s) per rank; "
+                    f"fix: give {stages - 1} split points (Pipeline(split=...) or pipe_split() calls) or Pipeline(auto=True)"
+                )
+            step = expand(traced, mesh, self.full_plan, coordinate=tuple(mesh.get_coordinate()), fallback=self.fallback, cache=self.cache)
+            program = split_program(step.gm, assignment)
+            coord = list(mesh.get_coordinate())
+            mesh_ranks = mesh.mesh
+
+            def stage_rank(stage: int) -> int:
+                c = list(coord)
+                c[pp_index] = stage % pp
+                return int(mesh_ranks[tuple(c)].item())
+
+            runner = PipelineRunner(
+                program, pp_size=pp, pp_coord=coord[pp_index], stage_rank=stage_rank, chunks=cfg.chunks,
+                schedule=cfg.schedule, stages_per_rank=cfg.stages_per_rank, scale_grads=cfg.scale_grads,
+                pp_group=mesh.get_group(pp_index), checkpoint=cfg.checkpoint,
+            )
+            step.pipeline = runner
+            step.assignment = assignment
+            step.program = program
+        except Exception as e:
+            error = e
+        if self.check_ranks:
+            groups = {} if step is None else {g: n for g, n in zip(step.mctx.group_names, step.mctx.axis_names)}
+            check_agreement(step.gm if step else None, groups, with_sizes=bool(step and step.rank_independent), error=error)
+        elif error is not None:
+            raise error
+        self._drop_other_stages(model, optimizer, step.assignment, runner.my_stages)
+        elapsed = time.perf_counter() - start
+        self.compiles += 1
+        step.timings["total"] = elapsed
+        self._maybe_dump(step, {"expanded": None, "passes": []})
+        log.info("compiled pipelined %s in %.2fs: %d stages, %s", getattr(self.fn, "__name__", "step"), elapsed, assignment.num_stages, cfg.schedule)
+        return _Entry(step, elapsed, reason, dict(step.timings))
+
+    # ------------------------------------------------------------------ stage ownership
+    def _drop_other_stages(self, model: torch.nn.Module, optimizer: Any, assignment: Any, mine: list[int]) -> None:
+        """Remove the parameters no stage of this rank owns, from the model and the
+        optimizer; they stay known as shape-only ghosts so every rank traces the same step."""
+        state = collect_state(model, optimizer)
+        drop = {fqn for fqn, owners in assignment.param_stages.items() if not set(owners) & set(mine)}
+        drop &= set(state.params)
+        if not drop:
+            return
+        positions = {}
+        if optimizer is not None:
+            for gi, names in enumerate(state.param_groups):
+                for pi, name in enumerate(names):
+                    positions[name] = (gi, pi)
+        dropped = {id(state.params[f]) for f in drop}
+        for fqn in drop:
+            p = state.params[fqn]
+            self._ghosts[fqn] = (p.shape, p.dtype, p.device, p.requires_grad, *positions.get(fqn, (None, None)))
+            for (name, key), value in state.optim.items():
+                if name == fqn and isinstance(value, torch.Tensor):
+                    self._ghost_states.setdefault(fqn, {})[key] = (value.shape, value.dtype)
+            for name in [fqn, *[a for a, c in state.aliases.items() if c == fqn]]:
+                mod_path, _, attr = name.rpartition(".")
+                (model.get_submodule(mod_path) if mod_path else model)._parameters[attr] = None
+        if optimizer is not None:
+            for group in optimizer.param_groups:
+                group["params"] = [p for p in group["params"] if id(p) not in dropped]
+            for p in list(optimizer.state):
+                if id(p) in dropped:
+                    del optimizer.state[p]
+
+    def _ghosted(self, model: torch.nn.Module, optimizer: Any = None) -> Any:
+        """Context: the dropped parameters (and their optimizer state) back as empty
+        tensors at their original places, for tracing."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def ctx() -> Any:
+            placed, inserted = [], []
+            for fqn, (shape, dtype, device, rg, gi, pi) in sorted(self._ghosts.items(), key=lambda kv: (kv[1][4] or 0, kv[1][5] or 0)):
+                mod_path, _, attr = fqn.rpartition(".")
+                mod = model.get_submodule(mod_path) if mod_path else model
+                p = torch.nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=rg)
+                mod._parameters[attr] = p
+                placed.append((mod, attr))
+                if optimizer is not None and gi is not None:
+                    optimizer.param_groups[gi]["params"].insert(pi, p)
+                    inserted.append((gi, p))
+                    for key, (s_shape, s_dtype) in self._ghost_states.get(fqn, {}).items():
+                        optimizer.state[p][key] = torch.empty(s_shape, dtype=s_dtype, device=device)
+            try:
+                yield
+            finally:
+                for mod, attr in placed:
+                    mod._parameters[attr] = None
+                for gi, p in inserted:
+                    optimizer.param_groups[gi]["params"] = [q for q in optimizer.param_groups[gi]["params"] if q is not p]
+                    optimizer.state.pop(p, None)
+
+        return ctx()
+
+    # ------------------------------------------------------------------ run
+    def _run(self, step: Any, model: Any, optimizer: Any, batch: tuple, kwargs: dict) -> Any:
+        traced, runner = step.traced, step.pipeline
+        state = collect_state(model, optimizer)
+        leaves, _, paths = _flatten_batch(batch, kwargs)
+        m = self.pipeline.chunks
+        chunked = {}
+        for inp in traced.inputs:
+            if inp.kind == "batch":
+                leaf = leaves[inp.index]
+                chunked[inp.index] = leaf.chunk(m, dim=0) if paths[inp.index] not in self.pipeline.no_chunk else [leaf] * m
+        by_name = {n.name: n.meta.get("spmd_input") for n in step.gm.graph.nodes if n.op == "placeholder"}
+        coord = dict(zip(step.mctx.axis_names, step.mctx.coordinate))
+
+        def feed(name: str, mb: int | None) -> Any:
+            inp = by_name[name]
+            if inp is None:
+                return coord[name[len("coord_") :]]
+            if inp.kind == "param":
+                return pt.local_tensor(state.params[inp.name])
+            if inp.kind == "buffer":
+                return pt.local_tensor(state.buffers[inp.name])
+            if inp.kind == "optim":
+                return pt.local_tensor(state.optim[(inp.name, inp.key)])
+            return chunked[inp.index][mb if mb is not None else 0]
+
+        values = runner.run(feed)
+        out_nodes = next(n for n in step.gm.graph.nodes if n.op == "output").args[0]
+        user: dict[int, Any] = dict(traced.user_constants)
+        mesh = self.mesh
+        last_rank = runner.stage_rank(runner.last_stage)
+        for slot, node in zip(step.outputs, out_nodes):
+            if slot.kind == "user":
+                got = values.get(node.name)
+                if got is not None:
+                    combined = torch.stack(got).mean(0) if self.pipeline.scale_grads else torch.stack(got).sum(0)
+                else:
+                    v = node.meta["val"]
+                    combined = torch.empty(tuple(v.shape), dtype=v.dtype)
+                dist.broadcast(combined, src=last_rank, group=runner.pp_group)
+                user[slot.index] = combined
+            elif slot.name in state.params:
+                dt = DTensor.from_local(values[node.name][0], mesh, slot.spec.placements, run_check=False, shape=slot.spec.shape, stride=slot.spec.stride)
+                optimizer.state[state.params[slot.name]][slot.key] = dt
+            elif slot.name in self._ghosts:  # another stage's state: remember its shape
+                self._ghost_states.setdefault(slot.name, {})[slot.key] = (slot.spec.shape, slot.spec.tensor_meta.dtype)
+        self.last_timeline = runner.timeline()
+        return pytree.tree_unflatten([user[i] for i in range(len(user))], traced.user_spec)
+
+    # ------------------------------------------------------------------ timeline
+    def chrome_trace(self, path: str | pathlib.Path) -> pathlib.Path:
+        """Write the last step's schedule as Chrome-trace JSON (open in Perfetto or
+        chrome://tracing): one row per rank, spans for F, B, O, send and recv. All ranks
+        must call it (spans are gathered to rank 0, which writes the file)."""
+        spans = [s.__dict__ for s in self.last_timeline]
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, spans)
+        path = pathlib.Path(path)
+        if dist.get_rank() == 0:
+            t0 = min((s["start"] for r in everyone for s in r), default=0.0)
+            events = []
+            for r in everyone:
+                for s in r:
+                    label = f"{s['kind']}{s['stage']}" + (f" mb{s['microbatch']}" if s["microbatch"] is not None else "")
+                    events.append({
+                        "name": label, "cat": s["kind"], "ph": "X", "pid": s["rank"], "tid": 0,
+                        "ts": (s["start"] - t0) * 1e6, "dur": max(1.0, (s["end"] - s["start"]) * 1e6),
+                        "args": {"detail": s["detail"], "stage": s["stage"], "microbatch": s["microbatch"]},
+                    })
+            meta = [{"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}} for r in range(len(everyone))]
+            path.write_text(json.dumps({"traceEvents": meta + events, "displayTimeUnit": "ms"}))
+        return path
