@@ -127,9 +127,10 @@ def split_program(gm: fx.GraphModule, assignment: StageAssignment) -> StageProgr
             for a in n.all_input_nodes:
                 if a.op == "call_function" and a.name not in names:
                     needed[producer[a.name]].add(a.name)
-    for name in graph_outputs:
-        if name in producer:
-            needed[producer[name]].add(name)
+    for key, nodes in members.items():  # every copy of an output (tied state) is returned
+        for n in nodes:
+            if n.name in graph_outputs:
+                needed[key].add(n.name)
     vals = {n.name: n.meta.get("val") for n in gm.graph.nodes}
     pieces = {}
     for key, nodes in members.items():

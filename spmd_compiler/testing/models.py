@@ -166,3 +166,38 @@ def gpt_fsdp_plan(ndim: int = 1) -> Plan:
 def gpt_2d_plan() -> Plan:
     """Data parallel on mesh axis 0 ("dp") and Megatron TP on axis 1 ("tp")."""
     return Plan(params=_tp_params(2, 1), default_input=[Shard(0), Replicate()])
+
+
+class SkipNet(nn.Module):
+    """Four layers cut by ``pipe_split()`` calls into four stages, with a skip connection
+    from stage 0 to stage 2 and a dict passed between sub-modules."""
+
+    def __init__(self, dim: int = 8, batchnorm: bool = False) -> None:
+        super().__init__()
+        self.l0, self.l1, self.l2, self.l3 = (nn.Linear(dim, dim) for _ in range(4))
+        self.norm = nn.BatchNorm1d(dim) if batchnorm else None
+
+    def block(self, x: torch.Tensor) -> dict[str, Any]:
+        return {"h": torch.relu(self.l1(x)), "scale": 0.5, "none": None}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from ..trace.markers import pipe_split
+
+        h0 = torch.relu(self.l0(x))
+        if self.norm is not None:
+            h0 = self.norm(h0)
+        pipe_split()
+        out = self.block(h0)
+        pipe_split()
+        h2 = torch.relu(self.l2(out["h"])) * out["scale"] + h0  # skip over stage 1
+        pipe_split()
+        return self.l3(h2)
+
+
+def mse_train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Forward, mean-squared error, backward, update."""
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
