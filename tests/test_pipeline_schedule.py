@@ -101,3 +101,20 @@ def test_balance_partition():
     assert partition_costs([4, 1, 1, 1, 1], 2) == [0, 1]
     with pytest.raises(ValueError, match="cannot cut 2 layers into 3 stages"):
         partition_costs([1, 1], 3)
+
+
+def test_text_timeline_and_bubbles():
+    from spmd_compiler.pipeline.timeline import bubble_fractions, chrome_trace_events, format_timeline
+
+    def span(kind, mb, start, end, stage=0):
+        return {"rank": 0, "kind": kind, "stage": stage, "microbatch": mb, "start": start, "end": end, "detail": ""}
+
+    # GPipe, 2 stages, 2 micro-batches of unit cost: each rank idles 2 of 6 slots
+    r0 = [span("F", 0, 0, 1), span("F", 1, 1, 2), span("B", 0, 4, 5), span("B", 1, 5, 6)]
+    r1 = [span("recv", 0, 0, 1, 1), span("F", 0, 1, 2, 1), span("F", 1, 2, 3, 1), span("B", 0, 3, 4, 1), span("B", 1, 4, 5, 1)]
+    text = format_timeline([r0, r1], width=6)
+    assert text.splitlines()[1].startswith("rank 0  |01  ab|")
+    assert text.splitlines()[2].startswith("rank 1  |~01ab |")
+    assert [round(b, 3) for b in bubble_fractions([r0, r1])] == [round(1 / 3, 3), round(1 / 3, 3)]
+    events = chrome_trace_events([r0, r1])["traceEvents"]
+    assert [e["name"] for e in events if e.get("pid") == 1 and e["ph"] == "X"][:2] == ["recv1 mb0", "F1 mb0"]

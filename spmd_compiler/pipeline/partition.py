@@ -45,12 +45,14 @@ class StageAssignment:
 
     ``stages[name]`` is a frozenset of stage indices (one for forward and backward
     nodes; several for placeholders and optimizer nodes of tied parameters).
-    ``param_stages[fqn]`` lists the stages owning each parameter.
+    ``param_stages[fqn]`` lists the stages owning each parameter, ``buffer_stages[fqn]``
+    each buffer.
     """
 
     num_stages: int
     stages: dict[str, frozenset[int]] = field(default_factory=dict)
     param_stages: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    buffer_stages: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def of(self, name: str) -> frozenset[int]:
         return self.stages.get(name, frozenset())
@@ -101,6 +103,23 @@ def assign_stages(gm: fx.GraphModule, outputs: list[Any] | None = None) -> Stage
             stages[n] = frozenset(owners)
             out.param_stages[inp.name] = owners
 
+    # buffers: the stages of their forward users; one the forward does not read (BatchNorm
+    # running statistics, whose update moved to the optimizer) lives with its module's
+    # other state
+    def module_of(fqn: str) -> str:
+        return fqn.rpartition(".")[0]
+
+    by_module: dict[str, set[int]] = {}
+    for fqn, owners in out.param_stages.items():
+        by_module.setdefault(module_of(fqn), set()).update(owners)
+    buffers = [n for n in nodes if n.op == "placeholder" and getattr(n.meta.get("spmd_input"), "kind", None) == "buffer"]
+    for n in buffers:
+        if stages[n]:
+            by_module.setdefault(module_of(n.meta["spmd_input"].name), set()).update(stages[n])
+    for n in buffers:
+        if not stages[n]:
+            stages[n] = frozenset(by_module.get(module_of(n.meta["spmd_input"].name), ()))
+
     # backward, in trace order: by the forward op differentiated, else where the gradient flows
     for n in nodes:
         if n.op != "call_function" or _phase(n) != "backward" or is_pipe_split(n):
@@ -128,7 +147,9 @@ def assign_stages(gm: fx.GraphModule, outputs: list[Any] | None = None) -> Stage
             inp = a.meta.get("spmd_input")
             if a.op == "placeholder" and inp is not None and inp.kind in ("param", "optim"):
                 owners |= set(out.param_stages.get(inp.name, ()))
-            elif a in stages and _phase(a) in ("optimizer", "backward"):
+            elif a.op == "placeholder" and inp is not None and inp.kind == "buffer":
+                owners |= set(stages.get(a, ()))
+            elif a in stages and _phase(a) in ("optimizer", "backward", "forward") and a.op == "call_function":
                 owners |= set(stages[a])
         if owners:
             stages[n] = frozenset(owners)
@@ -151,6 +172,8 @@ def assign_stages(gm: fx.GraphModule, outputs: list[Any] | None = None) -> Stage
             stages[n] = frozenset(out.param_stages.get(inp.name, (0,)))
         elif n.op == "placeholder" and not stages.get(n):
             stages[n] = frozenset(s for u in n.users for s in stages.get(u, ()))
+    for n in buffers:
+        out.buffer_stages[n.meta["spmd_input"].name] = tuple(sorted(stages[n]))
     out.stages = {n.name: s for n, s in stages.items()}
     _check(gm, out, fwd)
     return out

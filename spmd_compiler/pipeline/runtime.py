@@ -38,7 +38,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Span:
-    """One timed action of one rank: ``kind`` F, B, O, send, recv; times in seconds."""
+    """One timed action of one rank: ``kind`` F, B, O, R (recomputed forward), send,
+    recv; times in seconds."""
 
     rank: int
     kind: str
@@ -77,7 +78,7 @@ class PipelineRunner:
         self.routes: list[_Route] = []
         first_use: dict[tuple[str, int, int], tuple[str, str]] = {}
         for value, t, s, tk, k in sorted(program.cross_stage()):
-            if tk == "F" and k == "O" or tk == "O":
+            if tk == "O":
                 raise SpmdError(f"value {value} flows from the {tk} of stage {t} to the {k} of stage {s}; not supported")
             key = (value, t, s)  # sent once per destination stage, received at its first use
             if key not in first_use or "FBO".index(k) < "FBO".index(first_use[key][1]):
@@ -85,6 +86,7 @@ class PipelineRunner:
         for i, ((value, t, s), (tk, k)) in enumerate(sorted(first_use.items())):
             self.routes.append(_Route(value, t, s, tk, k, i))
         self.spans: list[Span] = []
+        self.peak_activation_bytes = 0  # last step: most bytes of micro-batch values held at once
         self.last_stage = program.num_stages - 1
 
     # ------------------------------------------------------------------ helpers
@@ -104,6 +106,7 @@ class PipelineRunner:
         placeholder (coordinate, parameter, state, or micro-batch ``mb`` of a batch
         tensor). Returns graph-output values by name (combined over micro-batches)."""
         self.spans = []
+        self.peak_activation_bytes = 0
         store: list[dict[str, Any]] = [dict() for _ in range(self.m)]
         inputs_cache: list[dict[str, Any]] = [dict() for _ in range(self.m)]  # checkpointing: stage inputs
         acc: dict[str, torch.Tensor] = {}
@@ -128,7 +131,7 @@ class PipelineRunner:
             sends.append((dist.isend(value, dst=self.stage_rank(route.dst), tag=self._tag(route, mb)), value))
             self._span("send", route.src, mb, t0, f"{route.value} to stage {route.dst}")
 
-        def run_piece(stage: int, kind: str, mb: int | None, values: dict[str, Any]) -> None:
+        def run_piece(stage: int, kind: str, mb: int | None, values: dict[str, Any], label: str | None = None) -> None:
             piece = program.pieces.get((stage, kind))
             if piece is None:
                 return
@@ -148,7 +151,7 @@ class PipelineRunner:
                 outs = piece.gm(*args)
             for name, v in zip(piece.outputs, outs):
                 values[name] = v
-            self._span(kind, stage, mb, t0)
+            self._span(label or kind, stage, mb, t0)
 
         for position, action in enumerate(self.order):
             s, kind, mb = action.stage, action.kind, action.microbatch
@@ -159,7 +162,7 @@ class PipelineRunner:
                 elif r.dst == s and r.dst_kind == kind and r.src in self.my_stages and r.value not in values:
                     raise SpmdError(f"schedule runs {action} before stage {r.src} produced {r.value}")
             if kind == "B" and self.checkpoint_stage(s) and (s, "F") in program.pieces:
-                run_piece(s, "F", mb, values)  # recompute the stage's forward for its backward
+                run_piece(s, "F", mb, values, label="R")  # recompute the stage's forward for its backward
             run_piece(s, kind, mb, values)
             for r in self.routes:  # outputs to other stages
                 if r.src == s and r.src_kind == kind and r.dst not in self.my_stages and r.dst_kind in ("F", "B"):
@@ -168,15 +171,18 @@ class PipelineRunner:
                 for name in program.outputs:
                     if name in values and program.producer.get(name, (None,))[0] == s:
                         outputs[name].append(values[name])
-            if kind == "B":
-                self._accumulate(s, values, acc)
+            if kind in ("F", "B"):
+                self._accumulate(s, kind, values, acc)
             self._release(position, mb, values)
+            live = self._live_bytes(store)
+            self.peak_activation_bytes = max(self.peak_activation_bytes, live)
         # gradients summed over micro-batches, to the optimizer
         if self.scale_grads and self.m > 1:
             for name in acc:
-                acc[name] = acc[name] / self.m
+                if self.program.producer.get(name, (None, "B"))[1] == "B":
+                    acc[name] = acc[name] / self.m
         for r in self.routes:
-            if r.src_kind == "B" and r.dst_kind == "O":
+            if r.src_kind in ("F", "B") and r.dst_kind == "O":
                 if r.src in self.my_stages and r.dst not in self.my_stages:
                     send(r, None, acc[r.value])
                 elif r.dst in self.my_stages and r.src not in self.my_stages:
@@ -202,20 +208,18 @@ class PipelineRunner:
             return stage != self.last_stage
         return False
 
-    def _accumulate(self, stage: int, values: dict[str, Any], acc: dict[str, torch.Tensor]) -> None:
-        """Add this micro-batch's gradients (B values the optimizer reads) into ``acc``."""
-        piece = self.program.pieces.get((stage, "B"))
+    def _accumulate(self, stage: int, kind: str, values: dict[str, Any], acc: dict[str, torch.Tensor]) -> None:
+        """Fold this micro-batch's values that the optimizer reads into ``acc``:
+        gradients (from B) are summed; forward statistics (from F, e.g. deferred
+        BatchNorm means) are averaged over the micro-batches."""
+        piece = self.program.pieces.get((stage, kind))
         if piece is None:
             return
         for name in piece.outputs:
-            consumers = [k for (s, k), p in self.program.pieces.items() if k == "O" and name in p.inputs]
-            if not consumers:
+            if not any(k == "O" and name in p.inputs for (s, k), p in self.program.pieces.items()):
                 continue
-            v = values[name]
-            if name in acc:
-                acc[name] = acc[name] + v
-            else:
-                acc[name] = v.clone()
+            v = values[name] if kind == "B" else values[name] / self.m
+            acc[name] = acc[name] + v if name in acc else v.clone()
 
     def _release(self, position: int, mb: int, values: dict[str, Any]) -> None:
         """Drop the micro-batch's values that no later action of this rank reads."""
@@ -236,6 +240,17 @@ class PipelineRunner:
         for name in list(values):
             if name not in needed:
                 values.pop(name)
+
+    @staticmethod
+    def _live_bytes(store: list[dict[str, Any]]) -> int:
+        """Bytes of the distinct tensor storages held for in-flight micro-batches."""
+        seen: dict[int, int] = {}
+        for values in store:
+            for v in values.values():
+                if isinstance(v, torch.Tensor):
+                    st = v.untyped_storage()
+                    seen[st.data_ptr()] = st.nbytes()
+        return sum(seen.values())
 
     # ------------------------------------------------------------------ timeline
     def timeline(self) -> list[Span]:

@@ -30,9 +30,11 @@ from ..trace.state import collect_state
 from ..trace.tracer import _flatten_batch
 from .api import Pipeline, check_split_points, pipeline_plan
 from .balance import balanced_split
+from .batchnorm import defer_batchnorm_stats
 from .partition import assign_stages
 from .runtime import PipelineRunner
 from .stages import split_program
+from .timeline import chrome_trace_events, format_timeline
 
 __all__ = ["PipelinedStep"]
 
@@ -48,7 +50,9 @@ class PipelinedStep(CompiledStep):
         self.pipeline = pipeline
         self._ghosts: dict[str, tuple[Any, ...]] = {}  # dropped params: shape, dtype, device, grad, group, position
         self._ghost_states: dict[str, dict[str, Any]] = {}  # their optimizer state: key -> (shape, dtype)
+        self._ghost_buffers: dict[str, tuple[Any, ...]] = {}  # dropped buffers: shape, dtype, device
         self.runner: PipelineRunner | None = None
+        self.last_timeline: list[Any] = []
         self._user_plan = self.plan
 
     # ------------------------------------------------------------------ mesh and plan
@@ -103,6 +107,7 @@ class PipelinedStep(CompiledStep):
             g_args, g_kwargs = self._global_batch(batch, kwargs)
             with self._ghosted(model, optimizer):
                 traced = trace(self.fn, model, optimizer, *g_args, symbolic=self.symbolic, split_points=split, **g_kwargs)
+            defer_batchnorm_stats(traced.gm, cfg.chunks)
             assignment = assign_stages(traced.gm, traced.outputs)
             if assignment.num_stages != stages:
                 raise ValueError(
@@ -145,9 +150,16 @@ class PipelinedStep(CompiledStep):
 
     # ------------------------------------------------------------------ stage ownership
     def _drop_other_stages(self, model: torch.nn.Module, optimizer: Any, assignment: Any, mine: list[int]) -> None:
-        """Remove the parameters no stage of this rank owns, from the model and the
-        optimizer; they stay known as shape-only ghosts so every rank traces the same step."""
+        """Remove the parameters and buffers no stage of this rank owns, from the model and
+        the optimizer; they stay known as shape-only ghosts so every rank traces the same
+        step."""
         state = collect_state(model, optimizer)
+        drop_buffers = {f for f, owners in assignment.buffer_stages.items() if owners and not set(owners) & set(mine)}
+        for fqn in drop_buffers & set(state.buffers):
+            b = state.buffers[fqn]
+            self._ghost_buffers[fqn] = (b.shape, b.dtype, b.device)
+            mod_path, _, attr = fqn.rpartition(".")
+            (model.get_submodule(mod_path) if mod_path else model)._buffers[attr] = None
         drop = {fqn for fqn, owners in assignment.param_stages.items() if not set(owners) & set(mine)}
         drop &= set(state.params)
         if not drop:
@@ -175,13 +187,18 @@ class PipelinedStep(CompiledStep):
                     del optimizer.state[p]
 
     def _ghosted(self, model: torch.nn.Module, optimizer: Any = None) -> Any:
-        """Context: the dropped parameters (and their optimizer state) back as empty
-        tensors at their original places, for tracing."""
+        """Context: the dropped parameters (and their optimizer state) and buffers back as
+        empty tensors at their original places, for tracing."""
         import contextlib
 
         @contextlib.contextmanager
         def ctx() -> Any:
-            placed, inserted = [], []
+            placed, inserted, buffers = [], [], []
+            for fqn, (shape, dtype, device) in self._ghost_buffers.items():
+                mod_path, _, attr = fqn.rpartition(".")
+                mod = model.get_submodule(mod_path) if mod_path else model
+                mod._buffers[attr] = torch.zeros(shape, dtype=dtype, device=device)
+                buffers.append((mod, attr))
             for fqn, (shape, dtype, device, rg, gi, pi) in sorted(self._ghosts.items(), key=lambda kv: (kv[1][4] or 0, kv[1][5] or 0)):
                 mod_path, _, attr = fqn.rpartition(".")
                 mod = model.get_submodule(mod_path) if mod_path else model
@@ -198,6 +215,8 @@ class PipelinedStep(CompiledStep):
             finally:
                 for mod, attr in placed:
                     mod._parameters[attr] = None
+                for mod, attr in buffers:
+                    mod._buffers[attr] = None
                 for gi, p in inserted:
                     optimizer.param_groups[gi]["params"] = [q for q in optimizer.param_groups[gi]["params"] if q is not p]
                     optimizer.state.pop(p, None)
@@ -254,25 +273,25 @@ class PipelinedStep(CompiledStep):
         return pytree.tree_unflatten([user[i] for i in range(len(user))], traced.user_spec)
 
     # ------------------------------------------------------------------ timeline
-    def chrome_trace(self, path: str | pathlib.Path) -> pathlib.Path:
-        """Write the last step's schedule as Chrome-trace JSON (open in Perfetto or
-        chrome://tracing): one row per rank, spans for F, B, O, send and recv. All ranks
-        must call it (spans are gathered to rank 0, which writes the file)."""
+    def gather_timeline(self) -> list[list[Any]]:
+        """The last step's spans of every rank (index = global rank). Collective: every
+        rank must call it."""
         spans = [s.__dict__ for s in self.last_timeline]
         everyone: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, spans)
+        return everyone
+
+    def timeline_text(self, *, width: int = 72) -> str:
+        """The last step as a text Gantt chart, one row per rank (see
+        :mod:`spmd_compiler.pipeline.timeline`). Collective: every rank must call it."""
+        return format_timeline(self.gather_timeline(), width=width)
+
+    def chrome_trace(self, path: str | pathlib.Path) -> pathlib.Path:
+        """Write the last step's schedule as Chrome-trace JSON (open in Perfetto or
+        chrome://tracing): one row per rank, spans for F, B, O, R, send and recv.
+        Collective: every rank must call it; rank 0 writes the file."""
+        everyone = self.gather_timeline()
         path = pathlib.Path(path)
         if dist.get_rank() == 0:
-            t0 = min((s["start"] for r in everyone for s in r), default=0.0)
-            events = []
-            for r in everyone:
-                for s in r:
-                    label = f"{s['kind']}{s['stage']}" + (f" mb{s['microbatch']}" if s["microbatch"] is not None else "")
-                    events.append({
-                        "name": label, "cat": s["kind"], "ph": "X", "pid": s["rank"], "tid": 0,
-                        "ts": (s["start"] - t0) * 1e6, "dur": max(1.0, (s["end"] - s["start"]) * 1e6),
-                        "args": {"detail": s["detail"], "stage": s["stage"], "microbatch": s["microbatch"]},
-                    })
-            meta = [{"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}} for r in range(len(everyone))]
-            path.write_text(json.dumps({"traceEvents": meta + events, "displayTimeUnit": "ms"}))
+            path.write_text(json.dumps(chrome_trace_events(everyone)))
         return path
