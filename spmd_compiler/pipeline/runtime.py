@@ -79,7 +79,12 @@ class PipelineRunner:
         first_use: dict[tuple[str, int, int], tuple[str, str]] = {}
         for value, t, s, tk, k in sorted(program.cross_stage()):
             if tk == "O":
-                raise SpmdError(f"value {value} flows from the {tk} of stage {t} to the {k} of stage {s}; not supported")
+                raise SpmdError(
+                    f"value {value} flows from the optimizer part of stage {t} to the {dict(F='forward', B='backward', O='optimizer')[k]} "
+                    f"part of stage {s}: code after backward() that combines values of several stages (such as "
+                    f"torch.nn.utils.clip_grad_norm_ over all parameters) is not supported in a pipeline. fix: remove it from "
+                    f"the step, or make it per parameter (e.g. clip_grad_value_), or compile without pipeline="
+                )
             key = (value, t, s)  # sent once per destination stage, received at its first use
             if key not in first_use or "FBO".index(k) < "FBO".index(first_use[key][1]):
                 first_use[key] = (tk, k)

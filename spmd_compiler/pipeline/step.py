@@ -144,9 +144,37 @@ class PipelinedStep(CompiledStep):
         elapsed = time.perf_counter() - start
         self.compiles += 1
         step.timings["total"] = elapsed
-        self._maybe_dump(step, {"expanded": None, "passes": []})
+        self._dump_stages(step)
         log.info("compiled pipelined %s in %.2fs: %d stages, %s", getattr(self.fn, "__name__", "step"), elapsed, assignment.num_stages, cfg.schedule)
         return _Entry(step, elapsed, reason, dict(step.timings))
+
+    # ------------------------------------------------------------------ dump
+    def _dump_stages(self, step: Any) -> None:
+        """The usual dump, plus one annotated file per stage piece (``stage_<s>_<F|B|O>.py``)
+        and ``pipeline.txt``: the stage of every parameter, the values crossing stages and
+        the schedule."""
+        from ..dump.writer import dump_root, write_dump
+        from .schedule import build_schedule, format_schedule
+
+        if not self._dumping():
+            return
+        program, assignment, cfg = step.program, step.assignment, self.pipeline
+        name = getattr(self.fn, "__name__", "step")
+        pieces = [(f"{s}_{k}", program.pieces[(s, k)].gm) for (s, k) in sorted(program.pieces)]
+        folder = write_dump(dump_root(self.dump_dir), step, name=name, stages=pieces,
+                            info={"world size": dist.get_world_size(), "pipeline": repr(cfg)})
+        pp = step.pipeline.pp
+        lines = [f"{assignment.num_stages} stages over mesh axis {cfg.axis!r} ({pp} ranks), {cfg.chunks} micro-batches, "
+                 f"schedule {cfg.schedule}, checkpoint {cfg.checkpoint}", "", "parameters (stage: FQN):"]
+        lines += [f"  {','.join(map(str, owners))}: {fqn}" + ("   (tied)" if len(owners) > 1 else "")
+                  for fqn, owners in sorted(assignment.param_stages.items(), key=lambda kv: (kv[1], kv[0]))]
+        lines += ["", "values crossing stages (value: from -> to):"]
+        lines += [f"  {value}: {t}{tk} -> {s}{k}" for value, t, s, tk, k in sorted(program.cross_stage())]
+        lines += ["", "schedule (stage, F/B, micro-batch per pipeline rank):",
+                  format_schedule(build_schedule(cfg.schedule, pp, cfg.chunks, cfg.stages_per_rank))]
+        (folder / "pipeline.txt").write_text("\n".join(lines) + "\n")
+        self.dumps.append(folder)
+        log.info("dump of %s written to %s", name, folder)
 
     # ------------------------------------------------------------------ stage ownership
     def _drop_other_stages(self, model: torch.nn.Module, optimizer: Any, assignment: Any, mine: list[int]) -> None:
@@ -226,6 +254,14 @@ class PipelinedStep(CompiledStep):
     # ------------------------------------------------------------------ run
     def _run(self, step: Any, model: Any, optimizer: Any, batch: tuple, kwargs: dict) -> Any:
         traced, runner = step.traced, step.pipeline
+        if self.explain:  # python -m spmd_compiler explain: compiled and dumped, never run
+            out_nodes = next(n for n in step.gm.graph.nodes if n.op == "output").args[0]
+            user_out: dict[int, Any] = dict(traced.user_constants)
+            for slot, node in zip(step.outputs, out_nodes):
+                if slot.kind == "user":
+                    v = node.meta["val"]
+                    user_out[slot.index] = torch.zeros(tuple(v.shape), dtype=v.dtype)
+            return pytree.tree_unflatten([user_out[i] for i in range(len(user_out))], traced.user_spec)
         state = collect_state(model, optimizer)
         leaves, _, paths = _flatten_batch(batch, kwargs)
         m = self.pipeline.chunks

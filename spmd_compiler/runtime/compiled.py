@@ -383,7 +383,14 @@ def compile(fn: Callable[..., Any] | None = None, *, mesh: Any, plan: Plan | Non
     """
     pipeline = options.pop("pipeline", None)
     if pipeline is not None:
+        from ..pipeline.api import Pipeline
         from ..pipeline.step import PipelinedStep
+
+        if not isinstance(pipeline, Pipeline):
+            raise TypeError(
+                f"compile(pipeline=...) expects a spmd_compiler.Pipeline, got {type(pipeline).__name__} {pipeline!r}; "
+                f"fix: pipeline=spmd_compiler.Pipeline(chunks=4, schedule='1F1B')"
+            )
 
         cls: Any = lambda f, **kw: PipelinedStep(f, pipeline=pipeline, **kw)  # noqa: E731
     else:
