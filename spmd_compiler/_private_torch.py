@@ -29,6 +29,7 @@ from torch.distributed.tensor.placement_types import (
     _StridedShard,
 )
 from torch.distributed.tensor.placement_types import _MaskPartial as MaskPartial
+from torch.distributed.tensor._ops._math_ops import _NormPartial as NormPartial
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
@@ -38,6 +39,7 @@ __all__ = [
     "OpSchema",
     "OutputSharding",
     "MaskPartial",
+    "NormPartial",
     "StridedShard",
     "FakeTensor",
     "FakeTensorMode",

@@ -8,7 +8,8 @@ collective node records why it exists.
 Per-axis transitions (``n`` = mesh axis size, ``d`` = tensor dim):
 
 =====================  ==============================================================
-Partial -> Replicate   all_reduce (MaskPartial: zero masked rows first)
+Partial -> Replicate   all_reduce (MaskPartial: zero masked rows first; p-norm partial:
+                       x^p before, ^(1/p) after)
 Partial -> Shard(d)    reduce_scatter along d (padded to a multiple of n if uneven)
 Shard(d) -> Replicate  all_gather along d (pad before, drop padding after if uneven)
 Shard(a) -> Shard(b)   all_to_all when both dims divide evenly, else gather + narrow
@@ -244,11 +245,15 @@ def _emit_step(b: SubgraphBuilder, x: fx.Node, axis: int, s: Any, t: Any, logica
     if s.is_partial() and t.is_replicate():
         if isinstance(s, pt.MaskPartial):
             x = _apply_mask(b, x, mask)
-        return _collective(b, c10d.all_reduce.default, "all_reduce", x, axis, (_reduce_op(s),), why), None
+        x = _norm_pre(b, x, s)
+        out = _collective(b, c10d.all_reduce.default, "all_reduce", x, axis, (_reduce_op(s),), why)
+        return _norm_post(b, out, s), None
     if s.is_partial() and isinstance(t, pt.Shard):
         if isinstance(s, pt.MaskPartial):
             x = _apply_mask(b, x, mask)
-        return _reduce_scatter(b, x, axis, t.dim, logical[t.dim], _reduce_op(s), why), None
+        x = _norm_pre(b, x, s)
+        out = _reduce_scatter(b, x, axis, t.dim, logical[t.dim], _reduce_op(s), why)
+        return _norm_post(b, out, s), None
     if isinstance(s, pt.Shard) and t.is_replicate():
         return _all_gather(b, x, axis, s.dim, logical[s.dim], why), mask
     if isinstance(s, pt.Shard) and isinstance(t, pt.Shard):
@@ -263,11 +268,26 @@ def _emit_step(b: SubgraphBuilder, x: fx.Node, axis: int, s: Any, t: Any, logica
     if s.is_replicate() and t.is_partial():
         if isinstance(t, pt.MaskPartial):
             return _mask_ids(b, x, axis, t)
+        if isinstance(t, pt.NormPartial) and t.reduce_op == "sum":
+            return b.call(aten.div.Scalar, x, float(n) ** (1.0 / t.norm_type)), None
         if t.reduce_op == "sum":
             return b.call(aten.div.Scalar, x, n), None
         if t.reduce_op in ("avg", "max", "min"):
             return x, None
     raise UnsupportedPlacementError(f"cannot redistribute {placements_text([s])} -> {placements_text([t])} ({why})")
+
+
+def _norm_pre(b: SubgraphBuilder, x: fx.Node, p: Any) -> fx.Node:
+    """A partial p-norm reduces as (sum x^p)^(1/p): raise to p before the sum."""
+    if isinstance(p, pt.NormPartial) and p.reduce_op == "sum" and p.norm_type != 1:
+        return b.call(aten.pow.Tensor_Scalar, x, p.norm_type)
+    return x
+
+
+def _norm_post(b: SubgraphBuilder, x: fx.Node, p: Any) -> fx.Node:
+    if isinstance(p, pt.NormPartial) and p.reduce_op == "sum" and p.norm_type != 1:
+        return b.call(aten.pow.Tensor_Scalar, x, 1.0 / p.norm_type)
+    return x
 
 
 def _narrow_shard(b: SubgraphBuilder, x: fx.Node, axis: int, dim: int, size: int) -> fx.Node:

@@ -31,6 +31,8 @@ def placements_text(placements: Any) -> str:
     for p in placements:
         if isinstance(p, pt.MaskPartial):
             out.append("MaskP")
+        elif isinstance(p, pt.NormPartial):
+            out.append(f"P(norm{p.norm_type:g})")
         elif isinstance(p, pt.StridedShard):
             out.append(f"SS({p.dim},{p.split_factor})")
         elif isinstance(p, pt.Shard):
