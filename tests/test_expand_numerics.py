@@ -85,3 +85,38 @@ def test_transformer_tied_embeddings_dp(mesh4):
     model = GPT(vocab=32, seq=8, dim=16, heads=2, layers=1, tie_embeddings=True).double()
     batches = [(torch.randint(0, 32, (8, 8)), torch.randint(0, 32, (8, 8))) for _ in range(2)]
     assert_training_matches(train_step, model, OPTIMIZERS["adam"], batches, mesh4)
+
+
+def clipped_step(model, optimizer, x, y):
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)  # a 2-norm over sharded gradients
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def test_fsdp_style_with_gradient_clipping(mesh4):
+    # the gradient norm of a Shard(0) gradient is a p-norm partial: x^2, sum over ranks, sqrt
+    plan = sc.Plan(params={"*": [Shard(0)]})
+    assert_training_matches(clipped_step, MLP().double(), OPTIMIZERS["sgd_momentum"], mlp_batches(), mesh4, plan)
+
+
+@pytest.mark.parametrize("p", [1, 2, 3])
+@pytest.mark.parametrize("rows", [8, 5])  # even and uneven over 4 ranks
+def test_vector_norm_of_a_shard(mesh4, p, rows):
+    from spmd_compiler.testing import assert_spmd_matches
+
+    x = torch.randn(rows, 3, dtype=torch.float64)
+    assert_spmd_matches(lambda t: torch.linalg.vector_norm(t, p), [x], mesh4, [[Shard(0)]], symbolic="none")
+
+
+def test_fill_and_like_ops_of_partial_values(mesh4):
+    from spmd_compiler.testing import assert_spmd_matches
+
+    def fn(a, b):
+        s = (a * b).sum(1)  # Partial(sum) over the sharded dim 1
+        return torch.ones_like(s) + torch.empty_like(s).fill_(2.0) - s, torch.full_like(s, 3.0) * s
+
+    a, b = torch.randn(5, 6, dtype=torch.float64), torch.randn(5, 6, dtype=torch.float64)
+    assert_spmd_matches(fn, [a, b], mesh4, [[Shard(1)], [Shard(1)]], symbolic="none")
