@@ -37,3 +37,55 @@ def test_stage_dump_files(tmp_path, monkeypatch):
     assert "rank 0: 0F0 0F1 0B0 0B1" in text and "rank 1: 1F0 1B0 1F1 1B1" in text
     crossing = text.split("values crossing stages")[1].split("schedule")[0]
     assert "0F -> 1F" in crossing and "1B -> 0B" in crossing
+
+
+def test_three_axis_mesh_and_tie_groups_follow_the_mesh(monkeypatch):
+    """pp=4 x dp=2 x tp=2 on 16 fake ranks: the step expands over dp x tp inside each stage;
+    the tied embedding lives on stages 0 and 3, and this rank's partner for it is the rank
+    with the same (dp, tp) coordinate on the last stage."""
+    from spmd_compiler.testing.models import gpt_2d_plan
+
+    monkeypatch.setenv("SPMD_COMPILER_EXPLAIN", "1")
+    torch.manual_seed(0)
+    model = GPT(vocab=32, seq=8, dim=16, heads=2, layers=4, tie_embeddings=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    mesh = fake_mesh((4, 2, 2), ["pp", "dp", "tp"])
+    step = sc.compile(train_step, mesh=mesh, plan=gpt_2d_plan(), pipeline=sc.Pipeline(chunks=2, auto=True))
+    ids = torch.randint(0, 32, (4, 8))  # this rank's dp shard of a batch of 8
+    step(model, opt, ids, ids)
+    compiled = step.last
+    assert compiled.assignment.num_stages == 4
+    assert compiled.assignment.tied() == {"tok.weight": (0, 3)}
+    runner = compiled.pipeline
+    assert runner.my_stages == [0]  # fake rank 0 = (pp 0, dp 0, tp 0)
+    assert [runner.stage_rank(s) for s in range(4)] == [0, 4, 8, 12]  # same (dp, tp) on every stage
+    # the gradient of the tied weight goes from stage 0's backward to stage 3's optimizer
+    tied_grad = [c for c in compiled.program.cross_stage() if c[1:] == (0, 3, "B", "O")]
+    assert tied_grad, compiled.program.cross_stage()
+    # inside a stage, Megatron TP collectives over tp and gradient reductions over dp
+    kinds = {(n.meta["spmd_comm"]["kind"], n.meta["spmd_comm"]["axis"]) for n in compiled.collectives()}
+    # stages expand over the (dp, tp) sub-mesh: no collective can cross stages
+    assert compiled.mctx.axis_names == ("dp", "tp")
+    assert ("all_reduce", 1) in kinds and any(axis == 0 for _, axis in kinds)  # stage-mesh axes 0 = dp, 1 = tp
+
+
+def test_no_chunk_inputs_are_passed_whole(monkeypatch):
+    monkeypatch.setenv("SPMD_COMPILER_EXPLAIN", "1")
+
+    def weighted_step(model, optimizer, ids, targets, class_weights):
+        logits = model(ids)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), weight=class_weights)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    model = GPT(vocab=32, seq=8, dim=16, heads=2, layers=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = sc.compile(weighted_step, mesh=fake_mesh((2,), ["pp"]),
+                      pipeline=sc.Pipeline(chunks=4, split={"blocks.1": S}, no_chunk=["batch[2]"]))
+    ids = torch.randint(0, 32, (8, 8))
+    step(model, opt, ids, ids, torch.ones(32))
+    shapes = {i.index: tuple(n.meta["val"].shape) for n in step.last.traced.gm.graph.nodes
+              if n.op == "placeholder" and (i := n.meta.get("spmd_input")) is not None and i.kind == "batch"}
+    assert shapes == {0: (2, 8), 1: (2, 8), 2: (32,)}  # micro-batches of 2 rows; the weights whole

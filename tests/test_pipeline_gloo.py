@@ -1,12 +1,13 @@
 """Pipelined training on real gloo processes (4 ranks, forked), against one device.
 
-Three configurations in one launch (each compiles in a few seconds):
+Four configurations in one launch (each compiles in a few seconds):
 - pp2 x dp2, GPT with tied embedding / LM head, interleaved 1F1B with two stages per
   rank, cut by a split spec;
 - pp2 x tp2, Megatron-TP GPT, GPipe;
 - pp4 SkipNet: ``pipe_split()`` markers, a skip connection over a stage, dict/None/scalar
   stage outputs, BatchNorm with deferred statistics, activation checkpointing
-  ``except_last``, 1F1B.
+  ``except_last``, 1F1B, with a dump (stage files and the executed timeline);
+- pp4 GPT cut by automatic balancing, checkpointing ``always``, GPipe.
 Tolerance: float64, 1e-10 on the loss and parameters.
 """
 
@@ -32,6 +33,7 @@ CONFIGS = {
     "tp_gpipe": dict(model="gpt", layers=2, mesh={"pp": 2, "tp": 2}, plan=gpt_tp_plan(), pipe=sc.Pipeline(
         chunks=2, schedule="GPipe", split={"blocks.1": S})),
     "skipnet_bn": dict(model="skip", mesh={"pp": 4}, pipe=sc.Pipeline(chunks=4, schedule="1F1B", checkpoint="except_last")),
+    "auto_always": dict(model="gpt", layers=4, mesh={"pp": 4}, pipe=sc.Pipeline(chunks=2, schedule="GPipe", auto=True, checkpoint="always")),
 }
 
 
@@ -77,7 +79,8 @@ def _worker(rank: int, world: int, names: list[str], trace_dir: str) -> dict:
         ref = copy.deepcopy(model)
         opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=0.01), torch.optim.AdamW(ref.parameters(), lr=0.01)
         all_keys = set(model.state_dict())
-        step = sc.compile(fn, mesh=cfg["mesh"], plan=cfg.get("plan"), pipeline=cfg["pipe"])
+        dump = f"{trace_dir}/dump" if name == "skipnet_bn" else None
+        step = sc.compile(fn, mesh=cfg["mesh"], plan=cfg.get("plan"), pipeline=cfg["pipe"], dump_dir=dump)
         errs = []
         for i in range(3):
             x, y = _data(cfg, i)
@@ -95,6 +98,7 @@ def _worker(rank: int, world: int, names: list[str], trace_dir: str) -> dict:
         if name == "skipnet_bn":
             step.chrome_trace(f"{trace_dir}/trace.json")
             out[name]["timeline"] = step.timeline_text()
+            out[name]["dumps"] = [sorted(p.name for p in folder.iterdir()) for folder in step.dumps]
     return out
 
 
@@ -133,6 +137,10 @@ def test_stages_keep_original_names(results):
     assert per_rank[0]["skipnet_bn"]["keys"] == sorted(
         ["l0.weight", "l0.bias", "norm.weight", "norm.bias", "norm.running_mean", "norm.running_var", "norm.num_batches_tracked"])
     assert per_rank[3]["skipnet_bn"]["keys"] == ["l3.bias", "l3.weight"]
+    # automatic balancing of 4 blocks over 4 stages: one block per stage, embeddings first, head last
+    assert all(k.startswith("blocks.1.") for k in per_rank[1]["auto_always"]["keys"])
+    assert {"tok.weight", "pos.weight"} <= set(per_rank[0]["auto_always"]["keys"])
+    assert {"head.weight", "ln.weight"} <= set(per_rank[3]["auto_always"]["keys"])
 
 
 def test_timeline_trace_and_text(results):
@@ -148,6 +156,10 @@ def test_timeline_trace_and_text(results):
     # checkpointing except_last: stages 0-2 recompute each micro-batch's forward, stage 3 keeps it
     recomputes = [sum(1 for e in spans if e["pid"] == r and e["cat"] == "R") for r in range(4)]
     assert recomputes == [4, 4, 4, 0]
+    # the dump of each compile holds the stage programs and its first run's timeline
+    dumps = per_rank[0]["skipnet_bn"]["dumps"]
+    assert len(dumps) == 2 and all({"timeline.txt", "timeline_trace.json", "pipeline.txt", "stage_3_F.py"} <= set(d) for d in dumps)
+    assert per_rank[1]["skipnet_bn"]["dumps"] == []  # rank 0 writes dumps by default
     rows = per_rank[0]["skipnet_bn"]["timeline"].splitlines()
     assert len(rows) == 5 and rows[0].startswith("step ")
     for r, row in enumerate(rows[1:]):

@@ -74,14 +74,18 @@ class Pipeline:
         return names.index(self.axis)
 
 
-def pipeline_plan(plan: Plan, pp_index: int, ndim: int) -> Plan:
-    """The plan for the full mesh: Replicate inserted on the pipeline axis."""
+def pipeline_plan(plan: Plan, pp_index: int | None, ndim: int) -> Plan:
+    """The plan for the full mesh: Replicate inserted on the pipeline axis. With
+    ``pp_index=None``, the plan for the stage mesh (the other axes): unchanged but for
+    the pipeline's default batch placement."""
 
     def widen(value: Any) -> Any:
         from torch.distributed.tensor import Placement
 
         if value is None:
             return None
+        if pp_index is None:
+            return value
         if isinstance(value, Placement):
             value = [value]
         if isinstance(value, (list, tuple)) and len(value) == ndim - 1 and all(_is_placement(p) for p in value):
@@ -104,7 +108,7 @@ def pipeline_plan(plan: Plan, pp_index: int, ndim: int) -> Plan:
         default_input=widen(plan.default_input if plan.default_input is not None else _default_input(ndim - 1)),
         style_axis=plan.style_axis,
         strict=plan.strict,
-        fsdp_axes=tuple(a + (1 if isinstance(a, int) and a >= pp_index else 0) if isinstance(a, int) else a for a in names),
+        fsdp_axes=tuple(a + (1 if pp_index is not None and a >= pp_index else 0) if isinstance(a, int) else a for a in names),
     )
 
 

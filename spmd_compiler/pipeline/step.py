@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.utils import _pytree as pytree
 
 from .. import _private_torch as pt
@@ -63,6 +63,31 @@ class PipelinedStep(CompiledStep):
     @property
     def full_plan(self) -> Any:
         return pipeline_plan(self._user_plan, self.pp_index, self.mesh.ndim)
+
+    @property
+    def stage_mesh(self) -> Any:
+        """The mesh each stage is expanded over: the axes other than the pipeline axis
+        (the whole mesh when the pipeline axis is its only axis; everything is Replicate
+        along it either way, so no collective crosses stages)."""
+        mesh = self.mesh
+        if mesh.ndim == 1:
+            return mesh
+        names = [n for n in mesh.mesh_dim_names if n != self.pipeline.axis]
+        return mesh[tuple(names)] if len(names) > 1 else mesh[names[0]]
+
+    @property
+    def stage_plan(self) -> Any:
+        """The user's plan (for the non-pipeline axes) with the pipeline's batch default."""
+        if self.mesh.ndim == 1:
+            return self.full_plan
+        return pipeline_plan(self._user_plan, None, self.mesh.ndim)
+
+    def _full_placements(self, placements: Any) -> list[Any]:
+        """Stage-mesh placements widened with Replicate on the pipeline axis."""
+        out = list(placements)
+        if len(out) == self.mesh.ndim - 1:
+            out.insert(self.pp_index, Replicate())
+        return out
 
     def distribute(self, model: torch.nn.Module, optimizer: Any = None) -> None:
         self.plan = self.full_plan
@@ -115,7 +140,8 @@ class PipelinedStep(CompiledStep):
                     f"the pipeline needs {stages} = {pp} ranks on axis {cfg.axis!r} x {cfg.stages_per_rank} stage(s) per rank; "
                     f"fix: give {stages - 1} split points (Pipeline(split=...) or pipe_split() calls) or Pipeline(auto=True)"
                 )
-            step = expand(traced, mesh, self.full_plan, coordinate=tuple(mesh.get_coordinate()), fallback=self.fallback, cache=self.cache)
+            smesh = self.stage_mesh
+            step = expand(traced, smesh, self.stage_plan, coordinate=tuple(smesh.get_coordinate()), fallback=self.fallback, cache=self.cache)
             program = split_program(step.gm, assignment)
             coord = list(mesh.get_coordinate())
             mesh_ranks = mesh.mesh
@@ -156,6 +182,10 @@ class PipelinedStep(CompiledStep):
         from ..dump.writer import dump_root, write_dump
         from .schedule import build_schedule, format_schedule
 
+        # the first run of this program adds its timeline to the dump (collective, so
+        # every rank takes part when dumps are on, whichever ranks write them)
+        step.timeline_pending = dump_root(self.dump_dir) is not None and not self.explain
+        step.dump_folder = None
         if not self._dumping():
             return
         program, assignment, cfg = step.program, step.assignment, self.pipeline
@@ -173,6 +203,7 @@ class PipelinedStep(CompiledStep):
         lines += ["", "schedule (stage, F/B, micro-batch per pipeline rank):",
                   format_schedule(build_schedule(cfg.schedule, pp, cfg.chunks, cfg.stages_per_rank))]
         (folder / "pipeline.txt").write_text("\n".join(lines) + "\n")
+        step.dump_folder = folder
         self.dumps.append(folder)
         log.info("dump of %s written to %s", name, folder)
 
@@ -301,11 +332,18 @@ class PipelinedStep(CompiledStep):
                 dist.broadcast(combined, src=last_rank, group=runner.pp_group)
                 user[slot.index] = combined
             elif slot.name in state.params:
-                dt = DTensor.from_local(values[node.name][0], mesh, slot.spec.placements, run_check=False, shape=slot.spec.shape, stride=slot.spec.stride)
+                dt = DTensor.from_local(values[node.name][0], mesh, self._full_placements(slot.spec.placements), run_check=False,
+                                        shape=slot.spec.shape, stride=slot.spec.stride)
                 optimizer.state[state.params[slot.name]][slot.key] = dt
             elif slot.name in self._ghosts:  # another stage's state: remember its shape
                 self._ghost_states.setdefault(slot.name, {})[slot.key] = (slot.spec.shape, slot.spec.tensor_meta.dtype)
         self.last_timeline = runner.timeline()
+        if getattr(step, "timeline_pending", False):
+            step.timeline_pending = False
+            everyone = self.gather_timeline()
+            if step.dump_folder is not None:
+                (step.dump_folder / "timeline.txt").write_text(format_timeline(everyone) + "\n")
+                (step.dump_folder / "timeline_trace.json").write_text(json.dumps(chrome_trace_events(everyone)))
         return pytree.tree_unflatten([user[i] for i in range(len(user))], traced.user_spec)
 
     # ------------------------------------------------------------------ timeline
