@@ -24,6 +24,8 @@ from .redistribute import chunk_sizes, emit_redistribute, logical_shape
 from .registry import get_rule
 from .values import DSymInt, MeshContext, placements_text
 
+aten = torch.ops.aten
+
 __all__ = ["expand_op", "TensorArg", "ScalarArg", "ExpandContext", "generic_expand", "replicate_fallback", "NoStrategy", "wrap_result"]
 
 log = logging.getLogger(__name__)
