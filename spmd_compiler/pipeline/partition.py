@@ -19,6 +19,10 @@ stage that owns a parameter it touches; a parameter is owned by each stage whose
 forward uses it. A parameter used by two stages (tied embedding and LM head) is thus
 owned, stored and updated on both; its gradient is the sum computed by the backward
 graph, which reaches both stages.
+
+Buffers belong to the stages of their forward users; a buffer the forward does not read
+(BatchNorm running statistics once their update is deferred to the optimizer) lives with
+its module's other state.
 """
 
 from __future__ import annotations
