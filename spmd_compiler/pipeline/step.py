@@ -38,6 +38,12 @@ from .timeline import chrome_trace_events, format_timeline
 
 __all__ = ["PipelinedStep"]
 
+
+def _owner(model: torch.nn.Module, fqn: str) -> tuple[torch.nn.Module, str]:
+    """The module holding ``fqn`` and the attribute name there."""
+    mod_path, _, attr = fqn.rpartition(".")
+    return (model.get_submodule(mod_path) if mod_path else model), attr
+
 log = logging.getLogger(__name__)
 
 
@@ -217,8 +223,8 @@ class PipelinedStep(CompiledStep):
         for fqn in drop_buffers & set(state.buffers):
             b = state.buffers[fqn]
             self._ghost_buffers[fqn] = (b.shape, b.dtype, b.device)
-            mod_path, _, attr = fqn.rpartition(".")
-            (model.get_submodule(mod_path) if mod_path else model)._buffers[attr] = None
+            mod, attr = _owner(model, fqn)
+            mod._buffers[attr] = None
         drop = {fqn for fqn, owners in assignment.param_stages.items() if not set(owners) & set(mine)}
         drop &= set(state.params)
         if not drop:
@@ -236,8 +242,8 @@ class PipelinedStep(CompiledStep):
                 if name == fqn and isinstance(value, torch.Tensor):
                     self._ghost_states.setdefault(fqn, {})[key] = (value.shape, value.dtype)
             for name in [fqn, *[a for a, c in state.aliases.items() if c == fqn]]:
-                mod_path, _, attr = name.rpartition(".")
-                (model.get_submodule(mod_path) if mod_path else model)._parameters[attr] = None
+                mod, attr = _owner(model, name)
+                mod._parameters[attr] = None
         if optimizer is not None:
             for group in optimizer.param_groups:
                 group["params"] = [p for p in group["params"] if id(p) not in dropped]
@@ -254,13 +260,11 @@ class PipelinedStep(CompiledStep):
         def ctx() -> Any:
             placed, inserted, buffers = [], [], []
             for fqn, (shape, dtype, device) in self._ghost_buffers.items():
-                mod_path, _, attr = fqn.rpartition(".")
-                mod = model.get_submodule(mod_path) if mod_path else model
+                mod, attr = _owner(model, fqn)
                 mod._buffers[attr] = torch.zeros(shape, dtype=dtype, device=device)
                 buffers.append((mod, attr))
             for fqn, (shape, dtype, device, rg, gi, pi) in sorted(self._ghosts.items(), key=lambda kv: (kv[1][4] or 0, kv[1][5] or 0)):
-                mod_path, _, attr = fqn.rpartition(".")
-                mod = model.get_submodule(mod_path) if mod_path else model
+                mod, attr = _owner(model, fqn)
                 p = torch.nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=rg)
                 mod._parameters[attr] = p
                 placed.append((mod, attr))
