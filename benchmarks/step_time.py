@@ -5,20 +5,32 @@ For the same GPT, data, optimizer (AdamW) and plan, in one run:
     dp    compiled data parallel          vs DistributedDataParallel
     fsdp  compiled FSDP (fsdp_axes)       vs FSDP2 fully_shard (per block + root)
     tp    compiled Megatron TP            vs eager DTensor, parallelize_module (same styles)
-    2d    compiled dp x tp                vs eager 2-D: parallelize_module on tp + DDP on dp
+    2d    compiled dp x tp                vs eager 2-D: parallelize_module on tp + per-parameter
+                                             gradient all_reduce over dp
 
-Median step time over --steps steps after --warmup steps, the ratio per pair (compiled /
-peer; below 1 is faster), and bytes moved per rank per step by the compiled program
-next to the analytic minimum for the plan. Timing runs on world size 2 (one process per
-core on a 2-core machine; 2-D uses dp=1 x tp=2), bytes on world size 4 (2-D: 2 x 2).
+**Paired timing.** Each process builds both sides (separate copies of the same model)
+and alternates them step by step, swapping which goes first every step, so both see the
+same machine state; a slow patch on a shared machine slows both. The figure quoted is
+the median of the per-step ratios compiled / peer (below 1: compiled is faster), next to
+each side's median step time. World size 2 for dp, fsdp and tp (one process per core on
+a 2-core machine); 2-D needs 4 (2 x 2, two processes per core).
+
+**Bytes.** Collective buffer bytes per rank per step of the compiled program on a world
+of 4 (fake process group, compile only), next to the analytic minimum for the plan.
+
+**Width sweep.** Eager DTensor's cost is per op, the compiled step's is mostly compute;
+the TP pair is repeated at several model widths to show where the ratio goes.
+
+``--profile`` adds where the compiled step's time goes (torch.profiler on rank 0).
 Writes benchmarks/results/step_time.md. Usage:
 
-    python benchmarks/step_time.py [--steps 20] [--layers 2] [--dim 128]
+    python benchmarks/step_time.py [--steps 30] [--layers 2] [--dim 128] [--tp-dims 32 64 128 256] [--profile]
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import pathlib
 import platform
@@ -36,16 +48,27 @@ from spmd_compiler.runtime.launch import run_processes  # noqa: E402
 from spmd_compiler.testing.models import GPT, GPTConfig, gpt_2d_plan, gpt_fsdp_plan, gpt_tp_plan, train_step  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results" / "step_time.md"
+PEERS = {"dp": "DDP", "fsdp": "FSDP2 fully_shard", "tp": "eager DTensor TP", "2d": "eager DTensor TP + dp all_reduce"}
+TIMING_WORLD = {"dp": 2, "fsdp": 2, "tp": 2, "2d": 4}
 
 
-def _cfg(args: Any) -> GPTConfig:
-    return GPTConfig(vocab=args.vocab, seq=args.seq, dim=args.dim, heads=args.heads, layers=args.layers)
+def _cfg(args: Any, dim: int | None = None) -> GPTConfig:
+    return GPTConfig(vocab=args.vocab, seq=args.seq, dim=dim or args.dim, heads=args.heads, layers=args.layers)
 
 
-def _batch(step: int, args: Any, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _batch(step: int, args: Any) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + step)
-    ids = torch.randint(0, args.vocab, (rows, args.seq), generator=g)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
     return ids, torch.roll(ids, -1, 1)
+
+
+def _plan(kind: str, world: int) -> tuple[Any, dict[str, int]]:
+    return {
+        "dp": (None, {"dp": world}),
+        "fsdp": (gpt_fsdp_plan(), {"dp": world}),
+        "tp": (gpt_tp_plan(), {"tp": world}),
+        "2d": (gpt_2d_plan(), {"dp": world // 2, "tp": 2}),
+    }[kind]
 
 
 def _styles() -> dict[str, Any]:
@@ -55,9 +78,8 @@ def _styles() -> dict[str, Any]:
             "attn.out": RowwiseParallel(), "fc": ColwiseParallel(), "proj": RowwiseParallel()}
 
 
-def _peer(kind: str, model: torch.nn.Module, world: int, rank: int) -> torch.nn.Module:
+def _peer(kind: str, model: torch.nn.Module, world: int) -> torch.nn.Module:
     """The hand-built distributed model for ``kind``."""
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     if kind == "dp":
@@ -90,7 +112,7 @@ def _peer(kind: str, model: torch.nn.Module, world: int, rank: int) -> torch.nn.
 
 def _sync_gradients_over(model: torch.nn.Module, group: Any) -> None:
     """Hand-written data parallel for the eager 2-D peer: average every gradient over the
-    dp group (one all_reduce per parameter) right before the optimizer step."""
+    dp group (one all_reduce per parameter) once it is accumulated."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
@@ -106,56 +128,78 @@ def _sync_gradients_over(model: torch.nn.Module, group: Any) -> None:
         p.register_post_accumulate_grad_hook(hook)
 
 
-def _worker(rank: int, world: int, kind: str, args: Any, mode: str) -> dict[str, Any]:
+def _local_batch(kind: str, ids: torch.Tensor, tg: torch.Tensor, world: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if kind in ("dp", "fsdp"):
+        return ids.chunk(world)[rank], tg.chunk(world)[rank]
+    if kind == "2d":
+        dp_rank = rank // 2
+        return ids.chunk(world // 2)[dp_rank], tg.chunk(world // 2)[dp_rank]
+    return ids, tg
+
+
+def _pair_worker(rank: int, world: int, kind: str, args: Any, dim: int, profile: bool) -> dict[str, Any]:
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    model = GPT(_cfg(args))
-    steps, warmup = args.steps, args.warmup
-    times: list[float] = []
-    out: dict[str, Any] = {}
-    if mode == "compiled":
-        plans = {"dp": (None, {"dp": world}), "fsdp": (gpt_fsdp_plan(), {"dp": world}), "tp": (gpt_tp_plan(), {"tp": world}),
-                 "2d": (gpt_2d_plan(), {"dp": world // 2, "tp": 2})}
-        plan, mesh = plans[kind]
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        step = sc.compile(train_step, mesh=mesh, plan=plan)
-        coord = None
-        for i in range(warmup + steps):
-            ids, tg = _batch(i, args, args.batch)
-            if coord is None:
-                coord = step.mesh.get_coordinate()
-            if kind in ("dp", "fsdp"):
-                ids, tg = ids.chunk(world)[rank], tg.chunk(world)[rank]
-            elif kind == "2d":
-                ids, tg = ids.chunk(world // 2)[coord[0]], tg.chunk(world // 2)[coord[0]]
-            t0 = time.perf_counter()
-            loss = step(model, opt, ids, tg)
-            loss.item()
-            times.append(time.perf_counter() - t0)
-        summary = step.comm_summary()
-        out["bytes"] = summary.total_bytes
-        out["collectives"] = summary.total_count
-        out["loss"] = float(loss)
-    else:
-        dmodel = _peer(kind, model, world, rank)
-        opt = torch.optim.AdamW(dmodel.parameters(), lr=1e-3)
-        import torch.distributed as dist
+    model = GPT(_cfg(args, dim))
+    ours_model, peer_model = copy.deepcopy(model), _peer(kind, copy.deepcopy(model), world)
+    ours_opt = torch.optim.AdamW(ours_model.parameters(), lr=1e-3)
+    peer_opt = torch.optim.AdamW(peer_model.parameters(), lr=1e-3)
+    plan, mesh = _plan(kind, world)
+    ours = sc.compile(train_step, mesh=mesh, plan=plan)
 
-        for i in range(warmup + steps):
-            ids, tg = _batch(i, args, args.batch)
-            if kind in ("dp", "fsdp"):
-                ids, tg = ids.chunk(world)[rank], tg.chunk(world)[rank]
-            elif kind == "2d":
-                dp_rank = rank // 2
-                ids, tg = ids.chunk(world // 2)[dp_rank], tg.chunk(world // 2)[dp_rank]
-            t0 = time.perf_counter()
-            loss = train_step(dmodel, opt, ids, tg)
+    def run(side: str, i: int) -> float:
+        ids, tg = _local_batch(kind, *_batch(i, args), world, rank)
+        t0 = time.perf_counter()
+        if side == "ours":
+            loss = ours(ours_model, ours_opt, ids, tg)
+        else:
+            loss = train_step(peer_model, peer_opt, ids, tg)
             loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
-            loss.item()
-            times.append(time.perf_counter() - t0)
-        out["loss"] = float(loss)
-    out["median"] = statistics.median(times[warmup:])
+        loss.item()
+        return time.perf_counter() - t0
+
+    t_ours, t_peer = [], []
+    for i in range(args.warmup + args.steps):
+        order = ("ours", "peer") if i % 2 == 0 else ("peer", "ours")
+        got = {side: run(side, i) for side in order}
+        if i >= args.warmup:
+            t_ours.append(got["ours"])
+            t_peer.append(got["peer"])
+    out: dict[str, Any] = {
+        "ours": statistics.median(t_ours),
+        "peer": statistics.median(t_peer),
+        "ratio": statistics.median(a / b for a, b in zip(t_ours, t_peer)),
+        "compiles": ours.compiles,
+    }
+    if profile:
+        out["profile"] = _profile(rank, lambda i: run("ours", i), args)
     return out
+
+
+def _profile(rank: int, step: Any, args: Any) -> dict[str, float] | None:
+    """Where one compiled step's time goes, in ms (rank 0): collective waits, matmuls,
+    other ops, and the rest (Python between ops, allocation)."""
+    import contextlib
+
+    from torch.profiler import ProfilerActivity, profile
+
+    n = 5
+    with profile(activities=[ProfilerActivity.CPU]) if rank == 0 else contextlib.nullcontext() as prof:
+        wall = sum(step(args.warmup + args.steps + i) for i in range(n)) / n
+    if rank != 0:
+        return None
+    cats = {"collective wait": 0.0, "matmul": 0.0, "other ops": 0.0}
+    for e in prof.key_averages():
+        ms = e.self_cpu_time_total / 1e3 / n
+        if "wait_tensor" in e.key or e.key.startswith("c10d::"):
+            cats["collective wait"] += ms
+        elif e.key in ("aten::mm", "aten::bmm", "aten::addmm"):
+            cats["matmul"] += ms
+        elif e.key.startswith(("aten::", "_c10d_functional::")):
+            cats["other ops"] += ms
+    cats["python and rest"] = max(0.0, wall * 1e3 - sum(cats.values()))
+    cats["step (profiled)"] = wall * 1e3
+    return cats
 
 
 def _param_bytes(args: Any) -> dict[str, int]:
@@ -183,9 +227,29 @@ def analytic_min(kind: str, args: Any, world: int) -> int:
     return 4 * args.layers * act // dp + local_grads + 4
 
 
+def compiled_bytes(kind: str, args: Any, world: int = 4) -> tuple[int, int]:
+    """(collectives, bytes) per rank per step of the compiled program on a fake world."""
+    from spmd_compiler.testing import fake_mesh
+
+    torch.manual_seed(0)
+    model = GPT(_cfg(args))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    plan, shape = _plan(kind, world)
+    mesh = fake_mesh(tuple(shape.values()), tuple(shape))
+    step = sc.compile(train_step, mesh=mesh, plan=plan, check_ranks=False)
+    ids, tg = _local_batch(kind, *_batch(0, args), world, 0)
+    step(model, opt, ids, tg)
+    step(model, opt, ids, tg)  # the steady step (AdamW state exists)
+    s = step.comm_summary()
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    return s.total_count, s.total_bytes
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--dim", type=int, default=128)
@@ -194,50 +258,67 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--kinds", nargs="+", default=["dp", "fsdp", "tp", "2d"])
+    p.add_argument("--tp-dims", nargs="*", type=int, default=[32, 64, 128, 256])
+    p.add_argument("--profile", action="store_true")
     args = p.parse_args()
-    rows = []
+
+    rows, profiles = [], {}
     for kind in args.kinds:
-        world_t = 4 if kind == "2d" else 2
-        ours = run_processes(_worker, world_t, kind, args, "compiled", timeout=1800)[0]
-        peer = run_processes(_worker, world_t, kind, args, "peer", timeout=1800)[0]
-        bytes4 = run_processes(_worker, 4, kind, _short(args), "compiled", timeout=1800)[0]
+        world = TIMING_WORLD[kind]
+        res = run_processes(_pair_worker, world, kind, args, args.dim, args.profile, timeout=3600)
+        got = res[0]
+        count, nbytes = compiled_bytes(kind, args)
         minimum = analytic_min(kind, args, 4)
-        rows.append((kind, world_t, ours, peer, bytes4, minimum))
-        print(f"{kind}: compiled {ours['median'] * 1e3:.1f} ms, peer {peer['median'] * 1e3:.1f} ms, "
-              f"ratio {ours['median'] / peer['median']:.2f}; bytes {bytes4['bytes']} vs minimum {minimum}", flush=True)
-    peers = {"dp": "DDP", "fsdp": "FSDP2 fully_shard", "tp": "eager DTensor TP", "2d": "eager DTensor TP + DDP"}
-    head = "| plan | peer | world (timing) | compiled ms | peer ms | compiled / peer | collectives (world 4) | bytes/rank/step (world 4) | analytic minimum | bytes / minimum |"
+        rows.append((kind, world, got, count, nbytes, minimum))
+        if got.get("profile"):
+            profiles[kind] = got["profile"]
+        print(f"{kind}: compiled {got['ours'] * 1e3:.1f} ms, peer {got['peer'] * 1e3:.1f} ms, paired ratio {got['ratio']:.2f}; "
+              f"bytes {nbytes} vs minimum {minimum}", flush=True)
+    sweep = []
+    for dim in args.tp_dims:
+        got = run_processes(_pair_worker, 2, "tp", args, dim, False, timeout=3600)[0]
+        sweep.append((dim, got))
+        print(f"tp dim {dim}: compiled {got['ours'] * 1e3:.1f} ms, eager {got['peer'] * 1e3:.1f} ms, speedup {1 / got['ratio']:.2f}x", flush=True)
+
+    head = ("| plan | peer | world (timing) | compiled ms | peer ms | compiled / peer (paired median) | "
+            "collectives (world 4) | bytes/rank/step (world 4) | analytic minimum | bytes / minimum |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    for kind, world_t, ours, peer, b4, minimum in rows:
+    for kind, world, got, count, nbytes, minimum in rows:
         lines.append(
-            f"| {kind} | {peers[kind]} | {world_t} | {ours['median'] * 1e3:.1f} | {peer['median'] * 1e3:.1f} | "
-            f"{ours['median'] / peer['median']:.2f} | {b4['collectives']} | {b4['bytes']:,} | {minimum:,} | {b4['bytes'] / minimum:.2f} |"
+            f"| {kind} | {PEERS[kind]} | {world} | {got['ours'] * 1e3:.1f} | {got['peer'] * 1e3:.1f} | {got['ratio']:.2f} | "
+            f"{count} | {nbytes:,} | {minimum:,} | {nbytes / minimum:.2f} |"
         )
-    table = "\n".join(lines)
-    print(table)
+    sweep_lines = ["| dim | compiled TP ms | eager DTensor TP ms | speedup (eager / compiled, paired median) |", "|---|---|---|---|"]
+    for dim, got in sweep:
+        sweep_lines.append(f"| {dim} | {got['ours'] * 1e3:.1f} | {got['peer'] * 1e3:.1f} | {1 / got['ratio']:.2f}x |")
     text = [
         "# Step time",
         "",
-        f"`python benchmarks/step_time.py` on {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, gloo, one thread per process.",
+        f"`python benchmarks/step_time.py{' --profile' if args.profile else ''}` on {platform.machine()}, {os.cpu_count()} cores, "
+        f"torch {torch.__version__}, gloo, one thread per process.",
         f"GPT: {args.layers} layers, dim {args.dim}, {args.heads} heads, seq {args.seq}, vocab {args.vocab}, global batch {args.batch}, AdamW.",
-        f"Median of {args.steps} steps after {args.warmup} warm-up steps; compiled and peer run the same model, data and plan in the same run.",
-        "Bytes: sum of collective buffer sizes per rank per step of the compiled program (all_gather: its output; others: their input);",
-        "the analytic minimum is what a hand-written program for the plan moves (see `analytic_min`).",
+        f"Compiled and peer alternate step by step in the same processes ({args.warmup} warm-up steps, then {args.steps} pairs);",
+        "the ratio is the median of the per-step ratios. Bytes: sum of collective buffer sizes per rank per step of the compiled",
+        "program (all_gather: its output; others: their input) against what a hand-written program for the plan moves (`analytic_min`).",
         "",
-        table,
+        "\n".join(lines),
+        "",
+        f"## Tensor parallel against eager DTensor, by model width (world 2, {args.layers} layers)",
+        "",
+        "\n".join(sweep_lines),
         "",
     ]
+    if profiles:
+        cols = list(next(iter(profiles.values())))
+        text += ["## Where the compiled step's time goes (rank 0, ms per step, under torch.profiler)", "",
+                 "| plan | " + " | ".join(cols) + " |", "|" + "---|" * (len(cols) + 1)]
+        for kind, prof in profiles.items():
+            text.append(f"| {kind} | " + " | ".join(f"{prof[c]:.1f}" for c in cols) + " |")
+        text.append("")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text("\n".join(text))
+    print("\n".join(text))
     print(f"wrote {RESULTS}")
-
-
-def _short(args: Any) -> Any:
-    import copy
-
-    a = copy.copy(args)
-    a.steps, a.warmup = 1, 1
-    return a
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ against torch 2.13. Nothing else in the package imports a ``torch.*._private`` n
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +19,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor._op_schema import OpSchema, OutputSharding
+from torch.distributed.tensor import _sharding_prop
+from torch.distributed.tensor._op_schema import OpSchema, OpStrategy, OutputSharding
 from torch.distributed.tensor._redistribute import _gen_transform_infos_non_cached
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import (
@@ -44,6 +46,7 @@ __all__ = [
     "FakeTensor",
     "FakeTensorMode",
     "TransformStep",
+    "StrategyCandidate",
     "make_spec",
     "propagate_sharding",
     "transform_steps",
@@ -62,6 +65,7 @@ __all__ = [
 ]
 
 StridedShard = _StridedShard
+Placements = tuple[Placement, ...]
 
 
 # ----------------------------------------------------------------------------- specs
@@ -79,16 +83,74 @@ def make_spec(
     return DTensorSpec(mesh, tuple(placements), tensor_meta=meta)
 
 
+@dataclass(frozen=True)
+class StrategyCandidate:
+    """One of DTensor's sharding strategies for an op, as plain placements.
+
+    ``inputs_now``: the placements the tensor arguments have; ``inputs_needed``: the
+    placements the strategy wants them in; ``outputs``: the result placements (None for
+    non-tensor results); ``cost``: DTensor's redistribution cost estimate.
+    """
+
+    outputs: tuple[Placements | None, ...]
+    inputs_now: tuple[Placements, ...]
+    inputs_needed: tuple[Placements, ...]
+    cost: float
+
+
+StrategyFilter = Callable[[StrategyCandidate], bool]
+_selection = threading.local()
+
+
+def _candidate(spec: Any, op_schema: OpSchema) -> StrategyCandidate:
+    outs = spec.output_specs if isinstance(spec.output_specs, (tuple, list)) else (spec.output_specs,)
+    now = [s for s in op_schema.args_spec]
+    needed = list(spec.input_specs) if spec.input_specs is not None else [spec.output_spec] * len(now)
+    cost = sum(sum(float(c) for c in row) for row in (spec.redistribute_cost or []))
+    return StrategyCandidate(
+        tuple(tuple(o.placements) if isinstance(o, DTensorSpec) else None for o in outs),
+        tuple(tuple(s.placements) for s in now),
+        tuple(tuple(s.placements) for s in needed[: len(now)]),
+        cost,
+    )
+
+
+def _install_selector() -> None:
+    """Wrap DTensor's strategy selection so a caller-supplied filter (thread-local, set
+    only inside :func:`propagate_sharding`) can veto candidates before the min-cost pick.
+    Outside our calls, and when the filter would leave nothing, DTensor decides alone."""
+    original = _sharding_prop._select_min_cost_strategy
+    if getattr(original, "_spmd_original", None) is not None:
+        return
+
+    def select(strategy: Any, op_schema: Any = None) -> Any:
+        keep_fn = getattr(_selection, "keep", None)
+        if keep_fn is not None and op_schema is not None and len(strategy.strategies) > 1:
+            kept = [s for s in strategy.strategies if keep_fn(_candidate(s, op_schema))]
+            if kept and len(kept) < len(strategy.strategies):
+                return original(OpStrategy(kept), op_schema)
+        return original(strategy, op_schema)
+
+    select._spmd_original = original  # type: ignore[attr-defined]
+    _sharding_prop._select_min_cost_strategy = select
+
+
 def propagate_sharding(
-    op: torch._ops.OpOverload, args_schema: tuple, kwargs_schema: dict, coordinate: Sequence[int] | None = None
+    op: torch._ops.OpOverload,
+    args_schema: tuple,
+    kwargs_schema: dict,
+    coordinate: Sequence[int] | None = None,
+    keep: StrategyFilter | None = None,
 ) -> OutputSharding:
     """Run DTensor's sharding propagation for ``op`` without touching its caches.
 
     ``args_schema`` mirrors the op's arguments with a DTensorSpec in place of every
     tensor. ``coordinate`` is the rank DTensor should compute local sizes for (view ops
-    localize their size arguments); by default the mesh's own. Raises an exception
-    (NotImplementedError, RuntimeError, ValueError...) when DTensor cannot shard the op.
-    Must be called outside proxy tracing: some strategies run decompositions.
+    localize their size arguments); by default the mesh's own. ``keep`` filters DTensor's
+    candidate strategies before its min-cost choice (ignored when it keeps none).
+    Raises an exception (NotImplementedError, RuntimeError, ValueError...) when DTensor
+    cannot shard the op. Must be called outside proxy tracing: some strategies run
+    decompositions.
     """
     prop = DTensor._op_dispatcher.sharding_propagator
     info = prop.op_to_schema_info.get(op)
@@ -96,8 +158,15 @@ def propagate_sharding(
         info = prop.op_to_schema_info_for_single_dim_strategy.get(op)
     schema = OpSchema(op, args_schema, kwargs_schema, schema_info=info)
     mesh = next((a.mesh for a in _spec_leaves(args_schema, kwargs_schema)), None)
-    with _as_coordinate(mesh, coordinate):
-        return prop.propagate_op_sharding_non_cached(schema)
+    if keep is not None:
+        _install_selector()
+    previous = getattr(_selection, "keep", None)
+    _selection.keep = keep
+    try:
+        with _as_coordinate(mesh, coordinate):
+            return prop.propagate_op_sharding_non_cached(schema)
+    finally:
+        _selection.keep = previous
 
 
 def _spec_leaves(args: Any, kwargs: Any) -> Iterator[DTensorSpec]:
@@ -245,7 +314,6 @@ def world_info() -> tuple[int, int]:
 
 
 # Re-exported placement types, so callers import placements from one place too.
-Placements = tuple[Placement, ...]
 __all__ += ["Partial", "Placement", "Replicate", "Shard", "Placements", "world_info"]
 
 
@@ -320,3 +388,13 @@ def pipeline_order(schedule: str, pp_size: int, n_microbatches: int, stages_per_
 
 
 __all__ += ["pipeline_order"]
+
+
+def mark_optimizer_stepped(optimizer: Any) -> None:
+    """Tell LR schedulers that ``optimizer.step()`` ran (the compiled graph ran it): they
+    check this private flag and warn about a scheduler step before the optimizer's."""
+    if optimizer is not None:
+        optimizer._opt_called = True
+
+
+__all__ += ["mark_optimizer_stepped"]

@@ -83,6 +83,12 @@ class Plan:
             before its use in forward and again in backward, and its gradient is
             reduce-scattered into the shard, as ``fully_shard`` does. Without it, DTensor
             picks per op whether to gather the parameter or to shard the activation.
+        activation_sharding: how an op's strategy is chosen among DTensor's candidates.
+            ``"follow"`` (default): an op's result is sharded on a mesh axis only where
+            one of its inputs already is, so shards start at the plan and propagate (a
+            Megatron plan then communicates exactly as Megatron does, in backward too).
+            ``"greedy"``: DTensor's cheapest strategy for each op on its own, which may
+            start new shards (sequence-parallel-like splits) that later ops pay to undo.
     """
 
     params: Mapping[str, Any] = field(default_factory=dict)
@@ -92,6 +98,14 @@ class Plan:
     style_axis: str | int | None = None
     strict: bool = True
     fsdp_axes: Sequence[str | int] = ()
+    activation_sharding: str = "follow"
+
+    def __post_init__(self) -> None:
+        if self.activation_sharding not in ("follow", "greedy"):
+            raise ValueError(
+                f"Plan(activation_sharding={self.activation_sharding!r}): expected 'follow' (shards start at the "
+                f"plan and propagate) or 'greedy' (DTensor's cheapest strategy per op)"
+            )
 
     def fsdp_axis_indices(self, mesh: Any) -> tuple[int, ...]:
         """``fsdp_axes`` as mesh axis indices (ValueError for unknown names)."""
@@ -248,6 +262,8 @@ def _resolve(plan: Plan, traced: Any, mesh: Any) -> ResolvedPlan:
                 pl, src = replicate, f"replicated (optimizer state of shape {list(inp.shape)})"
             else:
                 src = f"follows param {inp.name!r}"
+        elif inp.kind == "hparam":
+            pl, src = replicate, "replicated (optimizer hyperparameter)"
         else:
             pl, src = next(batch)
         placements.append(_check_dims(inp, tuple(pl)))

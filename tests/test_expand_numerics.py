@@ -142,3 +142,19 @@ def test_conv_net_data_parallel(mesh4):
     res = assert_training_matches(mse_step, SmallCNN().double(), OPTIMIZERS["adam"], batches, mesh4)
     kinds = [n.meta["spmd_comm"]["kind"] for n in res.sim.expansions[(0,)].collectives()]
     assert "all_gather" not in kinds  # no fallback gathered the batch
+
+
+@pytest.mark.parametrize("opt", ["sgd_momentum", "adamw"])
+def test_lr_schedule_is_followed(mesh4, opt):
+    # the learning rate is an input of the compiled step, read at every call: a scheduler
+    # that changes it every step trains exactly as on one device, without recompiling
+    warmup = lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda i: (i + 1) / 4)  # noqa: E731
+    import warnings
+
+    with warnings.catch_warnings():  # the scheduler sees optimizer.step() as called, and its wrapper intact
+        warnings.simplefilter("error")
+        res = assert_training_matches(
+            mse_step, MLP().double(), OPTIMIZERS[opt], mlp_batches(n=4), mesh4, sc.Plan(params={"*": [Shard(0)]}),
+            make_scheduler=warmup,
+        )
+    assert res.sim.compiles == 2  # first step (creates state), then the steady step: lr changes never recompile

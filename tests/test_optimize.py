@@ -45,7 +45,7 @@ def test_passes_keep_numerics_2d_transformer(mesh2x2):
         passes=default_passes(bucket_mb=0.001),
     )
     records = res.sim.expansions[(0, 0)].pass_records
-    assert [r.name for r in records] == ["remove_redundant_collectives", "bucket_gradients", "overlap"]
+    assert [r.name for r in records] == ["remove_redundant_collectives", "bucket_gradients", "overlap", "schedule"]
     assert records[1].collectives_after < records[1].collectives_before  # buckets formed
 
 
@@ -117,6 +117,26 @@ def test_bucket_count_is_ceil_of_bytes(mesh4, bucket_mb):
     assert sum(n.meta["spmd_comm"]["bytes"] for n in buckets) == total
 
 
+@pytest.mark.parametrize("first_mb", [None, 0.002])
+def test_first_bucket_is_small_as_in_ddp(mesh4, first_mb):
+    traced = adam_gpt(layers=2)
+    step = sc.expand(traced, mesh4)
+    grads = gradient_reductions(step.gm)
+    total = sum(n.meta["spmd_comm"]["bytes"] for n in grads)
+    cap = 0.01 * 2**20
+    bucket_gradients_pass(step.gm, bucket_mb=0.01, first_bucket_mb=first_mb)
+    pos = positions(step.gm)
+    buckets = sorted(gradient_reductions(step.gm), key=lambda n: pos[n])
+    if first_mb is None:
+        assert len(buckets) == math.ceil(total / cap)
+    else:
+        first = first_mb * 2**20
+        assert first <= buckets[0].meta["spmd_comm"]["bytes"] < cap  # closed at the small size
+        assert len(buckets) == 1 + math.ceil((total - buckets[0].meta["spmd_comm"]["bytes"]) / cap)
+    with pytest.raises(ValueError, match="first_bucket_mb must be positive"):
+        bucket_gradients_pass(step.gm, first_bucket_mb=0)
+
+
 def test_overlap_issues_early_and_waits_late(mesh4):
     traced = adam_gpt()
     step = sc.expand(traced, mesh4)
@@ -144,9 +164,9 @@ def test_fsdp_prefetch_limits_live_gathers(mesh4):
     gm = step.gm
     overlap_pass(gm, prefetch=2)
     pos = positions(gm)
-    from spmd_compiler.optimize.overlap import _is_param_gather
+    from spmd_compiler.optimize.overlap import is_param_gather
 
-    gathers = [n for n in gm.graph.nodes if is_collective(n) and _is_param_gather(n)]
+    gathers = [n for n in gm.graph.nodes if is_collective(n) and is_param_gather(n)]
     assert gathers
     # gathers are issued a couple ahead of need, not all at the top: before the first
     # gathered parameter is used, only about `prefetch` gathers have been issued
@@ -164,7 +184,7 @@ def test_runner_logs_disables_and_names_failures(mesh4, caplog):
     traced = adam_gpt()
     step = sc.expand(traced, mesh4)
     with caplog.at_level(logging.INFO, logger="spmd_compiler.optimize"):
-        gm, records = run_passes(step.gm, default_passes(), disabled=["overlap"])
+        gm, records = run_passes(step.gm, default_passes(), disabled=["overlap", "schedule"])
     assert [r.name for r in records] == ["remove_redundant_collectives", "bucket_gradients"]
     assert any("pass overlap: disabled" in r.getMessage() for r in caplog.records)
     assert any(r.getMessage().startswith("pass bucket_gradients:") and "collectives" in r.getMessage() for r in caplog.records)
@@ -183,8 +203,10 @@ def test_compile_runs_passes_and_dumps_each(mesh4, tmp_path):
     step = sc.compile(train_step_mse, mesh=mesh4, dump_dir=str(tmp_path), bucket_mb=0.001)
     opt = torch.optim.Adam(model.parameters())
     step(model, opt, torch.randn(2, 16), torch.randn(2, 16))
-    assert [r.name for r in step.last.pass_records] == ["remove_redundant_collectives", "bucket_gradients", "overlap"]
+    assert [r.name for r in step.last.pass_records] == ["remove_redundant_collectives", "bucket_gradients", "overlap", "schedule"]
     folder = step.dumps[-1]
-    assert sorted(p.name for p in folder.glob("pass_*.py")) == ["pass_00_remove_redundant_collectives.py", "pass_01_bucket_gradients.py", "pass_02_overlap.py"]
+    assert sorted(p.name for p in folder.glob("pass_*.py")) == [
+        "pass_00_remove_redundant_collectives.py", "pass_01_bucket_gradients.py", "pass_02_overlap.py", "pass_03_schedule.py",
+    ]
     assert "bucket of" in (folder / "pass_01_bucket_gradients.py").read_text()
     assert step.timings()["passes"] > 0

@@ -51,6 +51,27 @@ def test_decorator_and_cache(mesh4, caplog):
     assert tuple(train_step.last.gm.graph.find_nodes(op="placeholder")[-1].meta["val"].shape) == (2, 16)
 
 
+def test_lr_is_an_input_other_hyperparameters_recompile(mesh4, caplog):
+    step = sc.compile(mse_step, mesh=mesh4)
+    model = MLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    x, y = torch.randn(2, 16), torch.randn(2, 16)
+    step(model, opt, x, y)
+    step(model, opt, x, y)
+    assert step.compiles == 2
+    lr_inputs = [i.label for i in step.last.traced.inputs if i.kind == "hparam"]
+    assert lr_inputs == ["param_groups[0]['lr']"]
+    for lr in (0.005, 0.001):  # a scheduler's job: no recompile
+        opt.param_groups[0]["lr"] = lr
+        step(model, opt, x, y)
+    assert step.compiles == 2
+    opt.param_groups[0]["weight_decay"] = 0.5  # baked into the graph: recompiles, with the reason
+    with caplog.at_level(logging.INFO, logger="spmd_compiler"):
+        step(model, opt, x, y)
+    assert step.compiles == 3
+    assert any("param_groups[0]['weight_decay'] changed: 0.01 -> 0.5" in r.getMessage() for r in caplog.records)
+
+
 def test_state_becomes_dtensors(mesh4):
     model = MLP()
     opt = torch.optim.Adam(model.parameters())

@@ -29,8 +29,15 @@ def test_first_step_creates_optimizer_state(make_opt):
     opt = make_opt(model.parameters())
     before = copy.deepcopy(model.state_dict())
     traced = sc.trace(step, model, opt, torch.randn(8, 16))
-    assert [i.kind for i in traced.inputs] == ["param"] * 4 + ["batch"]
+    assert [i.kind for i in traced.inputs] == ["param"] * 4 + ["hparam", "batch"]
     assert [i.name for i in traced.inputs if i.kind == "param"] == ["l1.weight", "l1.bias", "l2.weight", "l2.bias"]
+    # the learning rate is read at run time (LR schedulers), as a 0-d float64 input
+    lr = next(i for i in traced.inputs if i.kind == "hparam")
+    assert (lr.label, lr.shape, lr.dtype) == ("param_groups[0]['lr']", (), torch.float64)
+    reads = [n for n in traced.gm.graph.nodes if n.target is torch.ops.aten._local_scalar_dense.default
+             and n.args[0].name == "h_param_groups_0___lr"]
+    assert len(reads) == 1 and reads[0].meta["spmd_phase"] == "optimizer"
+    assert opt.param_groups[0]["lr"] == 0.1  # restored after tracing
     assert traced.new_optim_keys  # momentum_buffer / exp_avg created inside the graph
     assert {o.kind for o in traced.outputs} == {"user", "param", "optim"}
     # tracing computes nothing: model and optimizer untouched

@@ -69,6 +69,8 @@ def node_annotation(node: fx.Node) -> str:
         parts.append(f"write back {node.meta['spmd_writeback']}")
     if "spmd_fallback" in node.meta:
         parts.append(f"replicate fallback: {node.meta['spmd_fallback']}")
+    if "spmd_schedule" in node.meta:
+        parts.append(f"moved: {node.meta['spmd_schedule']}")
     return " | ".join(parts)
 
 

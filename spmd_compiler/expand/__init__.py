@@ -62,7 +62,10 @@ def expand(
     mctx = MeshContext.of(mesh, coordinate)
     resolved = plan.resolve(traced, mesh)
     t0 = time.perf_counter()
-    ex = expand_graph(traced, mctx, resolved.placements, fallback=fallback, cache=cache, fsdp_axes=plan.fsdp_axis_indices(mesh))
+    ex = expand_graph(
+        traced, mctx, resolved.placements, fallback=fallback, cache=cache, fsdp_axes=plan.fsdp_axis_indices(mesh),
+        activation_sharding=plan.activation_sharding,
+    )
     t1 = time.perf_counter()
     step = finalize(ex, reduce_partial_outputs=reduce_partial_outputs)
     t2 = time.perf_counter()

@@ -26,7 +26,10 @@ from .values import DSymInt, MeshContext, placements_text
 
 aten = torch.ops.aten
 
-__all__ = ["expand_op", "TensorArg", "ScalarArg", "ExpandContext", "generic_expand", "replicate_fallback", "NoStrategy", "wrap_result"]
+__all__ = [
+    "expand_op", "TensorArg", "ScalarArg", "ExpandContext", "generic_expand", "replicate_fallback", "NoStrategy",
+    "wrap_result", "follow_inputs", "ACTIVATION_SHARDING",
+]
 
 log = logging.getLogger(__name__)
 
@@ -68,13 +71,18 @@ class ScalarArg:
 
 @dataclass
 class ExpandContext:
-    """What a rule may use while building a recipe."""
+    """What a rule may use while building a recipe.
+
+    ``activation_sharding`` is the plan's rule for choosing among DTensor's strategies
+    (see :func:`follow_inputs`): ``"follow"`` or ``"greedy"``.
+    """
 
     mctx: MeshContext
     fake_mode: Any
     fallback: str = "replicate"
     node: fx.Node | None = None
     warned: set | None = None
+    activation_sharding: str = "follow"
 
     def warn_once(self, key: Any, msg: str, *args: Any) -> None:
         if self.warned is None:
@@ -133,7 +141,33 @@ def _placement_choice(out: Any) -> Any:
     return choice
 
 
-def _propagate(b: SubgraphBuilder, op: Any, args: Any, kwargs: Any) -> Any:
+def _is_sharded(p: Any) -> bool:
+    return isinstance(p, (pt.Shard, pt.StridedShard))
+
+
+def follow_inputs(c: pt.StrategyCandidate) -> bool:
+    """Keep strategies whose outputs are sharded on a mesh axis only where some input
+    already is: new shards come from the plan, never from an op's local cost.
+
+    DTensor picks each op's cheapest strategy on its own. In a 2-D backward that means
+    splitting a gradient that is Partial on ``tp`` with a reduce_scatter (cheaper than
+    the all_reduce Megatron does), after which every later op gathers weights and
+    activations to match: 5x the bytes of the plan. Following the inputs gives the
+    hand-written program. Where DTensor offers nothing else, its choice stands.
+    """
+    ndim = len(c.inputs_now[0]) if c.inputs_now else 0
+    for axis in range(ndim):
+        if any(out is not None and _is_sharded(out[axis]) for out in c.outputs):
+            if not any(_is_sharded(now[axis]) for now in c.inputs_now):
+                return False
+    return True
+
+
+_STRATEGY_FILTERS = {"follow": follow_inputs, "greedy": None}
+ACTIVATION_SHARDING = tuple(_STRATEGY_FILTERS)
+
+
+def _propagate(b: SubgraphBuilder, op: Any, args: Any, kwargs: Any, activation_sharding: str = "follow") -> Any:
     """DTensor's strategy for this op, chosen the same way on every rank.
 
     DTensor's cost model reads this rank's local shard sizes, so with uneven shards two
@@ -143,10 +177,11 @@ def _propagate(b: SubgraphBuilder, op: Any, args: Any, kwargs: Any) -> Any:
     """
     s_args, s_kwargs = pytree.tree_map(_schema_leaf, (args, kwargs), is_leaf=_is_tensor_arg)
     canonical = (0,) * b.mctx.ndim
+    keep = _STRATEGY_FILTERS[activation_sharding]
     try:
-        out = pt.propagate_sharding(op, tuple(s_args), dict(s_kwargs), coordinate=canonical)
+        out = pt.propagate_sharding(op, tuple(s_args), dict(s_kwargs), coordinate=canonical, keep=keep)
         if out.use_val_from_redistribute_schema and tuple(b.mctx.coordinate) != canonical:
-            mine = pt.propagate_sharding(op, tuple(s_args), dict(s_kwargs), coordinate=b.mctx.coordinate)
+            mine = pt.propagate_sharding(op, tuple(s_args), dict(s_kwargs), coordinate=b.mctx.coordinate, keep=keep)
             if _placement_choice(mine) != _placement_choice(out):
                 raise RuntimeError(f"DTensor chose different placements on rank {b.mctx.coordinate} than on rank {canonical}")
             out = mine
@@ -157,7 +192,7 @@ def _propagate(b: SubgraphBuilder, op: Any, args: Any, kwargs: Any) -> Any:
 
 def generic_expand(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: dict) -> Any:
     """Expand ``op(*args, **kwargs)`` with DTensor's strategy; returns the result pytree."""
-    out = _propagate(b, op, args, kwargs)
+    out = _propagate(b, op, args, kwargs, ctx.activation_sharding)
     _guard_partition(args, kwargs, out)
     if out.use_val_from_redistribute_schema and any(
         _uneven_axes(b, t.spec) for t in pytree.tree_leaves((args, kwargs), is_leaf=_is_tensor_arg) if isinstance(t, TensorArg)

@@ -75,11 +75,22 @@ def _is_uneven(shape: Any, placements: Any, mesh_shape: Any) -> bool:
 
 
 class _Expander:
-    def __init__(self, traced: Any, mctx: MeshContext, placements: Any, *, fallback: str, cache: ExpansionCache, fsdp_axes: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self,
+        traced: Any,
+        mctx: MeshContext,
+        placements: Any,
+        *,
+        fallback: str,
+        cache: ExpansionCache,
+        fsdp_axes: tuple[int, ...] = (),
+        activation_sharding: str = "follow",
+    ) -> None:
         self.traced = traced
         self.mctx = mctx
         self.placements = list(placements)
         self.fallback = fallback
+        self.activation_sharding = activation_sharding
         self.cache = cache
         self.fake_mode = pt.static_fake_mode()
         self.graph = fx.Graph()
@@ -89,6 +100,8 @@ class _Expander:
         self.warned: set = set()
         self.fsdp_axes = tuple(fsdp_axes)
         self._gathered: dict[tuple[fx.Node, str], DValue] = {}
+        # each traced input as planned (env entries may later point at reduced copies)
+        self.input_values: list[DValue] = []
         self.coords = []
         for name, c in zip(mctx.axis_names, mctx.coordinate):
             node = self.graph.placeholder(f"coord_{name}")
@@ -111,6 +124,7 @@ class _Expander:
                 if node.op == "placeholder":
                     inp, pl = next(inputs)
                     self.env[node] = self._placeholder(node, inp, pl)
+                    self.input_values.append(self.env[node])
                 elif node.op == "get_attr":
                     self.env[node] = self._constant(node)
                 elif node.op == "call_function":
@@ -255,7 +269,7 @@ class _Expander:
     def _expand(self, node: fx.Node, op: Any, args: tuple, kwargs: dict) -> Any:
         from ..rebuild.splice import splice_recipe
 
-        key = (op, abstract_key(args), abstract_key(kwargs), self.fallback)
+        key = (op, abstract_key(args), abstract_key(kwargs), self.fallback, self.activation_sharding)
         recipe = self.cache.lookup(key, self.mctx.coordinate)
         hit = recipe is not None
         if recipe is None:
@@ -291,7 +305,7 @@ class _Expander:
 
     def _build(self, node: fx.Node, op: Any, args: tuple, kwargs: dict) -> Recipe:
         b = SubgraphBuilder(self.mctx, self.fake_mode)
-        ctx = ExpandContext(self.mctx, self.fake_mode, self.fallback, node, self.warned)
+        ctx = ExpandContext(self.mctx, self.fake_mode, self.fallback, node, self.warned, self.activation_sharding)
 
         counter = iter(range(1 << 30))
 
@@ -321,10 +335,14 @@ def expand_graph(
     fallback: str = "replicate",
     cache: ExpansionCache | None = None,
     fsdp_axes: tuple[int, ...] = (),
+    activation_sharding: str = "follow",
 ) -> "_Expander":
     """Run the expander; returns it (graph, env, constants, stats) for :mod:`rebuild`."""
     if fallback not in ("replicate", "error"):
         raise ValueError(f"fallback must be 'replicate' or 'error', got {fallback!r}")
-    ex = _Expander(traced, mctx, placements, fallback=fallback, cache=cache if cache is not None else ExpansionCache(), fsdp_axes=fsdp_axes)
+    ex = _Expander(
+        traced, mctx, placements, fallback=fallback, cache=cache if cache is not None else ExpansionCache(),
+        fsdp_axes=fsdp_axes, activation_sharding=activation_sharding,
+    )
     ex.run()
     return ex

@@ -194,7 +194,11 @@ def _conservative_steps(src: Any, dst: Any) -> list[Any]:
     """Gather/reduce the axes that must change to Replicate from the last axis to the
     first, then split into the target from the first axis to the last. Each step then
     sees the tensor as left-to-right sharding defines it (all later axes that split the
-    same dim already replicated)."""
+    same dim already replicated).
+
+    An axis keeps its shard when its placement stays and no earlier axis changes how the
+    same dim is split: a later axis that newly splits that dim narrows this rank's chunk
+    (``S(0),R -> S(0),S(0)`` is a local narrow, no communication)."""
     ndim = len(src.placements)
     cur = list(src.placements)
     target = list(dst.placements)
@@ -211,8 +215,7 @@ def _conservative_steps(src: Any, dst: Any) -> list[Any]:
         earlier_changes = d is not None and any(
             d in (shard_dim(cur[i]), shard_dim(target[i])) and cur[i] != target[i] for i in range(axis)
         )
-        later_target = d is not None and any(shard_dim(target[i]) == d for i in range(axis + 1, ndim))
-        if s == target[axis] and not earlier_changes and not later_target:
+        if s == target[axis] and not earlier_changes:
             continue
         steps.append(pt.TransformStep(axis, s, pt.Replicate()))
         cur[axis] = pt.Replicate()

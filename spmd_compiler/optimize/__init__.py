@@ -4,6 +4,7 @@ from .bucketing import bucket_gradients_pass
 from .overlap import overlap_pass
 from .redundant import cse_pass, fold_gather_narrow_pass, remove_redundant_collectives_pass
 from .runner import DEFAULT_PASSES, PassRecord, PassSpec, default_passes, run_passes
+from .schedule import schedule_for_overlap_pass
 
 __all__ = [
     "run_passes",
@@ -16,4 +17,5 @@ __all__ = [
     "fold_gather_narrow_pass",
     "bucket_gradients_pass",
     "overlap_pass",
+    "schedule_for_overlap_pass",
 ]

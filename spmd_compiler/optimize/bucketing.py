@@ -9,6 +9,12 @@ about ``bucket_mb`` MB: flatten, concatenate, one collective, split back into vi
 A bucket closes once it reaches the size, so a process group with G bytes of gradients
 gets ``ceil(G / bucket size)`` collectives (when single gradients are small next to a
 bucket).
+
+As in DDP, the first bucket of each group (the last layers' gradients, which backward
+produces first) is small, ``first_bucket_mb`` (1 MB, DDP's ``_DEFAULT_FIRST_BUCKET_BYTES``):
+its reduction starts while the rest of backward still runs. A group then gets
+``1 + ceil((G - first) / bucket size)`` collectives when G exceeds the first bucket;
+``first_bucket_mb=None`` makes every bucket ``bucket_mb``.
 """
 
 from __future__ import annotations
@@ -112,11 +118,15 @@ def _fuse(gm: fx.GraphModule, bucket: list[fx.Node], pos: dict[fx.Node, float]) 
         g.erase_node(member)
 
 
-def bucket_gradients_pass(gm: fx.GraphModule, *, bucket_mb: float = 25.0) -> fx.GraphModule:
-    """Fuse gradient reductions into buckets of about ``bucket_mb`` MB (1 MB = 2**20 bytes)."""
+def bucket_gradients_pass(gm: fx.GraphModule, *, bucket_mb: float = 25.0, first_bucket_mb: float | None = 1.0) -> fx.GraphModule:
+    """Fuse gradient reductions into buckets of about ``bucket_mb`` MB (1 MB = 2**20 bytes);
+    the first bucket of each process group holds about ``first_bucket_mb`` MB."""
     if bucket_mb <= 0:
         raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
+    if first_bucket_mb is not None and first_bucket_mb <= 0:
+        raise ValueError(f"first_bucket_mb must be positive or None, got {first_bucket_mb}")
     cap = bucket_mb * 2**20
+    first_cap = cap if first_bucket_mb is None else min(cap, first_bucket_mb * 2**20)
     reductions = gradient_reductions(gm)
     pos = positions(gm)
     writes = writes_by_root(gm)
@@ -142,7 +152,7 @@ def bucket_gradients_pass(gm: fx.GraphModule, *, bucket_mb: float = 25.0) -> fx.
             bucket.append(n)
             size += n.meta["spmd_comm"]["bytes"]
             deadline = min(deadline, first_use(n))
-            if size >= cap:
+            if size >= (cap if buckets else first_cap):
                 buckets.append(bucket)
                 bucket, size, deadline = [], 0, len(pos)
         if bucket:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+from collections import defaultdict
 from typing import Any
 
 import torch
@@ -19,6 +20,8 @@ __all__ = [
     "is_collective",
     "is_wait",
     "WAIT",
+    "written_inputs",
+    "mutation_edges",
 ]
 
 WAIT = torch.ops._c10d_functional.wait_tensor.default
@@ -122,6 +125,50 @@ def prep_chain(collective: fx.Node) -> list[fx.Node]:
         chain.append(node)
         node = node.args[0]
     return chain
+
+
+def written_inputs(node: fx.Node) -> list[fx.Node]:
+    """The nodes whose storage ``node`` writes: every argument its schema marks as
+    written (``Tensor(a!)``, lists of them included)."""
+    t = node.target
+    if node.op != "call_function" or not isinstance(t, torch._ops.OpOverload) or not t._schema.is_mutable:
+        return []
+    out = []
+    for i, a in enumerate(t._schema.arguments):
+        if a.alias_info is None or not a.alias_info.is_write:
+            continue
+        v = node.args[i] if i < len(node.args) else node.kwargs.get(a.name)
+        for x in v if isinstance(v, (list, tuple)) else [v]:
+            if isinstance(x, fx.Node):
+                out.append(x)
+    return out
+
+
+def mutation_edges(gm: fx.GraphModule) -> dict[fx.Node, set[fx.Node]]:
+    """Ordering constraints that data edges miss, as extra predecessors per node.
+
+    Every access of a storage (any node reading a view of it) keeps its order relative
+    to every write to it: a read before a write stays before it (write-after-read), a
+    read after it stays after (read-after-write through an alias), writes keep their
+    order. A pass that reorders nodes must respect these as well as ``all_input_nodes``.
+    """
+    preds: dict[fx.Node, set[fx.Node]] = defaultdict(set)
+    last_write: dict[Any, fx.Node] = {}
+    reads_since: dict[Any, list[fx.Node]] = defaultdict(list)
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        written = {alias_root(x) for x in written_inputs(n)}
+        for root in {alias_root(x) for x in n.all_input_nodes} | written:
+            w = last_write.get(root)
+            if w is not None and w is not n:
+                preds[n].add(w)
+            if root not in written:
+                reads_since[root].append(n)
+        for root in written:
+            preds[n].update(r for r in reads_since.pop(root, ()) if r is not n)
+            last_write[root] = n
+    return preds
 
 
 def writes_by_root(gm: fx.GraphModule) -> dict[Any, list[fx.Node]]:

@@ -17,10 +17,10 @@ import torch.fx as fx
 
 from .graph_utils import alias_root, hoist, is_collective, is_wait, move_before, positions, prep_chain, writes_by_root
 
-__all__ = ["overlap_pass"]
+__all__ = ["overlap_pass", "is_param_gather"]
 
 
-def _is_param_gather(n: fx.Node) -> bool:
+def is_param_gather(n: fx.Node) -> bool:
     if n.meta["spmd_comm"]["kind"] != "all_gather":
         return False
     chain = prep_chain(n)
@@ -42,7 +42,7 @@ def overlap_pass(gm: fx.GraphModule, *, prefetch: int = 2) -> fx.GraphModule:
     pos = positions(gm)
     writes = writes_by_root(gm)
     collectives = [n for n in gm.graph.nodes if is_collective(n)]
-    gathers = [n for n in collectives if _is_param_gather(n)]
+    gathers = [n for n in collectives if is_param_gather(n)]
     gather_set = set(gathers)
     for n in collectives:
         if n not in gather_set:

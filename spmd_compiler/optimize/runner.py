@@ -81,20 +81,25 @@ def run_passes(
     return gm, records
 
 
-def default_passes(*, bucket_mb: float = 25.0, overlap: bool = True, prefetch: int = 2) -> list[PassSpec]:
+def default_passes(
+    *, bucket_mb: float = 25.0, first_bucket_mb: float | None = 1.0, overlap: bool = True, prefetch: int = 2
+) -> list[PassSpec]:
     """The default pipeline: remove redundant collectives, bucket gradient reductions,
-    overlap communication with compute."""
+    overlap communication with compute (issue early, wait late), then move compute into
+    the gaps (:mod:`.schedule`)."""
     from .bucketing import bucket_gradients_pass
     from .overlap import overlap_pass
     from .redundant import remove_redundant_collectives_pass
+    from .schedule import schedule_for_overlap_pass
 
     out = [
         PassSpec("remove_redundant_collectives", remove_redundant_collectives_pass),
-        PassSpec("bucket_gradients", bucket_gradients_pass, {"bucket_mb": bucket_mb}),
+        PassSpec("bucket_gradients", bucket_gradients_pass, {"bucket_mb": bucket_mb, "first_bucket_mb": first_bucket_mb}),
     ]
     if overlap:
         out.append(PassSpec("overlap", overlap_pass, {"prefetch": prefetch}))
+        out.append(PassSpec("schedule", schedule_for_overlap_pass))
     return out
 
 
-DEFAULT_PASSES = ("remove_redundant_collectives", "bucket_gradients", "overlap")
+DEFAULT_PASSES = ("remove_redundant_collectives", "bucket_gradients", "overlap", "schedule")

@@ -26,7 +26,7 @@ from ..expand import expand
 from ..runtime.agreement import check_agreement
 from ..runtime.compiled import CompiledStep, _Entry
 from ..trace import trace
-from ..trace.state import collect_state
+from ..trace.state import collect_state, input_value
 from ..trace.tracer import _flatten_batch
 from .api import Pipeline, check_split_points, pipeline_plan
 from .balance import balanced_split
@@ -312,15 +312,12 @@ class PipelinedStep(CompiledStep):
             inp = by_name[name]
             if inp is None:
                 return coord[name[len("coord_") :]]
-            if inp.kind == "param":
-                return pt.local_tensor(state.params[inp.name])
-            if inp.kind == "buffer":
-                return pt.local_tensor(state.buffers[inp.name])
-            if inp.kind == "optim":
-                return pt.local_tensor(state.optim[(inp.name, inp.key)])
-            return chunked[inp.index][mb if mb is not None else 0]
+            if inp.kind == "batch":
+                return chunked[inp.index][mb if mb is not None else 0]
+            return pt.local_tensor(input_value(inp, state, leaves))
 
         values = runner.run(feed)
+        pt.mark_optimizer_stepped(optimizer)
         out_nodes = next(n for n in step.gm.graph.nodes if n.op == "output").args[0]
         user: dict[int, Any] = dict(traced.user_constants)
         mesh = self.mesh

@@ -106,8 +106,7 @@ def finalize(ex: Any, *, reduce_partial_outputs: bool = True) -> ExpandedStep:
     """Turn a finished expander run into an :class:`ExpandedStep`."""
     traced = ex.traced
     g: fx.Graph = ex.graph
-    placeholders = [n for n in traced.gm.graph.nodes if n.op == "placeholder"]
-    input_values: list[DValue] = [ex.env[n] for n in placeholders]
+    input_values: list[DValue] = list(ex.input_values)  # as planned, not as later reduced
     output_node = next(n for n in traced.gm.graph.nodes if n.op == "output")
     out_nodes: list[fx.Node] = []
     slots: list[OutputSlot] = []

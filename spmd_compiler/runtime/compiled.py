@@ -29,7 +29,7 @@ from .. import _private_torch as pt
 from ..expand import ExpansionCache, expand
 from ..plan import Plan
 from ..trace import trace
-from ..trace.state import collect_state
+from ..trace.state import collect_state, input_value
 from ..trace.tracer import CONSTANT_LEAF_TYPES, _flatten_batch
 from .agreement import check_agreement, exchange
 from .distribute import distribute_state, is_distributed
@@ -95,6 +95,7 @@ class CompiledStep:
         passes: Any = None,
         passes_disabled: tuple[str, ...] = (),
         bucket_mb: float = 25.0,
+        first_bucket_mb: float | None = 1.0,
     ) -> None:
         if not callable(fn):
             raise TypeError(f"compile() needs a callable train_step, got {type(fn).__name__}")
@@ -116,7 +117,7 @@ class CompiledStep:
         self.dumps: list[Any] = []
         from ..optimize import default_passes
 
-        self.passes = default_passes(bucket_mb=bucket_mb) if passes is None else list(passes)
+        self.passes = default_passes(bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb) if passes is None else list(passes)
         self.passes_disabled = tuple(passes_disabled)
         # explain mode (python -m spmd_compiler explain): compile and dump, never execute
         self.explain = os.environ.get("SPMD_COMPILER_EXPLAIN") == "1"
@@ -161,7 +162,7 @@ class CompiledStep:
         state = collect_state(model, optimizer)
         optim = tuple(sorted((n, k, tuple(v.shape) if isinstance(v, torch.Tensor) else repr(v)) for (n, k), v in state.optim.items()))
         params = tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in state.params.items())
-        return (str(spec), tuple(sig), optim, params)
+        return (str(spec), tuple(sig), optim, params, state.fixed_hparams())
 
     def _why(self, key: Any) -> str:
         if self._last_key is None:
@@ -177,6 +178,11 @@ class CompiledStep:
                     return f"{b[0]}: " + ", ".join(diffs)
         if old[3] != key[3]:
             return "model parameters changed"
+        if old[4] != key[4]:
+            for a, b in zip(old[4], key[4]):
+                if a != b:
+                    return f"optimizer hyperparameter param_groups[{b[0]}][{b[1]!r}] changed: {a[2]} -> {b[2]}"
+            return "optimizer param groups changed"
         return "batch structure changed"
 
     # ------------------------------------------------------------------ compile
@@ -302,21 +308,14 @@ class CompiledStep:
         leaves, _, _ = _flatten_batch(batch, kwargs)
         inputs: list[Any] = list(step.mctx.coordinate)
         for inp in traced.inputs:
-            if inp.kind == "param":
-                t = state.params[inp.name]
-            elif inp.kind == "buffer":
-                t = state.buffers[inp.name]
-            elif inp.kind == "optim":
-                t = state.optim[(inp.name, inp.key)]
-            else:
-                t = leaves[inp.index]
-            inputs.append(pt.local_tensor(t))
+            inputs.append(pt.local_tensor(input_value(inp, state, leaves)))
         if self.explain:
             vals = [n.meta["val"] for n in step.gm.graph.find_nodes(op="output")[0].args[0]]
             outs = [torch.zeros(v.shape, dtype=v.dtype, device=v.device) for v in vals]
         else:
             with torch.no_grad():
                 outs = step.gm(*inputs)
+            pt.mark_optimizer_stepped(optimizer)
         user: dict[int, Any] = dict(traced.user_constants)
         mesh = self.mesh
         for slot, out in zip(step.outputs, outs):
@@ -378,6 +377,7 @@ def compile(fn: Callable[..., Any] | None = None, *, mesh: Any, plan: Plan | Non
             ``dump_dir`` (write a dump folder per compile; ``$SPMD_COMPILER_DUMP`` too),
             ``passes`` (a list of PassSpec; default :func:`spmd_compiler.optimize.default_passes`),
             ``passes_disabled`` (pass names to skip), ``bucket_mb`` (gradient bucket size, 25),
+            ``first_bucket_mb`` (size of each group's first bucket, 1 as in DDP; None: ``bucket_mb``),
             ``pipeline`` (a :class:`spmd_compiler.Pipeline`: run the step as a pipeline over
             one mesh axis; the plan then gives placements for the other axes).
     """

@@ -38,23 +38,29 @@ def assert_training_matches(
     rtol: float = 1e-7,
     fallback: str = "replicate",
     passes: Any = None,
+    make_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
 ) -> TrainingComparison:
     """Train a copy of ``model`` on one device and on all ranks of ``mesh`` (simulated in
     this process) over ``batches``; assert losses and parameters agree within tolerance.
 
     ``batches`` are global; each rank gets its shard as the plan says. ``passes`` are
-    optimization passes run on the per-rank graphs (default none). Use float64 models
-    for tight tolerances: Adam amplifies reduction-order rounding in float32.
+    optimization passes run on the per-rank graphs (default none). ``make_scheduler``
+    builds an LR scheduler for an optimizer; it steps after every training step on both
+    sides. Use float64 models for tight tolerances: Adam amplifies reduction-order
+    rounding in float32.
     """
     ref = copy.deepcopy(model)
     dist_model = copy.deepcopy(model)
     ref_opt = make_optimizer(ref.parameters())
     dist_opt = make_optimizer(dist_model.parameters())
+    schedulers = [make_scheduler(ref_opt), make_scheduler(dist_opt)] if make_scheduler else []
     sim = SimulatedTraining(step_fn, dist_model, dist_opt, mesh, plan, fallback=fallback, passes=passes)
     losses, ref_losses = [], []
     for batch in batches:
         out = sim.step(*batch)
         ref_out = step_fn(ref, ref_opt, *batch)
+        for sched in schedulers:
+            sched.step()
         losses.append(float(out.detach()))
         ref_losses.append(float(ref_out.detach()))
         torch.testing.assert_close(out.detach(), ref_out.detach(), atol=atol, rtol=rtol, msg=lambda m: f"loss differs at step {len(losses)}: {m}")

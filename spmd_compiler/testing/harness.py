@@ -15,10 +15,11 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from .. import _private_torch as pt
 from ..expand import ExpansionCache, expand
 from ..plan import Plan
 from ..trace import trace
-from ..trace.state import collect_state
+from ..trace.state import collect_state, input_value
 from .simulate import assemble, rank_coordinates, run_lockstep, shard_tensor
 
 __all__ = ["SimulatedTraining"]
@@ -62,7 +63,7 @@ class SimulatedTraining:
         state = collect_state(self.model, self.optimizer)
         leaves = pytree.tree_leaves(batch)
         shapes = tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else ("c", x) for x in leaves)
-        return shapes, tuple(sorted(state.optim)), tuple(state.params), tuple(state.buffers)
+        return shapes, tuple(sorted(state.optim)), tuple(state.params), tuple(state.buffers), state.fixed_hparams()
 
     def _compile(self, batch: tuple) -> None:
         traced = trace(self.step_fn, self.model, self.optimizer, *batch)
@@ -90,24 +91,19 @@ class SimulatedTraining:
         batch_leaves = pytree.tree_leaves((batch, {}))
         globals_: list[torch.Tensor] = []
         for inp in traced.inputs:
-            if inp.kind == "param":
-                globals_.append(state.params[inp.name].detach())
-            elif inp.kind == "buffer":
-                globals_.append(state.buffers[inp.name])
-            elif inp.kind == "optim":
-                globals_.append(state.optim[(inp.name, inp.key)])
-            else:
-                globals_.append(batch_leaves[inp.index])
+            value = input_value(inp, state, batch_leaves)
+            globals_.append(value.detach() if inp.kind == "param" else value)
         first = self.expansions[self.coords[0]]
         inputs = {
             c: [shard_tensor(g, spec.placements, self.mesh_shape, c) for g, spec in zip(globals_, first.input_specs)]
             for c in self.coords
         }
         outs = run_lockstep({c: e.gm for c, e in self.expansions.items()}, inputs, self.mesh_shape)
+        pt.mark_optimizer_stepped(self.optimizer)
         # write the updated state back, assembled, into the single-device objects
         with torch.no_grad():
             for i, (inp, spec) in enumerate(zip(traced.inputs, first.input_specs)):
-                if inp.kind == "batch":
+                if inp.kind in ("batch", "hparam"):
                     continue
                 full = assemble(spec.placements, spec.shape, {c: inputs[c][i] for c in self.coords}, self.mesh_shape)
                 globals_[i].copy_(full)

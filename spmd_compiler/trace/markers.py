@@ -107,6 +107,8 @@ def phase_markers(optimizer: Any) -> Iterator[None]:
     patched_step = False
     if optimizer is not None:
         orig_step = optimizer.step
+        # an LR scheduler wraps optimizer.step on the instance: put that wrapper back after
+        had_own_step = "step" in vars(optimizer)
 
         def step(*args: Any, **kwargs: Any) -> Any:
             marker("optimizer")
@@ -122,7 +124,10 @@ def phase_markers(optimizer: Any) -> Iterator[None]:
         torch.Tensor.backward = orig_backward  # type: ignore[method-assign]
         torch.autograd.backward = orig_autograd_backward  # type: ignore[assignment]
         if patched_step:
-            del optimizer.step
+            if had_own_step:
+                optimizer.step = orig_step
+            else:
+                del optimizer.step
 
 
 def tag_phases(gm: fx.GraphModule) -> None:

@@ -5,6 +5,11 @@ and buffers, and the optimizer's per-parameter state (``exp_avg``, ``momentum_bu
 ``step``...). To trace the step as a pure function we swap each of them for a traced
 tensor for the duration of the call, keyed by fully-qualified name (FQN), and restore
 the originals afterwards.
+
+Optimizer hyperparameters that schedulers change every step (``lr``, see
+:data:`LIFTED_HPARAMS`) are inputs too: each param group's value is fed as a 0-d
+tensor and read with ``.item()`` inside the step, so the compiled program uses the
+current value. The others are part of the compiled step's cache key.
 """
 
 from __future__ import annotations
@@ -19,7 +24,10 @@ import torch
 
 from .. import _private_torch as pt
 
-__all__ = ["ModelState", "collect_state", "swapped_state"]
+__all__ = ["ModelState", "collect_state", "swapped_state", "input_value", "LIFTED_HPARAMS"]
+
+# per-group optimizer settings fed to the compiled step at every call (schedulers change them)
+LIFTED_HPARAMS = ("lr",)
 
 
 @dataclass
@@ -36,9 +44,43 @@ class ModelState:
     optim: dict[tuple[str, str], Any] = field(default_factory=dict)
     param_groups: list[list[str]] = field(default_factory=list)
     aliases: dict[str, str] = field(default_factory=dict)  # tied FQN -> canonical FQN
+    hparams: dict[tuple[int, str], Any] = field(default_factory=dict)  # (group, key) -> value
 
     def tensor_optim_keys(self) -> list[tuple[str, str]]:
         return [k for k, v in self.optim.items() if isinstance(v, torch.Tensor)]
+
+    def lifted_hparams(self) -> list[tuple[int, str]]:
+        """``(group index, key)`` of the hyperparameters fed as inputs (numbers or 0-d tensors)."""
+        return [
+            (g, k) for (g, k), v in self.hparams.items()
+            if k in LIFTED_HPARAMS and (isinstance(v, (int, float)) and not isinstance(v, bool) or isinstance(v, torch.Tensor) and v.dim() == 0)
+        ]
+
+    def fixed_hparams(self) -> tuple:
+        """The other hyperparameters, as a hashable record (a change recompiles the step)."""
+        lifted = set(self.lifted_hparams())
+        return tuple(
+            (g, k, tuple(v.shape) if isinstance(v, torch.Tensor) else repr(v))
+            for (g, k), v in sorted(self.hparams.items(), key=lambda kv: (kv[0][0], kv[0][1]))
+            if (g, k) not in lifted
+        )
+
+
+def input_value(inp: Any, state: ModelState, batch_leaves: list[Any]) -> torch.Tensor:
+    """The tensor a compiled step's input ``inp`` (a GraphInput) takes from ``state`` and
+    the flattened batch: parameters, buffers and optimizer state as they are (DTensors
+    included), hyperparameters as 0-d float64 tensors."""
+    kind = inp.kind
+    if kind == "param":
+        return state.params[inp.name]
+    if kind == "buffer":
+        return state.buffers[inp.name]
+    if kind == "optim":
+        return state.optim[(inp.name, inp.key)]
+    if kind == "hparam":
+        v = state.hparams[(int(inp.name[len("param_groups[") : -1]), inp.key)]
+        return v if isinstance(v, torch.Tensor) else torch.tensor(float(v), dtype=torch.float64)
+    return batch_leaves[inp.index]
 
 
 def collect_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> ModelState:
@@ -77,6 +119,9 @@ def collect_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
             for key, value in optimizer.state.get(p, {}).items():
                 state.optim[(name, key)] = value
         state.param_groups.append(names)
+        for key, value in group.items():
+            if key != "params":
+                state.hparams[(gi, key)] = value
     return state
 
 
@@ -88,8 +133,13 @@ def swapped_state(
     params: dict[str, torch.Tensor],
     buffers: dict[str, torch.Tensor],
     optim: dict[tuple[str, str], Any],
+    hparams: dict[tuple[int, str], Any] | None = None,
 ) -> Iterator[dict[str, Any]]:
     """Run the body with ``model``/``optimizer`` reading the given tensors instead.
+
+    ``hparams`` maps ``(group index, key)`` to a function returning the value the
+    optimizer should read; it is called when ``optimizer.step()`` starts (a step
+    pre-hook), so what it traces belongs to the optimizer step.
 
     Yields a dict ``{"optim_state": callable}``; calling it inside the body returns the
     optimizer state as it is now, keyed by ``(FQN, key)``, including entries the
@@ -110,6 +160,13 @@ def swapped_state(
             for (name, key), value in optim.items():
                 new_state[params[name]][key] = value
             optimizer.state = new_state
+            saved_hparams = {(g, k): optimizer.param_groups[g][k] for (g, k) in (hparams or {})}
+
+            def install(opt: Any, args: Any, kwargs: Any) -> None:
+                for (g, k), make in (hparams or {}).items():
+                    opt.param_groups[g][k] = make()
+
+            hook = optimizer.register_step_pre_hook(install) if hparams else None
 
         def current_optim_state() -> dict[tuple[str, str], Any]:
             if optimizer is None:
@@ -127,4 +184,8 @@ def swapped_state(
             if optimizer is not None:
                 for group, ps in zip(optimizer.param_groups, saved_groups):
                     group["params"] = ps
+                if hook is not None:
+                    hook.remove()
+                for (g, k), value in saved_hparams.items():
+                    optimizer.param_groups[g][k] = value
                 optimizer.state = saved_state

@@ -44,7 +44,8 @@ class GraphInput:
     """What a placeholder of the traced graph holds.
 
     ``kind`` is ``"param"``, ``"buffer"``, ``"optim"`` (optimizer state of parameter
-    ``name`` under ``key``) or ``"batch"`` (leaf ``index`` of the flattened batch,
+    ``name`` under ``key``), ``"hparam"`` (setting ``key`` of optimizer param group
+    ``name``, e.g. ``param_groups[0]`` / ``lr``) or ``"batch"`` (leaf ``index`` of the flattened batch,
     ``name`` is its path such as ``batch[0]`` or ``batch[1]['ids']``). Shapes are global.
     """
 
@@ -59,7 +60,7 @@ class GraphInput:
 
     @property
     def label(self) -> str:
-        return f"{self.name}[{self.key!r}]" if self.kind == "optim" else self.name
+        return f"{self.name}[{self.key!r}]" if self.kind in ("optim", "hparam") else self.name
 
 
 @dataclass(frozen=True)
@@ -196,6 +197,10 @@ def trace(
     optim_tensor_keys = state.tensor_optim_keys()
     for n, k in optim_tensor_keys:
         add("optim", n, state.optim[(n, k)], key=k)
+    lifted = state.lifted_hparams()
+    for g, k in lifted:
+        v = state.hparams[(g, k)]
+        add("hparam", f"param_groups[{g}]", v if isinstance(v, torch.Tensor) else torch.tensor(float(v), dtype=torch.float64), key=k)
     batch_constants: dict[int, Any] = {}
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor):
@@ -214,21 +219,28 @@ def trace(
         fakes.append(fake)
 
     n_params, n_buffers = len(state.params), len(state.buffers)
-    n_optim = len(optim_tensor_keys)
+    n_optim, n_hparams = len(optim_tensor_keys), len(lifted)
     layout: dict[str, Any] = {}
 
     def functional_step(*flat: torch.Tensor) -> list[Any]:
         params = dict(zip(state.params, flat[:n_params]))
         buffers = dict(zip(state.buffers, flat[n_params : n_params + n_buffers]))
         optim = {k: v for k, v in state.optim.items() if not isinstance(v, torch.Tensor)}
-        optim.update(zip(optim_tensor_keys, flat[n_params + n_buffers : n_params + n_buffers + n_optim]))
+        start = n_params + n_buffers + n_optim
+        optim.update(zip(optim_tensor_keys, flat[n_params + n_buffers : start]))
+        # numbers are read out with .item() when the optimizer step starts: its
+        # arithmetic stays scalar, and the read belongs to the optimizer phase
+        hparams = {
+            key: (lambda t=t: t) if isinstance(state.hparams[key], torch.Tensor) else (lambda t=t: t.item())
+            for key, t in zip(lifted, flat[start : start + n_hparams])
+        }
         batch_leaves = list(leaves)
-        it = iter(flat[n_params + n_buffers + n_optim :])
+        it = iter(flat[start + n_hparams :])
         for i, leaf in enumerate(leaves):
             if isinstance(leaf, torch.Tensor):
                 batch_leaves[i] = next(it)
         b_args, b_kwargs = pytree.tree_unflatten(batch_leaves, batch_spec)
-        with swapped_state(model, optimizer, state, params, buffers, optim) as ctx:
+        with swapped_state(model, optimizer, state, params, buffers, optim, hparams) as ctx:
             result = step_fn(model, optimizer, *b_args, **b_kwargs)
             final_buffers = {n: _module_tensor(model, n) for n in state.buffers}
             final_optim = ctx["optim_state"]()
@@ -272,7 +284,7 @@ def trace(
     tag_phases(gm)
     _cleanup(gm)
     for node, inp in zip([n for n in gm.graph.nodes if n.op == "placeholder"], inputs):
-        prefix = {"param": "p", "buffer": "b", "optim": "o", "batch": "in"}[inp.kind]
+        prefix = {"param": "p", "buffer": "b", "optim": "o", "hparam": "h", "batch": "in"}[inp.kind]
         pt.rename_node(node, f"{prefix}_{_safe_name(inp.label)}")
         node.meta["spmd_input"] = inp
     gm.recompile()

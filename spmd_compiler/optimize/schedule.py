@@ -1,0 +1,142 @@
+"""Scheduling compute around collectives so communication overlaps it.
+
+:mod:`.overlap` issues each collective as soon as its inputs exist and waits at its
+first use. That only overlaps what happens to lie in between. This pass moves compute
+into that gap, in two ways:
+
+* **sink independent work**: nodes between one collective and the next that the next
+  one does not need (the weight-gradient matmuls autograd computed before the summed
+  input gradient that Megatron reduces; earlier layers' backward before a gradient
+  bucket) move to right after it, so they run while it is in flight;
+* **optimizer by readiness**: after backward, updates run in the order their
+  gradients arrive (the parameters of the first bucket first), so a late bucket's
+  reduction overlaps the updates of the early ones. A hand-built DDP step waits for
+  every bucket before ``optimizer.step()``.
+
+Both keep every data dependency and every ordering a mutation implies
+(:func:`~.graph_utils.mutation_edges`). Parameter gathers of FSDP plans, random ops
+and pipeline markers never move, and nothing moves across them. Each moved node
+records why in ``meta["spmd_schedule"]``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from ..trace.markers import MARKER
+from .graph_utils import is_collective, is_wait, move_before, mutation_edges, positions
+from .overlap import is_param_gather
+
+__all__ = ["schedule_for_overlap_pass"]
+
+
+def _pinned(n: fx.Node) -> bool:
+    """Nodes that keep their place and that nothing moves across."""
+    if n.op != "call_function" or n.target is MARKER:
+        return True
+    t = n.target
+    if isinstance(t, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in t.tags:
+        return True  # random ops draw from the generator in program order
+    return is_collective(n) and is_param_gather(n)
+
+
+def _needed_by(c: fx.Node, region: set[fx.Node], preds: dict[fx.Node, set[fx.Node]]) -> set[fx.Node]:
+    """The nodes of ``region`` that ``c`` depends on (data and mutation order)."""
+    seen: set[fx.Node] = set()
+    stack = [c]
+    while stack:
+        n = stack.pop()
+        for p in list(n.all_input_nodes) + list(preds.get(n, ())):
+            if p in region and p not in seen:
+                seen.add(p)
+                stack.append(p)
+    return seen
+
+
+def _sink_independent(gm: fx.GraphModule, preds: dict[fx.Node, set[fx.Node]]) -> int:
+    """Walks the graph once: each region (from the last fence to the next collective)
+    is visited once, and moved work lands behind the new fence."""
+    boundary = gm.graph._root
+    moved = 0
+    for c in [n for n in gm.graph.nodes if is_collective(n)]:
+        region = []
+        n = boundary.next
+        while n is not c:
+            if _pinned(n) and n.op == "call_function":
+                region = []  # a fence: nothing moves across it
+            else:
+                region.append(n)
+            n = n.next
+        if _pinned(c):
+            boundary = c
+            continue
+        needed = _needed_by(c, set(region), preds)
+        anchor = c
+        for n in region:
+            if n in needed or is_wait(n) or n.op != "call_function":
+                continue
+            anchor.append(n)
+            n.meta["spmd_schedule"] = f"runs while {c.name} is in flight (does not feed it)"
+            anchor = n
+            moved += 1
+        boundary = anchor  # moved work is not moved again past the next collective
+    return moved
+
+
+def _tail(gm: fx.GraphModule) -> list[fx.Node]:
+    """The nodes after the last forward/backward node (the optimizer and write-back)."""
+    nodes = [n for n in gm.graph.nodes if n.op != "output"]
+    last = max((i for i, n in enumerate(nodes) if n.meta.get("spmd_phase") in ("forward", "backward")), default=-1)
+    return nodes[last + 1 :]
+
+
+def _order_tail_by_readiness(gm: fx.GraphModule, pos: dict[fx.Node, float], preds: dict[fx.Node, set[fx.Node]]) -> int:
+    tail = _tail(gm)
+    if not tail or any(_pinned(n) for n in tail if n.op == "call_function"):
+        return 0
+    order = {c: i + 1 for i, c in enumerate(n for n in gm.graph.nodes if is_collective(n))}
+    in_tail = set(tail)
+    rank: dict[fx.Node, int] = {}
+    for n in tail:  # rank = the latest-issued collective this node waits for, directly or not
+        r = order[n.args[0]] if is_wait(n) else 0
+        for p in list(n.all_input_nodes) + list(preds.get(n, ())):
+            if p in in_tail:
+                r = max(r, rank[p])
+        rank[n] = r
+    # (rank, position) is a topological order: both grow along every edge
+    new = sorted(tail, key=lambda n: (rank[n], pos[n]))
+    if new == tail:
+        return 0
+    anchor = tail[0].prev
+    moved = 0
+    for i, n in enumerate(new):
+        if n is not tail[i]:
+            moved += 1
+            n.meta.setdefault("spmd_schedule", f"optimizer work ordered by gradient arrival (after collective #{rank[n]})")
+        anchor.append(n)
+        anchor = n
+    for i, n in enumerate(gm.graph.nodes):
+        pos[n] = float(i)
+    return moved
+
+
+def _sink_waits(gm: fx.GraphModule, pos: dict[fx.Node, float]) -> None:
+    for w in [n for n in gm.graph.nodes if is_wait(n)]:
+        users = list(w.users)
+        if users:
+            use = min(users, key=lambda u: pos[u])
+            if use is not w.next:
+                move_before(w, use, pos)
+
+
+def schedule_for_overlap_pass(gm: fx.GraphModule, *, sink_independent: bool = True, optimizer_by_readiness: bool = True) -> fx.GraphModule:
+    """Move compute into the gaps between collectives and their waits (see module doc)."""
+    preds = mutation_edges(gm)
+    if sink_independent:
+        _sink_independent(gm, preds)
+    pos = positions(gm)
+    if optimizer_by_readiness:
+        _order_tail_by_readiness(gm, pos, preds)
+    _sink_waits(gm, pos)
+    return gm

@@ -1,0 +1,43 @@
+"""Redistribution emitter (spmd_compiler/expand/redistribute.py): which collectives a
+placement change costs, checked with all ranks simulated against one device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from spmd_compiler.testing import assert_spmd_matches
+
+
+def _collectives(run):
+    step = next(iter(run.steps.values()))
+    return [n.meta["spmd_comm"]["kind"] + "@" + n.meta["spmd_comm"]["axis_name"] for n in step.collectives()]
+
+
+@pytest.mark.parametrize("rows", [8, 6, 5])  # even, uneven on the inner axis, uneven on both
+def test_subsplitting_a_kept_shard_is_local(mesh2x2, rows):
+    # y is S(0),S(0): x (S(0),R) only needs the tp-chunk of its dp-chunk, a local narrow.
+    x = torch.randn(rows, 4, dtype=torch.float64)
+    y = torch.randn(rows, 4, dtype=torch.float64)
+    run = assert_spmd_matches(
+        lambda a, b: a * b, [x, y], mesh2x2, [[Shard(0), Replicate()], [Shard(0), Shard(0)]], atol=1e-12
+    )
+    assert _collectives(run) == []
+
+
+def test_changing_the_outer_split_regathers_the_inner_one(mesh2x2):
+    # S(1),S(0) -> S(0),S(0): the outer axis changes dim, so the inner chunk is rebuilt
+    x = torch.randn(8, 4, dtype=torch.float64)
+    y = torch.randn(8, 4, dtype=torch.float64)
+    run = assert_spmd_matches(
+        lambda a, b: a + b, [x, y], mesh2x2, [[Shard(1), Shard(0)], [Shard(0), Shard(0)]], atol=1e-12
+    )
+    kinds = _collectives(run)
+    assert kinds and all(k.startswith(("all_gather", "all_to_all")) for k in kinds), kinds
+
+
+def test_partial_to_replicate_is_one_all_reduce(mesh4):
+    x = torch.randn(8, 4, dtype=torch.float64)
+    run = assert_spmd_matches(lambda a: torch.tanh(a), [x], mesh4, [[Partial()]], atol=1e-12)
+    assert _collectives(run) == ["all_reduce@dp"]

@@ -1,0 +1,129 @@
+"""Scheduling for overlap (spmd_compiler/optimize/schedule.py): compute moves into the gap
+between a collective and its wait, never across a mutation, a random op or a marker."""
+
+from __future__ import annotations
+
+import torch
+
+import spmd_compiler as sc
+from spmd_compiler.optimize import bucket_gradients_pass, overlap_pass, schedule_for_overlap_pass
+from spmd_compiler.optimize.bucketing import gradient_reductions
+from spmd_compiler.optimize.graph_utils import is_collective, is_wait, mutation_edges, positions
+from spmd_compiler.testing import assert_training_matches
+from spmd_compiler.testing.models import GPT, MLP, gpt_tp_plan, train_step
+
+aten = torch.ops.aten
+
+
+def _gpt_step(mesh, plan, rows=8):
+    model = GPT(vocab=64, seq=8, dim=32, heads=4, layers=2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    ids = torch.randint(0, 64, (rows, 8))
+    train_step(model, opt, ids, ids)  # Adam state exists: the steady step
+    return sc.expand(sc.trace(train_step, model, opt, ids, ids), mesh, plan)
+
+
+def _work_in_flight(gm):
+    """For each collective: the compute nodes between it and its wait."""
+    pos = positions(gm)
+    out = {}
+    nodes = list(gm.graph.nodes)
+    for c in (n for n in nodes if is_collective(n)):
+        w = next(u for u in c.users if is_wait(u))
+        out[c] = [n for n in nodes[int(pos[c]) + 1 : int(pos[w])] if n.op == "call_function" and not is_collective(n)]
+    return out
+
+
+def test_tp_backward_all_reduces_overlap_weight_gradients():
+    from spmd_compiler.testing import fake_mesh
+
+    step = _gpt_step(fake_mesh((2,), ("tp",)), gpt_tp_plan())
+    gm = overlap_pass(step.gm)
+    backward = [c for c in gm.graph.nodes if is_collective(c) and c.meta["spmd_phase"] == "backward"]
+    assert len(backward) == 4  # Megatron: one all_reduce per sub-layer in backward
+    before = _work_in_flight(gm)
+    schedule_for_overlap_pass(gm)
+    after = _work_in_flight(gm)
+    matmuls = [sum(n.target is aten.mm.default for n in after[c]) for c in backward]
+    assert all(m >= 1 for m in matmuls), matmuls  # every one overlaps a weight-gradient matmul
+    assert sum(len(after[c]) for c in backward) > sum(len(before[c]) for c in backward)
+    moved = [n for n in gm.graph.nodes if "spmd_schedule" in n.meta]
+    assert moved and "in flight" in moved[0].meta["spmd_schedule"]
+
+
+def test_optimizer_updates_run_while_later_buckets_reduce(mesh4):
+    step = _gpt_step(mesh4, sc.Plan(), rows=8)  # data parallel
+    gm = bucket_gradients_pass(step.gm, bucket_mb=0.01, first_bucket_mb=0.004)
+    gm = overlap_pass(gm)
+    gm = schedule_for_overlap_pass(gm)
+    pos = positions(gm)
+    buckets = sorted(gradient_reductions(gm), key=lambda n: pos[n])
+    assert len(buckets) >= 3
+    last_wait = next(u for u in buckets[-1].users if is_wait(u))
+    updates = [n for n in gm.graph.nodes if n.target is aten.addcdiv_.default]
+    # parameters of the earlier buckets are updated before the last bucket has arrived
+    assert 0 < sum(pos[u] < pos[last_wait] for u in updates) < len(updates)
+
+
+def test_schedule_keeps_training_numerics(mesh4):
+    batches = [(torch.randn(8, 16, dtype=torch.float64), torch.randn(8, 16, dtype=torch.float64)) for _ in range(3)]
+
+    def step(model, opt, x, y):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    res = assert_training_matches(
+        step, MLP().double(), lambda p: torch.optim.AdamW(p, lr=0.01), batches, mesh4, sc.Plan(),
+        passes=sc.optimize.default_passes(bucket_mb=0.0005, first_bucket_mb=0.0002),
+    )
+    gm = res.sim.expansions[(0,)].gm
+    assert len(gradient_reductions(gm)) >= 2
+    assert any("spmd_schedule" in n.meta for n in gm.graph.nodes)
+
+
+def _graph(fn, *args):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    return make_fx(fn)(*args)
+
+
+def test_mutation_edges_order_reads_and_writes():
+    def f(x, y):
+        a = x * 2  # read of x before the write
+        x.add_(y)  # write
+        b = x + 1  # read after the write
+        return a, b
+
+    gm = _graph(f, torch.randn(3), torch.randn(3))
+    preds = mutation_edges(gm)
+    write = next(n for n in gm.graph.nodes if n.target is aten.add_.Tensor)
+    read_before = next(n for n in gm.graph.nodes if n.target is aten.mul.Tensor)
+    read_after = next(n for n in gm.graph.nodes if n.target is aten.add.Tensor)
+    assert read_before in preds[write]  # write-after-read
+    assert write in preds[read_after] or write in read_after.all_input_nodes  # read-after-write
+
+
+def test_nothing_moves_across_a_random_op(mesh4):
+    """A dropout between two reductions is a fence: RNG draws stay in program order."""
+
+    def f(x, w):
+        h = torch.nn.functional.dropout(x @ w, p=0.5, training=True)
+        return (h.sum(0) * 3).sum(), x.t() @ h
+
+    from spmd_compiler.testing import run_spmd
+    from torch.distributed.tensor import Replicate, Shard
+
+    run = run_spmd(f, [torch.randn(8, 4), torch.randn(4, 4)], mesh4, [[Shard(0)], [Replicate()]])
+    gm = next(iter(run.steps.values())).gm
+    order = [n for n in gm.graph.nodes if n.op == "call_function"]
+    rand = [i for i, n in enumerate(order) if isinstance(n.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in n.target.tags]
+    assert rand
+    before = {n: i for i, n in enumerate(order)}
+    schedule_for_overlap_pass(gm)
+    after = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "call_function")}
+    r = order[rand[0]]
+    for n in order:  # no node changed sides of the random op
+        assert (before[n] < before[r]) == (after[n] < after[r]) or n is r
