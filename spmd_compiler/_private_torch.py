@@ -256,13 +256,17 @@ def symbolic_fake_mode() -> FakeTensorMode:
     return FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=False)
 
 
-def to_symbolic_fake(mode: FakeTensorMode, t: torch.Tensor, name: str, dynamic: bool = True) -> FakeTensor:
-    """Fakeify ``t`` with a symbolic size per dim (static sizes when ``dynamic`` is False)."""
+def to_symbolic_fake(mode: FakeTensorMode, t: torch.Tensor, name: str, dynamic: bool | Sequence[int] = True) -> FakeTensor:
+    """Fakeify ``t`` with a symbolic size per dim (static sizes when ``dynamic`` is False;
+    a sequence of dims makes just those symbolic)."""
     from torch._dynamo.source import ConstantSource
     from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
 
-    kind = DimDynamic.DYNAMIC if dynamic else DimDynamic.STATIC
-    ctx = StatelessSymbolicContext(dynamic_sizes=[kind] * t.dim())
+    if isinstance(dynamic, bool):
+        dims = set(range(t.dim())) if dynamic else set()
+    else:
+        dims = {d % max(1, t.dim()) for d in dynamic}
+    ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC if d in dims else DimDynamic.STATIC for d in range(t.dim())])
     return mode.from_tensor(t, source=ConstantSource(name), symbolic_context=ctx)
 
 

@@ -59,7 +59,10 @@ def test_2d_world_64_structure():
     kinds = _kinds(step)
     # TP: activations communicated over tp in forward; DP: gradients reduced over dp
     assert any(phase == "forward" and axis == "tp" for (phase, _, axis) in kinds)
-    assert not any(phase == "forward" and axis == "dp" for (phase, _, axis) in kinds)
+    # over dp in forward only the mean loss's target count (4 bytes; backward then reads it replicated)
+    forward_dp = [n.meta["spmd_comm"] for n in step.collectives() if n.meta["spmd_phase"] == "forward" and n.meta["spmd_comm"]["axis_name"] == "dp"]
+    assert [(c["kind"], c["bytes"]) for c in forward_dp] == [("all_reduce", 4)] and "target count" in forward_dp[0]["reason"]
+    assert not any(phase == "backward" and axis == "dp" for (phase, _, axis) in kinds)
     assert any(axis == "dp" and kind == "all_reduce" and phase != "output" for (phase, kind, axis) in kinds)
     assert step.rank_independent
     qw = {n.name: n for n in step.gm.graph.nodes if n.op == "placeholder"}["p_blocks_0_attn_q_weight"]

@@ -45,7 +45,7 @@ def test_passes_keep_numerics_2d_transformer(mesh2x2):
         passes=default_passes(bucket_mb=0.001),
     )
     records = res.sim.expansions[(0, 0)].pass_records
-    assert [r.name for r in records] == ["remove_redundant_collectives", "bucket_gradients", "overlap", "schedule"]
+    assert [r.name for r in records] == list(sc.optimize.DEFAULT_PASSES)
     assert records[1].collectives_after < records[1].collectives_before  # buckets formed
 
 
@@ -185,7 +185,7 @@ def test_runner_logs_disables_and_names_failures(mesh4, caplog):
     step = sc.expand(traced, mesh4)
     with caplog.at_level(logging.INFO, logger="spmd_compiler.optimize"):
         gm, records = run_passes(step.gm, default_passes(), disabled=["overlap", "schedule"])
-    assert [r.name for r in records] == ["remove_redundant_collectives", "bucket_gradients"]
+    assert [r.name for r in records] == ["remove_redundant_collectives", "bucket_gradients", "bucket_parameter_gathers"]
     assert any("pass overlap: disabled" in r.getMessage() for r in caplog.records)
     assert any(r.getMessage().startswith("pass bucket_gradients:") and "collectives" in r.getMessage() for r in caplog.records)
     with pytest.raises(ValueError, match="cannot disable unknown passes"):
@@ -203,10 +203,10 @@ def test_compile_runs_passes_and_dumps_each(mesh4, tmp_path):
     step = sc.compile(train_step_mse, mesh=mesh4, dump_dir=str(tmp_path), bucket_mb=0.001)
     opt = torch.optim.Adam(model.parameters())
     step(model, opt, torch.randn(2, 16), torch.randn(2, 16))
-    assert [r.name for r in step.last.pass_records] == ["remove_redundant_collectives", "bucket_gradients", "overlap", "schedule"]
+    assert [r.name for r in step.last.pass_records] == list(sc.optimize.DEFAULT_PASSES)
     folder = step.dumps[-1]
     assert sorted(p.name for p in folder.glob("pass_*.py")) == [
-        "pass_00_remove_redundant_collectives.py", "pass_01_bucket_gradients.py", "pass_02_overlap.py", "pass_03_schedule.py",
+        f"pass_{i:02d}_{name}.py" for i, name in enumerate(sc.optimize.DEFAULT_PASSES)
     ]
     assert "bucket of" in (folder / "pass_01_bucket_gradients.py").read_text()
     assert step.timings()["passes"] > 0

@@ -95,3 +95,31 @@ def test_returning_python_number_from_sizes_is_an_error():
 
     with pytest.raises(TypeError, match="returned a Python number computed from tensor sizes"):
         sc.trace(bad, model, None, torch.randn(8, 16))
+
+
+def test_state_cache_reuses_and_invalidates():
+    from spmd_compiler.trace.state import StateCache
+
+    model = MLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    cache = StateCache()
+    first = cache.get(model, opt)
+    assert cache.get(model, opt) is first  # nothing changed: reused
+    opt.param_groups[0]["lr"] = 0.05  # a scheduler's change: reused, value refreshed
+    assert cache.get(model, opt) is first and first.hparams[(0, "lr")] == 0.05
+    step(model, opt, torch.randn(8, 16))  # Adam creates its state
+    second = cache.get(model, opt)
+    assert second is not first and second.optim
+    new_weight = torch.nn.Parameter(torch.randn(32, 16))
+    model.l1.weight = new_weight  # a replaced parameter is noticed (the optimizer still holds the old one)
+    with pytest.raises(ValueError, match="is not a parameter of the model"):
+        cache.get(model, opt)
+    opt.param_groups[0]["params"][0] = new_weight
+    third = cache.get(model, opt)
+    assert third is not second and third.params["l1.weight"] is model.l1.weight
+    model.extra = torch.nn.Linear(2, 2)  # a new submodule
+    assert "extra.weight" in cache.get(model, opt).params
+    opt.param_groups[0]["weight_decay"] = 0.5  # a compiled-in setting
+    assert cache.get(model, opt).signature() != third.signature()
+    other = MLP()  # another model: collected afresh
+    assert cache.get(other, None).params["l1.weight"] is other.l1.weight

@@ -1,6 +1,7 @@
 """Stage 4: optimization passes on the per-rank graph (``(gm, *, options) -> gm``)."""
 
 from .bucketing import bucket_gradients_pass
+from .gathers import bucket_parameter_gathers_pass
 from .overlap import overlap_pass
 from .redundant import cse_pass, fold_gather_narrow_pass, remove_redundant_collectives_pass
 from .runner import DEFAULT_PASSES, PassRecord, PassSpec, default_passes, run_passes
@@ -16,6 +17,7 @@ __all__ = [
     "cse_pass",
     "fold_gather_narrow_pass",
     "bucket_gradients_pass",
+    "bucket_parameter_gathers_pass",
     "overlap_pass",
     "schedule_for_overlap_pass",
 ]

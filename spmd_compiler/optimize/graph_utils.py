@@ -21,6 +21,7 @@ __all__ = [
     "is_wait",
     "WAIT",
     "written_inputs",
+    "written_through",
     "mutation_edges",
 ]
 
@@ -117,8 +118,17 @@ _PREP_TARGETS = {
 
 
 def prep_chain(collective: fx.Node) -> list[fx.Node]:
-    """The local ops that only prepare ``collective``'s input (contiguous, movedim, pad),
-    nearest first; they can move with it."""
+    """The local ops that only prepare ``collective``'s input (contiguous, movedim, pad;
+    for a fused gather its copy-in), nearest first; they can move with it."""
+    copy_in = collective.meta.get("spmd_copy_in")
+    if copy_in:
+        chain = list(reversed(copy_in))
+        for flat in copy_in[:-1]:
+            node = flat.args[0]
+            while isinstance(node, fx.Node) and node.op == "call_function" and node.target in _PREP_TARGETS and len(node.users) == 1:
+                chain.append(node)
+                node = node.args[0]
+        return chain
     chain = []
     node = collective.args[0]
     while isinstance(node, fx.Node) and node.op == "call_function" and node.target in _PREP_TARGETS and len(node.users) == 1:
@@ -141,6 +151,20 @@ def written_inputs(node: fx.Node) -> list[fx.Node]:
         for x in v if isinstance(v, (list, tuple)) else [v]:
             if isinstance(x, fx.Node):
                 out.append(x)
+    return out
+
+
+def written_through(gm: fx.GraphModule) -> set[fx.Node]:
+    """Nodes whose result some in-place op writes: the written argument and every view
+    or in-place result it was made from, up to its storage root."""
+    out: set[fx.Node] = set()
+    for n in gm.graph.nodes:
+        for x in written_inputs(n):
+            while isinstance(x, fx.Node):
+                out.add(x)
+                if not ((is_view(x) or is_inplace(x)) and x.args and isinstance(x.args[0], fx.Node)):
+                    break
+                x = x.args[0]
     return out
 
 

@@ -21,6 +21,9 @@ __all__ = ["overlap_pass", "is_param_gather"]
 
 
 def is_param_gather(n: fx.Node) -> bool:
+    """An all_gather of parameter shards (FSDP), its own or fused per unit."""
+    if "spmd_param_gather" in n.meta:
+        return True
     if n.meta["spmd_comm"]["kind"] != "all_gather":
         return False
     chain = prep_chain(n)
@@ -33,6 +36,19 @@ def is_param_gather(n: fx.Node) -> bool:
 def _first_use(n: fx.Node, pos: dict[fx.Node, int]) -> fx.Node | None:
     users = list(n.users)
     return min(users, key=lambda u: pos[u]) if users else None
+
+
+def _first_compute_use(n: fx.Node, pos: dict[fx.Node, int]) -> fx.Node | None:
+    """The first user of ``n`` that is not the copy-out of a fused gather."""
+    found = []
+    for u in n.users:
+        if u.meta.get("spmd_copy_out"):
+            f = _first_compute_use(u, pos)
+            if f is not None:
+                found.append(f)
+        else:
+            found.append(u)
+    return min(found, key=lambda u: pos[u]) if found else None
 
 
 def overlap_pass(gm: fx.GraphModule, *, prefetch: int = 2) -> fx.GraphModule:
@@ -49,13 +65,17 @@ def overlap_pass(gm: fx.GraphModule, *, prefetch: int = 2) -> fx.GraphModule:
             hoist(gm, n, pos, writes=writes)
     # parameter gathers: in order of need, each issued when an earlier one is first used
     waits = {n: next(u for u in n.users if is_wait(u)) for n in gathers}
-    order = sorted(gathers, key=lambda n: pos[_first_use(waits[n], pos)] if waits[n].users else pos[n])
+    def need(n: fx.Node) -> float:
+        use = _first_compute_use(waits[n], pos)
+        return pos[use] if use is not None else pos[n]
+
+    order = sorted(gathers, key=need)
     for i, n in enumerate(order):
         if i < prefetch:
             hoist(gm, n, pos, writes=writes)
         else:
             earlier = order[i - prefetch]
-            use = _first_use(waits[earlier], pos)
+            use = _first_compute_use(waits[earlier], pos)
             if use is not None and use.prev is not None:
                 hoist(gm, n, pos, not_before=use.prev, writes=writes)
     # waits: as late as the first use

@@ -4,8 +4,8 @@ Each consumer of a value redistributes it on its own, so the same collective on 
 same value can appear several times. This pass
 
 * merges identical pure nodes, collectives included (common-subexpression elimination),
-  never across a mutation of an input and never for values that are later written in
-  place (two optimizer states must not share storage);
+  never across a write to an input (positions decide) and never for values that are
+  later written in place (two optimizer states must not share storage);
 * folds an all_gather whose result is immediately narrowed back to this rank's own chunk
   (``Shard -> Replicate -> Shard`` on the same dim and axis): the narrow is the input.
 
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .graph_utils import alias_root, is_collective, is_pure, is_wait, written_roots
+from .graph_utils import alias_root, is_collective, is_pure, is_wait, positions, writes_by_root, written_roots, written_through
 
 __all__ = ["remove_redundant_collectives_pass", "cse_pass"]
 
@@ -41,20 +41,25 @@ def _key(x: Any) -> Any:
 
 
 def cse_pass(gm: fx.GraphModule) -> fx.GraphModule:
-    """Merge identical pure nodes whose inputs and outputs are never written in place."""
-    written = written_roots(gm)
+    """Merge identical pure nodes when no input is written in place between them and the
+    result itself is never written in place (two optimizer states must not share
+    storage). A parameter read in forward and again in backward (an FSDP gather, before
+    the optimizer updates it) is one value."""
+    written = written_through(gm)
+    writes = writes_by_root(gm)
+    pos = positions(gm)
     seen: dict[Any, fx.Node] = {}
     for node in list(gm.graph.nodes):
         if node.op != "call_function":
             continue
         if not (is_pure(node) or is_collective(node) or is_wait(node)):
             continue
-        if alias_root(node) in written or any(alias_root(a) in written for a in node.all_input_nodes):
+        if node in written:
             continue
         key = (node.target, _key(node.args), _key(node.kwargs))
         prev = seen.get(key)
-        if prev is None:
-            seen[key] = node
+        if prev is None or any(pos[prev] < pos[w] < pos[node] for a in node.all_input_nodes for w in writes.get(alias_root(a), ())):
+            seen[key] = node  # first of its kind, or an input changed since the last one
             continue
         if "spmd_comm" in node.meta and "spmd_comm" in prev.meta:
             comm = prev.meta["spmd_comm"]

@@ -85,9 +85,10 @@ def default_passes(
     *, bucket_mb: float = 25.0, first_bucket_mb: float | None = 1.0, overlap: bool = True, prefetch: int = 2
 ) -> list[PassSpec]:
     """The default pipeline: remove redundant collectives, bucket gradient reductions,
-    overlap communication with compute (issue early, wait late), then move compute into
-    the gaps (:mod:`.schedule`)."""
+    gather FSDP parameters per module unit, overlap communication with compute (issue
+    early, wait late), then move compute into the gaps (:mod:`.schedule`)."""
     from .bucketing import bucket_gradients_pass
+    from .gathers import bucket_parameter_gathers_pass
     from .overlap import overlap_pass
     from .redundant import remove_redundant_collectives_pass
     from .schedule import schedule_for_overlap_pass
@@ -95,6 +96,7 @@ def default_passes(
     out = [
         PassSpec("remove_redundant_collectives", remove_redundant_collectives_pass),
         PassSpec("bucket_gradients", bucket_gradients_pass, {"bucket_mb": bucket_mb, "first_bucket_mb": first_bucket_mb}),
+        PassSpec("bucket_parameter_gathers", bucket_parameter_gathers_pass),
     ]
     if overlap:
         out.append(PassSpec("overlap", overlap_pass, {"prefetch": prefetch}))
@@ -102,4 +104,4 @@ def default_passes(
     return out
 
 
-DEFAULT_PASSES = ("remove_redundant_collectives", "bucket_gradients", "overlap", "schedule")
+DEFAULT_PASSES = ("remove_redundant_collectives", "bucket_gradients", "bucket_parameter_gathers", "overlap", "schedule")

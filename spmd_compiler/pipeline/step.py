@@ -24,7 +24,7 @@ from .. import _private_torch as pt
 from ..errors import SpmdError
 from ..expand import expand
 from ..runtime.agreement import check_agreement
-from ..runtime.compiled import CompiledStep, _Entry
+from ..runtime.compiled import CompiledStep, _Entry, gc_paused
 from ..trace import trace
 from ..trace.state import collect_state, input_value
 from ..trace.tracer import _flatten_batch
@@ -136,7 +136,7 @@ class PipelinedStep(CompiledStep):
                 with self._ghosted(model, optimizer):
                     split = balanced_split(model, stages, "params")
             g_args, g_kwargs = self._global_batch(batch, kwargs)
-            with self._ghosted(model, optimizer):
+            with self._ghosted(model, optimizer), gc_paused():
                 traced = trace(self.fn, model, optimizer, *g_args, symbolic=self.symbolic, split_points=split, **g_kwargs)
             defer_batchnorm_stats(traced.gm, cfg.chunks)
             assignment = assign_stages(traced.gm, traced.outputs)
@@ -147,7 +147,8 @@ class PipelinedStep(CompiledStep):
                     f"fix: give {stages - 1} split points (Pipeline(split=...) or pipe_split() calls) or Pipeline(auto=True)"
                 )
             smesh = self.stage_mesh
-            step = expand(traced, smesh, self.stage_plan, coordinate=tuple(smesh.get_coordinate()), fallback=self.fallback, cache=self.cache)
+            with gc_paused():
+                step = expand(traced, smesh, self.stage_plan, coordinate=tuple(smesh.get_coordinate()), fallback=self.fallback, cache=self.cache)
             program = split_program(step.gm, assignment)
             coord = list(mesh.get_coordinate())
             mesh_ranks = mesh.mesh
@@ -297,7 +298,7 @@ class PipelinedStep(CompiledStep):
                     v = node.meta["val"]
                     user_out[slot.index] = torch.zeros(tuple(v.shape), dtype=v.dtype)
             return pytree.tree_unflatten([user_out[i] for i in range(len(user_out))], traced.user_spec)
-        state = collect_state(model, optimizer)
+        state = self._state(model, optimizer)
         leaves, _, paths = _flatten_batch(batch, kwargs)
         m = self.pipeline.chunks
         chunked = {}

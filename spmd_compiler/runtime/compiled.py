@@ -11,10 +11,14 @@ compiles again (logged at INFO with the reason).
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import functools
+import gc
 import logging
 import os
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,7 +33,7 @@ from .. import _private_torch as pt
 from ..expand import ExpansionCache, expand
 from ..plan import Plan
 from ..trace import trace
-from ..trace.state import collect_state, input_value
+from ..trace.state import StateCache, input_value
 from ..trace.tracer import CONSTANT_LEAF_TYPES, _flatten_batch
 from .agreement import check_agreement, exchange
 from .distribute import distribute_state, is_distributed
@@ -47,6 +51,41 @@ class _Entry:
     compile_seconds: float
     reason: str
     timings: dict[str, float] = field(default_factory=dict)
+
+
+_LIVE_STEPS: "weakref.WeakSet[CompiledStep]" = weakref.WeakSet()
+
+
+@atexit.register
+def _release_at_exit() -> None:
+    """Free compiled graphs before the interpreter shuts down.
+
+    A compiled graph reaches the DeviceMesh through the placements recorded on its
+    nodes, and the mesh holds its process groups. fx graphs are reference cycles, so
+    without this they are freed by the last garbage collection of interpreter shutdown,
+    where gloo's worker threads can no longer take the GIL to release the tensors of
+    their last collective: the process then aborts ("terminate called without an active
+    exception") after the training itself succeeded.
+    """
+    if os.environ.get("SPMD_NO_EXIT_RELEASE"):  # TEMP A/B
+        return
+    for step in list(_LIVE_STEPS):
+        step._release()
+    gc.collect()
+
+
+@contextlib.contextmanager
+def gc_paused() -> Any:
+    """No garbage collection while compiling: a compile builds tens of thousands of fx
+    nodes, and every full collection scans all of them (about 10% of a 32-layer compile).
+    The cycles made meanwhile are collected after."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def _as_mesh(mesh: Any) -> DeviceMesh:
@@ -109,6 +148,8 @@ class CompiledStep:
         self.symbolic = symbolic
         self.check_ranks = check_ranks
         self.cache = ExpansionCache()
+        self._states = StateCache()
+        _LIVE_STEPS.add(self)
         self._entries: dict[Any, _Entry] = {}
         self._last_key: Any = None
         self.compiles = 0
@@ -139,8 +180,14 @@ class CompiledStep:
             distribute_state(model, optimizer, self.mesh, self.plan)
 
     # ------------------------------------------------------------------ call
+    def _state(self, model: torch.nn.Module, optimizer: Any) -> Any:
+        """The named state of ``model``/``optimizer`` (cached between calls)."""
+        return self._states.get(model, optimizer)
+
     def __call__(self, model: torch.nn.Module, optimizer: Any, *batch: Any, **kwargs: Any) -> Any:
-        self.distribute(model, optimizer)
+        state = self._state(model, optimizer)
+        if not state.params or not all(isinstance(p, DTensor) for p in state.params.values()):
+            self.distribute(model, optimizer)
         key = self._signature(model, optimizer, batch, kwargs)
         entry = self._entries.get(key)
         if entry is None:
@@ -159,10 +206,7 @@ class CompiledStep:
                 sig.append((path, tuple(leaf.shape), leaf.dtype, leaf.device.type, leaf.requires_grad))
             else:
                 sig.append((path, type(leaf).__name__, leaf if isinstance(leaf, CONSTANT_LEAF_TYPES) else id(leaf)))
-        state = collect_state(model, optimizer)
-        optim = tuple(sorted((n, k, tuple(v.shape) if isinstance(v, torch.Tensor) else repr(v)) for (n, k), v in state.optim.items()))
-        params = tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in state.params.items())
-        return (str(spec), tuple(sig), optim, params, state.fixed_hparams())
+        return (str(spec), tuple(sig), *self._state(model, optimizer).signature())
 
     def _why(self, key: Any) -> str:
         if self._last_key is None:
@@ -227,17 +271,37 @@ class CompiledStep:
         args, kw = pytree.tree_unflatten(out, spec)
         return args, kw
 
+    def _build(self, model: Any, optimizer: Any, batch: tuple, kwargs: dict) -> tuple[Any, dict[str, Any]]:
+        """Trace, expand and optimize the step for this rank."""
+        mesh = self.mesh
+        g_args, g_kwargs = self._global_batch(batch, kwargs)
+        traced = trace(
+            self.fn, model, optimizer, *g_args, symbolic=self.symbolic, symbolic_dims=self._sharded_batch_dims(batch, kwargs),
+            **g_kwargs,
+        )
+        step = expand(traced, mesh, self.plan, coordinate=tuple(mesh.get_coordinate()), fallback=self.fallback, cache=self.cache)
+        return step, self._optimize(step)
+
+    def _sharded_batch_dims(self, batch: tuple, kwargs: dict) -> dict[int, tuple[int, ...]]:
+        """Per batch leaf, the dims the plan shards: only those are traced as symbols
+        (an unsharded dim has the same size on every rank, and symbols slow the trace)."""
+        leaves, _, paths = _flatten_batch(batch, kwargs)
+        placements = _batch_placements(self.plan, paths, leaves, self.mesh.ndim)
+        return {
+            i: tuple(sorted({p.dim for p in pl if isinstance(p, pt.Shard)}))
+            for i, pl in enumerate(placements)
+            if pl is not None
+        }
+
     def _compile(self, model: Any, optimizer: Any, batch: tuple, kwargs: dict, reason: str) -> _Entry:
         log.info("compiling %s (%s)", getattr(self.fn, "__name__", "step"), reason)
         start = time.perf_counter()
-        mesh = self.mesh
         error: BaseException | None = None
         step = None
+        dump_texts: dict[str, Any] = {}
         try:
-            g_args, g_kwargs = self._global_batch(batch, kwargs)
-            traced = trace(self.fn, model, optimizer, *g_args, symbolic=self.symbolic, **g_kwargs)
-            step = expand(traced, mesh, self.plan, coordinate=tuple(mesh.get_coordinate()), fallback=self.fallback, cache=self.cache)
-            dump_texts = self._optimize(step)
+            with gc_paused():
+                step, dump_texts = self._build(model, optimizer, batch, kwargs)
         except Exception as e:  # reported to every rank by check_agreement
             error = e
         if self.check_ranks:
@@ -304,7 +368,7 @@ class CompiledStep:
     # ------------------------------------------------------------------ run
     def _run(self, step: Any, model: Any, optimizer: Any, batch: tuple, kwargs: dict) -> Any:
         traced = step.traced
-        state = collect_state(model, optimizer)
+        state = self._state(model, optimizer)
         leaves, _, _ = _flatten_batch(batch, kwargs)
         inputs: list[Any] = list(step.mctx.coordinate)
         for inp in traced.inputs:
@@ -328,6 +392,14 @@ class CompiledStep:
                 dt = DTensor.from_local(out, mesh, slot.spec.placements, run_check=False, shape=slot.spec.shape, stride=slot.spec.stride)
                 optimizer.state[state.params[slot.name]][slot.key] = dt
         return pytree.tree_unflatten([user[i] for i in range(len(user))], traced.user_spec)
+
+    def _release(self) -> None:
+        """Drop compiled graphs and cached state (the next call compiles again)."""
+        self._entries.clear()
+        self._last_key = None
+        self.last = None
+        self.cache = ExpansionCache()
+        self._states = StateCache()
 
     # ------------------------------------------------------------------ introspection
     def comm_summary(self) -> Any:

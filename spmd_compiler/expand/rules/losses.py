@@ -1,0 +1,52 @@
+"""Losses whose DTensor rule is wrong on sharded targets.
+
+``nll_loss_forward`` (cross-entropy's loss op) with ``reduction="mean"`` and a sharded
+target: DTensor's rule returns each rank's own mean as ``Partial(avg)``. The average of
+per-rank means is the global mean only when every rank counts the same number of
+targets; with ``ignore_index`` (padding) spread unevenly it is wrong, and a rank whose
+targets are all ignored contributes 0/0 = NaN. Gradients were right all along (the
+backward divides by the all-reduced count), only the loss value was not.
+
+Here the per-rank *sums* and target counts are computed (both ``Partial(sum)``), the
+count is all-reduced, and the loss is ``local sum / global count``: a ``Partial(sum)``
+whose shares add up to the exact mean. The count is returned replicated, so the
+backward (which reads it) needs no collective of its own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ... import _private_torch as pt
+from ..builder import OutTensor, SubgraphBuilder
+from ..dispatch import ExpandContext, TensorArg, expand_op, generic_expand, replicate_axes
+from ..registry import register_rule
+
+aten = torch.ops.aten
+
+MEAN, SUM = 1, 2
+
+
+def _arg(b: SubgraphBuilder, out: OutTensor, label: str) -> TensorArg:
+    return TensorArg(b._outputs[out.index], out.spec, label=label)
+
+
+@register_rule(aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
+def _nll_loss_forward(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: dict) -> Any:
+    names = ("self", "target", "weight", "reduction", "ignore_index")
+    bound = dict(zip(names, args))
+    bound.update(kwargs)
+    x, target = bound["self"], bound["target"]
+    sharded = isinstance(target, TensorArg) and any(isinstance(p, (pt.Shard, pt.StridedShard)) for p in target.spec.placements)
+    if bound.get("reduction") != MEAN or not sharded:
+        return generic_expand(ctx, b, op, args, kwargs)
+    summed = expand_op(ctx, b, op, (x, target, bound.get("weight"), SUM, bound.get("ignore_index", -100)), {})
+    loss_sum = _arg(b, summed[0], "per-rank sum of the loss")
+    count = _arg(b, summed[1], "per-rank target count")
+    axes = {a for a, p in enumerate(count.spec.placements) if p.is_partial()}
+    (count_all,), _ = replicate_axes(ctx, b, (count,), {}, axes, "target count of a mean loss (all ranks' targets)")
+    loss = expand_op(ctx, b, aten.div.Tensor, (loss_sum, count_all), {})
+    total = OutTensor(b.slot(count_all.node), count_all.spec)
+    return (loss, total)

@@ -1,0 +1,131 @@
+"""Gathering FSDP parameters per module unit, in one collective each.
+
+Under an FSDP-style plan every parameter shard is all-gathered before its use. One
+collective per parameter pays the collective's latency for each of them (on gloo about
+0.35 ms, so a 2-block GPT spends 13 ms per step on latency alone). ``fully_shard``
+gathers one flat buffer per wrapped module instead. This pass does the same: the
+parameter gathers of one *unit* are fused into a single all_gather of their local
+shards laid end to end (copy-in), and each parameter is cut back out of the gathered
+buffer (copy-out), giving exactly what its own all_gather gave.
+
+A unit is the module a parameter belongs to, cut at the first numbered component of its
+name: ``blocks.3.attn.q.weight`` is in unit ``blocks.3``, ``tok.weight`` in the root
+unit ``""`` (as torchtitan wraps every block of a ModuleList and the root). The fused
+gather stays a parameter gather for :mod:`.overlap`, which issues it one unit ahead of
+its first use.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from collections import defaultdict
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from .graph_utils import WAIT, alias_root, is_collective, is_wait, new_node, positions, prep_chain
+
+__all__ = ["bucket_parameter_gathers_pass", "unit_of"]
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+
+def unit_of(fqn: str) -> str:
+    """``blocks.3.attn.q.weight`` -> ``blocks.3``; names without a number -> ``""``."""
+    parts = fqn.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if re.fullmatch(r"\d+", part):
+            return ".".join(parts[: i + 1])
+    return ""
+
+
+def _param_of(n: fx.Node) -> str | None:
+    """The FQN of the parameter (or buffer) a gather collects, if it is one."""
+    if n.meta.get("spmd_comm", {}).get("kind") != "all_gather":
+        return None
+    chain = prep_chain(n)
+    src = chain[-1].args[0] if chain else n.args[0]
+    root = alias_root(src)
+    inp = root.meta.get("spmd_input") if isinstance(root, fx.Node) else None
+    if isinstance(root, fx.Node) and root.op == "placeholder" and inp is not None and inp.kind in ("param", "buffer"):
+        return inp.name
+    return None
+
+
+def _fuse(gm: fx.GraphModule, members: list[fx.Node], unit: str, pos: dict[fx.Node, float]) -> None:
+    g = gm.graph
+    first = members[0].meta["spmd_comm"]
+    n = first["group_size"]
+    group = members[0].args[-1]
+    waits = [next(u for u in m.users if is_wait(u)) for m in members]
+    # insert where the earliest member's result is first needed: overlap moves it earlier
+    uses = [u for w in waits for u in w.users]
+    anchor = min(uses, key=lambda u: pos[u]) if uses else waits[0]
+
+    def add(target: Any, args: tuple, meta: dict | None = None) -> fx.Node:
+        with g.inserting_before(anchor):
+            node = new_node(g, target, args, None, meta)
+        node.meta["spmd_phase"] = members[0].meta.get("spmd_phase")
+        node.meta["spmd_origin"] = {"node": f"gather of unit {unit or '<root>'}", "op": "bucket_parameter_gathers", "source": None}
+        return node
+
+    for m in members:  # each member's input preparation (contiguous, pad) comes first
+        for prep in reversed(prep_chain(m)):
+            anchor.prepend(prep)
+    flats = [add(aten.reshape.default, (m.args[0], [-1])) for m in members]
+    sizes = [int(f.meta["val"].numel()) for f in flats]
+    buf = add(aten.cat.default, (flats,))
+    comm = {
+        **{k: v for k, v in first.items() if k in ("kind", "axis", "axis_name", "group_size", "dtype")},
+        "bytes": sum(m.meta["spmd_comm"]["bytes"] for m in members),
+        "wire_bytes": sum(m.meta["spmd_comm"]["wire_bytes"] for m in members),
+        "reason": f"FSDP: gather the {len(members)} parameters of unit {unit or '<root>'} in one collective",
+        "transition": first.get("transition", ""),
+        "value": "unit[" + ", ".join(str(m.meta["spmd_comm"].get("value", "?")) for m in members) + "]",
+        "origin": ", ".join(str(m.meta["spmd_comm"].get("origin", "?")) for m in members),
+        "op": "bucket",
+        "source": None,
+        "history": [f"fused {len(members)} parameter gathers ({', '.join(m.name for m in members)})"],
+        "bucket": [{k: m.meta["spmd_comm"].get(k) for k in ("value", "origin", "op", "source", "bytes", "transition")} for m in members],
+    }
+    coll = add(c10d.all_gather_into_tensor.default, (buf, n, group), meta={"spmd_comm": comm, "spmd_param_gather": unit})
+    coll.meta["spmd_copy_in"] = flats + [buf]
+    wait = add(WAIT, (coll,), meta={"spmd_wait": True})
+    copy_out = {"spmd_copy_out": True}
+    rows = add(aten.reshape.default, (wait, [n, sum(sizes)]), meta=copy_out)
+    parts = add(aten.split_with_sizes.default, (rows, sizes, 1), meta=copy_out)
+    for i, (m, w) in enumerate(zip(members, waits)):
+        piece = add(operator.getitem, (parts, i), meta=copy_out)
+        # copy-out: rank j's shard of this parameter is row j's slice, as its own all_gather gave
+        out = add(aten.reshape.default, (piece, list(w.meta["val"].shape)), meta=copy_out)
+        w.replace_all_uses_with(out)
+        g.erase_node(w)
+        g.erase_node(m)
+
+
+def bucket_parameter_gathers_pass(gm: fx.GraphModule, *, by: str = "unit") -> fx.GraphModule:
+    """Fuse the FSDP parameter gathers of each module unit into one all_gather
+    (``by="unit"``); ``by="none"`` leaves one gather per parameter."""
+    if by not in ("unit", "none"):
+        raise ValueError(f"by must be 'unit' or 'none', got {by!r}")
+    if by == "none":
+        return gm
+    pos = positions(gm)
+    groups: dict[tuple, list[fx.Node]] = defaultdict(list)
+    for n in gm.graph.nodes:
+        if not is_collective(n):
+            continue
+        fqn = _param_of(n)
+        if fqn is None:
+            continue
+        c = n.meta["spmd_comm"]
+        groups[(unit_of(fqn), n.args[-1], c["dtype"], c["group_size"])].append(n)
+    for (unit, *_), members in groups.items():
+        if len(members) > 1:
+            _fuse(gm, members, unit, pos)
+            pos = positions(gm)
+    gm.graph.eliminate_dead_code()
+    return gm
