@@ -138,4 +138,10 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Leave without interpreter shutdown, as multiprocessing's workers do: DTensor's
+    # caches keep the device mesh and its gloo groups alive, and gloo's worker threads
+    # destroyed during shutdown can abort the process (SIGABRT) after a good run.
+    os._exit(code)

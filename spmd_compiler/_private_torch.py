@@ -402,3 +402,22 @@ def mark_optimizer_stepped(optimizer: Any) -> None:
 
 
 __all__ += ["mark_optimizer_stepped"]
+
+
+def clear_dtensor_caches() -> None:
+    """Drop DTensor's process-wide caches (redistribute planners, transform infos,
+    sharding propagation, mesh topology). Their keys and values hold DeviceMeshes, and a
+    mesh holds its process groups: cleared, the groups can be freed while the
+    interpreter still runs instead of during its shutdown."""
+    from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor._collective_utils import MeshTopoInfo
+
+    _redistribute.clear_redistribute_planner_cache()
+    _redistribute._gen_transform_infos.cache_clear()
+    MeshTopoInfo.build_from_mesh.cache_clear()
+    prop = DTensor._op_dispatcher.sharding_propagator
+    prop.propagate_op_sharding.cache_clear()
+    type(prop)._propagate_tensor_meta_cached.cache_clear()
+
+
+__all__ += ["clear_dtensor_caches"]

@@ -119,7 +119,8 @@ _PREP_TARGETS = {
 
 def prep_chain(collective: fx.Node) -> list[fx.Node]:
     """The local ops that only prepare ``collective``'s input (contiguous, movedim, pad;
-    for a fused gather its copy-in), nearest first; they can move with it."""
+    for a fused gather its copy-in; nodes a rule marked ``meta["spmd_prep"]``), nearest
+    first; they can move with it."""
     copy_in = collective.meta.get("spmd_copy_in")
     if copy_in:
         chain = list(reversed(copy_in))
@@ -131,7 +132,10 @@ def prep_chain(collective: fx.Node) -> list[fx.Node]:
         return chain
     chain = []
     node = collective.args[0]
-    while isinstance(node, fx.Node) and node.op == "call_function" and node.target in _PREP_TARGETS and len(node.users) == 1:
+    while (
+        isinstance(node, fx.Node) and node.op == "call_function" and len(node.users) == 1
+        and (node.target in _PREP_TARGETS or node.meta.get("spmd_prep"))
+    ):
         chain.append(node)
         node = node.args[0]
     return chain

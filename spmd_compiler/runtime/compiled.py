@@ -58,19 +58,21 @@ _LIVE_STEPS: "weakref.WeakSet[CompiledStep]" = weakref.WeakSet()
 
 @atexit.register
 def _release_at_exit() -> None:
-    """Free compiled graphs before the interpreter shuts down.
+    """Free what holds process groups before the interpreter shuts down (best effort).
 
     A compiled graph reaches the DeviceMesh through the placements recorded on its
-    nodes, and the mesh holds its process groups. fx graphs are reference cycles, so
-    without this they are freed by the last garbage collection of interpreter shutdown,
-    where gloo's worker threads can no longer take the GIL to release the tensors of
-    their last collective: the process then aborts ("terminate called without an active
-    exception") after the training itself succeeded.
+    nodes, DTensor's process-wide caches hold meshes too, and a mesh holds its process
+    groups. Whatever is still alive at interpreter shutdown is destroyed there, where
+    gloo's worker threads can no longer take the GIL to release the tensors of their
+    last collective, and the process can abort ("terminate called without an active
+    exception") after the training itself succeeded. Model parameters (DTensors) the
+    program still references keep their mesh alive; scripts launched by torchrun should
+    end with ``os._exit`` after ``destroy_process_group()``, as ``examples/train_gpt.py``
+    does (and as multiprocessing's own workers do).
     """
-    if os.environ.get("SPMD_NO_EXIT_RELEASE"):  # TEMP A/B
-        return
     for step in list(_LIVE_STEPS):
         step._release()
+    pt.clear_dtensor_caches()
     gc.collect()
 
 

@@ -10,7 +10,10 @@ backward divides by the all-reduced count), only the loss value was not.
 Here the per-rank *sums* and target counts are computed (both ``Partial(sum)``), the
 count is all-reduced, and the loss is ``local sum / global count``: a ``Partial(sum)``
 whose shares add up to the exact mean. The count is returned replicated, so the
-backward (which reads it) needs no collective of its own.
+backward (which reads it) needs no collective of its own. Without class weights the
+count is ``(target != ignore_index).sum()``, read from the target alone and marked as
+input preparation of its all_reduce, so :mod:`spmd_compiler.optimize.overlap` issues
+that all_reduce at the start of the step instead of between forward and backward.
 """
 
 from __future__ import annotations
@@ -42,9 +45,18 @@ def _nll_loss_forward(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tup
     sharded = isinstance(target, TensorArg) and any(isinstance(p, (pt.Shard, pt.StridedShard)) for p in target.spec.placements)
     if bound.get("reduction") != MEAN or not sharded:
         return generic_expand(ctx, b, op, args, kwargs)
-    summed = expand_op(ctx, b, op, (x, target, bound.get("weight"), SUM, bound.get("ignore_index", -100)), {})
+    weight, ignore = bound.get("weight"), bound.get("ignore_index", -100)
+    summed = expand_op(ctx, b, op, (x, target, weight, SUM, ignore), {})
     loss_sum = _arg(b, summed[0], "per-rank sum of the loss")
     count = _arg(b, summed[1], "per-rank target count")
+    if weight is None:
+        # the count depends on the target alone: computed from it, its all_reduce can be
+        # issued at the start of the step and overlap the whole forward
+        kept = expand_op(ctx, b, aten.ne.Scalar, (target, ignore), {})
+        total = expand_op(ctx, b, aten.sum.default, (_arg(b, kept, "targets kept"),), {"dtype": x.spec.tensor_meta.dtype})
+        for out in (kept, total):
+            b._outputs[out.index].meta["spmd_prep"] = "target count: moves with its all_reduce"
+        count = _arg(b, total, "per-rank target count")
     axes = {a for a, p in enumerate(count.spec.placements) if p.is_partial()}
     (count_all,), _ = replicate_axes(ctx, b, (count,), {}, axes, "target count of a mean loss (all ranks' targets)")
     loss = expand_op(ctx, b, aten.div.Tensor, (loss_sum, count_all), {})
