@@ -158,3 +158,13 @@ def test_lr_schedule_is_followed(mesh4, opt):
             make_scheduler=warmup,
         )
     assert res.sim.compiles == 2  # first step (creates state), then the steady step: lr changes never recompile
+
+
+@pytest.mark.parametrize("make_opt", [
+    lambda p: torch.optim.AdamW(p, lr=0.01, foreach=True),
+    lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, foreach=True),
+])
+def test_foreach_optimizers_trace_their_per_parameter_update(mesh4, make_opt):
+    res = assert_training_matches(mse_step, MLP().double(), make_opt, mlp_batches(), mesh4, sc.Plan(params={"*": [Shard(0)]}))
+    ops = {str(n.target) for n in next(iter(res.sim.expansions.values())).gm.graph.nodes}
+    assert not any("_foreach_" in o for o in ops)

@@ -228,6 +228,11 @@ def trace(
 
     n_params, n_buffers = len(state.params), len(state.buffers)
     n_optim, n_hparams = len(optim_tensor_keys), len(lifted)
+    # foreach/fused optimizers are traced with their per-parameter implementation (the
+    # same update): expansion works op by op, and list ops are not expanded
+    multi_tensor = [(g, k) for (g, k), v in state.hparams.items() if k in ("foreach", "fused") and v]
+    if multi_tensor:
+        log.info("tracing the optimizer's per-parameter implementation instead of %s", ", ".join(f"param_groups[{g}][{k!r}]=True" for g, k in multi_tensor))
     layout: dict[str, Any] = {}
 
     def functional_step(*flat: torch.Tensor) -> list[Any]:
@@ -242,6 +247,7 @@ def trace(
             key: (lambda t=t: t) if isinstance(state.hparams[key], torch.Tensor) else (lambda t=t: t.item())
             for key, t in zip(lifted, flat[start : start + n_hparams])
         }
+        hparams.update({key: (lambda: False) for key in multi_tensor})
         batch_leaves = list(leaves)
         it = iter(flat[start + n_hparams :])
         for i, leaf in enumerate(leaves):
