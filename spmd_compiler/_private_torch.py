@@ -421,3 +421,14 @@ def clear_dtensor_caches() -> None:
 
 
 __all__ += ["clear_dtensor_caches"]
+
+
+def raw_operator(target: Any) -> Any:
+    """What calling ``target`` runs: an OpOverload's dispatcher handle (its ``__call__``
+    forwards to it), any other callable itself."""
+    if isinstance(target, torch._ops.OpOverload):
+        return target._op
+    return target
+
+
+__all__ += ["raw_operator"]

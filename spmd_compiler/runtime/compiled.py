@@ -37,6 +37,7 @@ from ..trace.state import StateCache, input_value
 from ..trace.tracer import CONSTANT_LEAF_TYPES, _flatten_batch
 from .agreement import check_agreement, exchange
 from .distribute import distribute_state, is_distributed
+from .executor import compile_runner
 
 __all__ = ["compile", "CompiledStep"]
 
@@ -379,8 +380,11 @@ class CompiledStep:
             vals = [n.meta["val"] for n in step.gm.graph.find_nodes(op="output")[0].args[0]]
             outs = [torch.zeros(v.shape, dtype=v.dtype, device=v.device) for v in vals]
         else:
+            runner = getattr(step, "runner", None)
+            if runner is None:
+                runner = step.runner = compile_runner(step.gm)
             with torch.no_grad():
-                outs = step.gm(*inputs)
+                outs = runner(*inputs)
             pt.mark_optimizer_stepped(optimizer)
         user: dict[int, Any] = dict(traced.user_constants)
         mesh = self.mesh
