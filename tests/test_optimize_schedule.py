@@ -10,7 +10,7 @@ from spmd_compiler.optimize import bucket_gradients_pass, overlap_pass, schedule
 from spmd_compiler.optimize.bucketing import gradient_reductions
 from spmd_compiler.optimize.graph_utils import is_collective, is_wait, mutation_edges, positions
 from spmd_compiler.testing import assert_training_matches
-from spmd_compiler.testing.models import GPT, MLP, gpt_tp_plan, train_step
+from spmd_compiler.testing.models import GPT, MLP, gpt_tp_plan, mse_train_step, train_step
 
 aten = torch.ops.aten
 
@@ -67,16 +67,8 @@ def test_optimizer_updates_run_while_later_buckets_reduce(mesh4):
 
 def test_schedule_keeps_training_numerics(mesh4):
     batches = [(torch.randn(8, 16, dtype=torch.float64), torch.randn(8, 16, dtype=torch.float64)) for _ in range(3)]
-
-    def step(model, opt, x, y):
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
     res = assert_training_matches(
-        step, MLP().double(), lambda p: torch.optim.AdamW(p, lr=0.01), batches, mesh4, sc.Plan(),
+        mse_train_step, MLP().double(), lambda p: torch.optim.AdamW(p, lr=0.01), batches, mesh4, sc.Plan(),
         passes=sc.optimize.default_passes(bucket_mb=0.0005, first_bucket_mb=0.0002),
     )
     gm = res.sim.expansions[(0,)].gm

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .graph_utils import WAIT, hoist, is_collective, is_wait, new_node, positions, writes_by_root
+from .graph_utils import WAIT, fused_comm, hoist, is_collective, is_wait, new_node, positions, writes_by_root
 
 __all__ = ["bucket_gradients_pass", "gradient_reductions"]
 
@@ -87,22 +87,7 @@ def _fuse(gm: fx.GraphModule, bucket: list[fx.Node], pos: dict[fx.Node, float]) 
         sizes = [int(f.meta["val"].shape[1]) for f in flats]
     cat = add(aten.cat.default, (flats, 0 if kind == "all_reduce" else 1))
     buf = cat if kind == "all_reduce" else add(aten.reshape.default, (cat, [-1]))
-    total_bytes = sum(b.meta["spmd_comm"]["bytes"] for b in bucket)
-    comm = {
-        **{k: v for k, v in first_comm.items() if k in ("kind", "axis", "axis_name", "group_size", "dtype")},
-        "bytes": total_bytes,
-        "wire_bytes": sum(b.meta["spmd_comm"]["wire_bytes"] for b in bucket),
-        "reason": f"bucket of {len(bucket)} gradient {kind}s",
-        "transition": first_comm.get("transition", ""),
-        "value": "bucket[" + ", ".join(str(b.meta["spmd_comm"].get("value", "?")) for b in bucket) + "]",
-        "origin": ", ".join(str(b.meta["spmd_comm"].get("origin", "?")) for b in bucket),
-        "op": "bucket",
-        "source": None,
-        "history": [f"fused {len(bucket)} {kind}s ({', '.join(b.name for b in bucket)})"],
-        "bucket": [
-            {k: b.meta["spmd_comm"].get(k) for k in ("value", "origin", "op", "source", "bytes", "transition")} for b in bucket
-        ],
-    }
+    comm = fused_comm(bucket, reason=f"bucket of {len(bucket)} gradient {kind}s", label="bucket", what=f"{kind}s")
     if kind == "all_reduce":
         coll = add(c10d.all_reduce.default, (buf, op, group), meta={"spmd_comm": comm})
     else:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .graph_utils import WAIT, alias_root, is_collective, is_wait, new_node, positions, prep_chain
+from .graph_utils import WAIT, alias_root, fused_comm, is_collective, is_wait, new_node, positions, prep_chain
 
 __all__ = ["bucket_parameter_gathers_pass", "unit_of"]
 
@@ -78,19 +78,10 @@ def _fuse(gm: fx.GraphModule, members: list[fx.Node], unit: str, pos: dict[fx.No
     flats = [add(aten.reshape.default, (m.args[0], [-1])) for m in members]
     sizes = [int(f.meta["val"].numel()) for f in flats]
     buf = add(aten.cat.default, (flats,))
-    comm = {
-        **{k: v for k, v in first.items() if k in ("kind", "axis", "axis_name", "group_size", "dtype")},
-        "bytes": sum(m.meta["spmd_comm"]["bytes"] for m in members),
-        "wire_bytes": sum(m.meta["spmd_comm"]["wire_bytes"] for m in members),
-        "reason": f"FSDP: gather the {len(members)} parameters of unit {unit or '<root>'} in one collective",
-        "transition": first.get("transition", ""),
-        "value": "unit[" + ", ".join(str(m.meta["spmd_comm"].get("value", "?")) for m in members) + "]",
-        "origin": ", ".join(str(m.meta["spmd_comm"].get("origin", "?")) for m in members),
-        "op": "bucket",
-        "source": None,
-        "history": [f"fused {len(members)} parameter gathers ({', '.join(m.name for m in members)})"],
-        "bucket": [{k: m.meta["spmd_comm"].get(k) for k in ("value", "origin", "op", "source", "bytes", "transition")} for m in members],
-    }
+    comm = fused_comm(
+        members, reason=f"FSDP: gather the {len(members)} parameters of unit {unit or '<root>'} in one collective",
+        label="unit", what="parameter gathers",
+    )
     coll = add(c10d.all_gather_into_tensor.default, (buf, n, group), meta={"spmd_comm": comm, "spmd_param_gather": unit})
     coll.meta["spmd_copy_in"] = flats + [buf]
     wait = add(WAIT, (coll,), meta={"spmd_wait": True})

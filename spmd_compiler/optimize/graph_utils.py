@@ -23,6 +23,7 @@ __all__ = [
     "written_inputs",
     "written_through",
     "mutation_edges",
+    "fused_comm",
 ]
 
 WAIT = torch.ops._c10d_functional.wait_tensor.default
@@ -259,3 +260,22 @@ def new_node(graph: fx.Graph, target: Any, args: tuple, kwargs: dict | None = No
     if meta:
         node.meta.update(meta)
     return node
+
+
+def fused_comm(members: list[fx.Node], *, reason: str, label: str, what: str) -> dict[str, Any]:
+    """The ``spmd_comm`` record of one collective that replaces ``members``: summed
+    sizes, and every member's provenance kept (``bucket``) so dumps can list them."""
+    first = members[0].meta["spmd_comm"]
+    return {
+        **{k: v for k, v in first.items() if k in ("kind", "axis", "axis_name", "group_size", "dtype")},
+        "bytes": sum(m.meta["spmd_comm"]["bytes"] for m in members),
+        "wire_bytes": sum(m.meta["spmd_comm"]["wire_bytes"] for m in members),
+        "reason": reason,
+        "transition": first.get("transition", ""),
+        "value": f"{label}[" + ", ".join(str(m.meta["spmd_comm"].get("value", "?")) for m in members) + "]",
+        "origin": ", ".join(str(m.meta["spmd_comm"].get("origin", "?")) for m in members),
+        "op": "bucket",
+        "source": None,
+        "history": [f"fused {len(members)} {what} ({', '.join(m.name for m in members)})"],
+        "bucket": [{k: m.meta["spmd_comm"].get(k) for k in ("value", "origin", "op", "source", "bytes", "transition")} for m in members],
+    }
