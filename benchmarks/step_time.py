@@ -18,6 +18,11 @@ a 2-core machine); 2-D needs 4 (2 x 2, two processes per core).
 **Bytes.** Collective buffer bytes per rank per step of the compiled program on a world
 of 4 (fake process group, compile only), next to the analytic minimum for the plan.
 
+**Compute floor.** A third side in the rotation runs the compiled per-rank program with
+every collective replaced by a local op of the same shape (`_without_collectives`): the
+time of the plan's computation alone. peer / floor is the largest speedup any program
+for the plan could show on this machine with these kernels, were communication free.
+
 **Width sweep.** Eager DTensor's cost is per op, the compiled step's is mostly compute;
 the TP pair is repeated at several model widths to show where the ratio goes.
 
@@ -137,40 +142,77 @@ def _local_batch(kind: str, ids: torch.Tensor, tg: torch.Tensor, world: int, ran
     return ids, tg
 
 
+def _without_collectives(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of the per-rank program with every collective replaced by a local op of the same
+    output shape (all_reduce: a copy; all_gather: the shard repeated; reduce_scatter: the first
+    chunk). Its step time is the program's compute alone: the floor any implementation of the
+    plan reaches with these kernels if communication cost nothing. Numbers it computes are wrong;
+    only its time is used."""
+    gm = copy.deepcopy(gm)
+    g, aten, c10d = gm.graph, torch.ops.aten, torch.ops._c10d_functional
+    for n in list(g.nodes):
+        if n.op != "call_function" or getattr(n.target, "namespace", None) != "_c10d_functional":
+            continue
+        if n.target is c10d.wait_tensor.default:
+            n.replace_all_uses_with(n.args[0])
+            g.erase_node(n)
+            continue
+        x = n.args[0]
+        with g.inserting_before(n):
+            if n.target is c10d.all_reduce.default:
+                local = g.call_function(aten.clone.default, (x,))
+            elif n.target is c10d.all_gather_into_tensor.default:
+                local = g.call_function(aten.repeat.default, (x, [n.args[1]] + [1] * (x.meta["val"].dim() - 1)))
+            elif n.target is c10d.reduce_scatter_tensor.default:
+                chunk = g.call_function(aten.slice.Tensor, (x, 0, 0, x.meta["val"].shape[0] // n.args[2]))
+                local = g.call_function(aten.clone.default, (chunk,))
+            else:
+                raise NotImplementedError(f"no local stand-in for {n.target}")
+        local.meta = dict(n.meta)
+        n.replace_all_uses_with(local)
+        g.erase_node(n)
+    g.lint()
+    gm.recompile()
+    return gm
+
+
 def _pair_worker(rank: int, world: int, kind: str, args: Any, dim: int, profile: bool) -> dict[str, Any]:
+    from spmd_compiler.runtime.executor import compile_runner
+
     torch.manual_seed(0)
     torch.set_num_threads(1)
     model = GPT(_cfg(args, dim))
-    ours_model, peer_model = copy.deepcopy(model), _peer(kind, copy.deepcopy(model), world)
-    ours_opt = torch.optim.AdamW(ours_model.parameters(), lr=1e-3)
-    peer_opt = torch.optim.AdamW(peer_model.parameters(), lr=1e-3)
+    models = {"ours": copy.deepcopy(model), "floor": copy.deepcopy(model), "peer": _peer(kind, copy.deepcopy(model), world)}
+    opts = {side: torch.optim.AdamW(m.parameters(), lr=1e-3) for side, m in models.items()}
     plan, mesh = _plan(kind, world)
-    ours = sc.compile(train_step, mesh=mesh, plan=plan)
+    steps = {"ours": sc.compile(train_step, mesh=mesh, plan=plan), "floor": sc.compile(train_step, mesh=mesh, plan=plan)}
 
     def run(side: str, i: int) -> float:
         ids, tg = _local_batch(kind, *_batch(i, args), world, rank)
         t0 = time.perf_counter()
-        if side == "ours":
-            loss = ours(ours_model, ours_opt, ids, tg)
-        else:
-            loss = train_step(peer_model, peer_opt, ids, tg)
+        if side == "peer":
+            loss = train_step(models[side], opts[side], ids, tg)
             loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
+        else:
+            loss = steps[side](models[side], opts[side], ids, tg)
         loss.item()
         return time.perf_counter() - t0
 
-    t_ours, t_peer = [], []
+    for i in range(2):  # compile the floor's step (first and steady AdamW state), then drop its collectives
+        run("floor", i)
+    steps["floor"].last.runner = compile_runner(_without_collectives(steps["floor"].last.gm))
+    times: dict[str, list[float]] = {"ours": [], "peer": [], "floor": []}
+    sides = ["ours", "peer", "floor"]
     for i in range(args.warmup + args.steps):
-        order = ("ours", "peer") if i % 2 == 0 else ("peer", "ours")
+        order = sides[i % 3:] + sides[: i % 3]  # rotate which side goes first
         got = {side: run(side, i) for side in order}
         if i >= args.warmup:
-            t_ours.append(got["ours"])
-            t_peer.append(got["peer"])
-    out: dict[str, Any] = {
-        "ours": statistics.median(t_ours),
-        "peer": statistics.median(t_peer),
-        "ratio": statistics.median(a / b for a, b in zip(t_ours, t_peer)),
-        "compiles": ours.compiles,
-    }
+            for side in sides:
+                times[side].append(got[side])
+    out: dict[str, Any] = {side: statistics.median(t) for side, t in times.items()}
+    out["ratio"] = statistics.median(a / b for a, b in zip(times["ours"], times["peer"]))
+    out["floor_ratio"] = statistics.median(a / b for a, b in zip(times["floor"], times["peer"]))
+    out["compiles"] = steps["ours"].compiles
     if profile:
         out["profile"] = _profile(rank, lambda i: run("ours", i), args)
     return out
@@ -272,25 +314,30 @@ def main() -> None:
         rows.append((kind, world, got, count, nbytes, minimum))
         if got.get("profile"):
             profiles[kind] = got["profile"]
-        print(f"{kind}: compiled {got['ours'] * 1e3:.1f} ms, peer {got['peer'] * 1e3:.1f} ms, paired ratio {got['ratio']:.2f}; "
+        print(f"{kind}: compiled {got['ours'] * 1e3:.1f} ms, peer {got['peer'] * 1e3:.1f} ms, paired ratio {got['ratio']:.2f}, "
+              f"compute floor {got['floor'] * 1e3:.1f} ms; "
               f"bytes {nbytes} vs minimum {minimum}", flush=True)
     sweep = []
     for dim in args.tp_dims:
         got = run_processes(_pair_worker, 2, "tp", args, dim, False, timeout=3600)[0]
         sweep.append((dim, got))
-        print(f"tp dim {dim}: compiled {got['ours'] * 1e3:.1f} ms, eager {got['peer'] * 1e3:.1f} ms, speedup {1 / got['ratio']:.2f}x", flush=True)
+        print(f"tp dim {dim}: compiled {got['ours'] * 1e3:.1f} ms, eager {got['peer'] * 1e3:.1f} ms, speedup {1 / got['ratio']:.2f}x, "
+              f"ceiling {1 / got['floor_ratio']:.2f}x", flush=True)
 
     head = ("| plan | peer | world (timing) | compiled ms | peer ms | compiled / peer (paired median) | "
-            "collectives (world 4) | bytes/rank/step (world 4) | analytic minimum | bytes / minimum |")
+            "compute floor ms | floor / peer | collectives (world 4) | bytes/rank/step (world 4) | analytic minimum | bytes / minimum |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for kind, world, got, count, nbytes, minimum in rows:
         lines.append(
             f"| {kind} | {PEERS[kind]} | {world} | {got['ours'] * 1e3:.1f} | {got['peer'] * 1e3:.1f} | {got['ratio']:.2f} | "
+            f"{got['floor'] * 1e3:.1f} | {got['floor_ratio']:.2f} | "
             f"{count} | {nbytes:,} | {minimum:,} | {nbytes / minimum:.2f} |"
         )
-    sweep_lines = ["| dim | compiled TP ms | eager DTensor TP ms | speedup (eager / compiled, paired median) |", "|---|---|---|---|"]
+    sweep_lines = ["| dim | compiled TP ms | eager DTensor TP ms | speedup (eager / compiled, paired median) | "
+                   "compute floor ms | ceiling (eager / floor) |", "|---|---|---|---|---|---|"]
     for dim, got in sweep:
-        sweep_lines.append(f"| {dim} | {got['ours'] * 1e3:.1f} | {got['peer'] * 1e3:.1f} | {1 / got['ratio']:.2f}x |")
+        sweep_lines.append(f"| {dim} | {got['ours'] * 1e3:.1f} | {got['peer'] * 1e3:.1f} | {1 / got['ratio']:.2f}x | "
+                           f"{got['floor'] * 1e3:.1f} | {1 / got['floor_ratio']:.2f}x |")
     text = [
         "# Step time",
         "",
@@ -300,6 +347,9 @@ def main() -> None:
         f"Compiled and peer alternate step by step in the same processes ({args.warmup} warm-up steps, then {args.steps} pairs);",
         "the ratio is the median of the per-step ratios. Bytes: sum of collective buffer sizes per rank per step of the compiled",
         "program (all_gather: its output; others: their input) against what a hand-written program for the plan moves (`analytic_min`).",
+        "Compute floor: the same compiled per-rank program with every collective replaced by a local op of the same shape,",
+        "timed in the same rotation: what the plan's computation costs if communication were free. floor / peer bounds",
+        "the ratio any implementation of the plan with these kernels can reach here.",
         "",
         "\n".join(lines),
         "",

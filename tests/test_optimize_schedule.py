@@ -119,3 +119,43 @@ def test_nothing_moves_across_a_random_op(mesh4):
     r = order[rand[0]]
     for n in order:  # no node changed sides of the random op
         assert (before[n] < before[r]) == (after[n] < after[r]) or n is r
+
+
+def test_tp_updates_run_inside_backward_waits():
+    """Megatron's backward all_reduces are waited at once; the AdamW updates of layers
+    whose gradients are already final run inside those waits, not after backward."""
+    from spmd_compiler.testing import fake_mesh
+
+    step = _gpt_step(fake_mesh((2,), ("tp",)), gpt_tp_plan())
+    gm = overlap_pass(step.gm)
+    schedule_for_overlap_pass(gm, updates_into_waits=False)
+    updates = [n for n in gm.graph.nodes if n.target is aten.addcdiv_.default]
+    backward = [c for c in gm.graph.nodes if is_collective(c) and c.meta["spmd_phase"] == "backward"]
+    pos = positions(gm)
+    last_wait = max(pos[next(u for u in c.users if is_wait(u))] for c in backward)
+    assert all(pos[u] > last_wait for u in updates)  # without it: every update after backward
+
+    step = _gpt_step(fake_mesh((2,), ("tp",)), gpt_tp_plan())
+    gm = schedule_for_overlap_pass(overlap_pass(step.gm))
+    pos = positions(gm)
+    in_flight = _work_in_flight(gm)
+    inside = [u for c in backward for u in in_flight[next(b for b in gm.graph.nodes if b.name == c.name)] if u.target is aten.addcdiv_.default]
+    updates = [n for n in gm.graph.nodes if n.target is aten.addcdiv_.default]
+    assert 0 < len(inside) < len(updates), (len(inside), len(updates))
+    assert "optimizer work that runs while" in inside[0].meta["spmd_schedule"]
+    # an update never precedes a read of the parameter it writes
+    preds = mutation_edges(gm)
+    for u in updates:
+        assert all(pos[p] < pos[u] for p in list(u.all_input_nodes) + list(preds.get(u, ())))
+
+
+def test_updates_into_waits_keep_tp_numerics():
+    from spmd_compiler.testing import fake_mesh
+
+    mesh = fake_mesh((2,), ("tp",))
+    model = GPT(vocab=32, seq=8, dim=16, heads=2, layers=2).double()
+    batches = [(torch.randint(0, 32, (4, 8)),) * 2 for _ in range(3)]
+    res = assert_training_matches(train_step, model, lambda p: torch.optim.AdamW(p, lr=0.01), batches, mesh, gpt_tp_plan(),
+                                  passes=sc.optimize.default_passes())
+    gm = res.sim.expansions[(0,)].gm
+    assert any("optimizer work that runs while" in n.meta.get("spmd_schedule", "") for n in gm.graph.nodes)

@@ -12,6 +12,11 @@ into that gap, in two ways:
   gradients arrive (the parameters of the first bucket first), so a late bucket's
   reduction overlaps the updates of the early ones. A hand-built DDP step waits for
   every bucket before ``optimizer.step()``.
+* **updates into waits**: an update whose gradient is final before a backward
+  collective is waited runs inside that wait instead of after backward. Under
+  Megatron TP the input gradients' all_reduces are synchronous; the last layers'
+  AdamW updates now run while the earlier layers' all_reduces are in flight (what
+  "optimizer in backward" does by hand, with the same results: only order changes).
 
 Both keep every data dependency and every ordering a mutation implies
 (:func:`~.graph_utils.mutation_edges`). Parameter gathers of FSDP plans, random ops
@@ -121,6 +126,32 @@ def _order_tail_by_readiness(gm: fx.GraphModule, pos: dict[fx.Node, float], pred
     return moved
 
 
+def _updates_into_waits(gm: fx.GraphModule, pos: dict[fx.Node, float], preds: dict[fx.Node, set[fx.Node]]) -> int:
+    """Move each optimizer-tail node to before the first wait of a backward collective
+    at which everything it needs, data and mutation order, is done."""
+    tail = _tail(gm)
+    if not tail or any(_pinned(n) for n in tail if n.op == "call_function"):
+        return 0
+    in_tail = set(tail)
+    pending = [n for n in tail if n.op == "call_function"]
+    moved: set[fx.Node] = set()
+    windows = [n for n in gm.graph.nodes if is_wait(n) and n not in in_tail and n.args[0].meta.get("spmd_phase") == "backward"]
+    for w in windows:
+        at = pos[w]
+        left = []
+        for n in pending:  # tail order is topological, so one sweep settles chains
+            deps = list(n.all_input_nodes) + list(preds.get(n, ()))
+            if all(d in moved if d in in_tail else pos[d] < at for d in deps):
+                move_before(n, w, pos)
+                moved.add(n)
+                n.meta["spmd_schedule"] = f"optimizer work that runs while {w.args[0].name} is in flight (its gradient is final)"
+            else:
+                left.append(n)
+        pending = left
+    pos.update(positions(gm))  # many moves before one wait exhaust the fractional positions
+    return len(moved)
+
+
 def _sink_waits(gm: fx.GraphModule, pos: dict[fx.Node, float]) -> None:
     for w in [n for n in gm.graph.nodes if is_wait(n)]:
         users = list(w.users)
@@ -130,7 +161,9 @@ def _sink_waits(gm: fx.GraphModule, pos: dict[fx.Node, float]) -> None:
                 move_before(w, use, pos)
 
 
-def schedule_for_overlap_pass(gm: fx.GraphModule, *, sink_independent: bool = True, optimizer_by_readiness: bool = True) -> fx.GraphModule:
+def schedule_for_overlap_pass(
+    gm: fx.GraphModule, *, sink_independent: bool = True, optimizer_by_readiness: bool = True, updates_into_waits: bool = True
+) -> fx.GraphModule:
     """Move compute into the gaps between collectives and their waits (see module doc)."""
     preds = mutation_edges(gm)
     if sink_independent:
@@ -139,4 +172,6 @@ def schedule_for_overlap_pass(gm: fx.GraphModule, *, sink_independent: bool = Tr
     if optimizer_by_readiness:
         _order_tail_by_readiness(gm, pos, preds)
     _sink_waits(gm, pos)
+    if updates_into_waits:
+        _updates_into_waits(gm, pos, preds)
     return gm
