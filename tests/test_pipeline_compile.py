@@ -89,3 +89,17 @@ def test_no_chunk_inputs_are_passed_whole(monkeypatch):
     shapes = {i.index: tuple(n.meta["val"].shape) for n in step.last.traced.gm.graph.nodes
               if n.op == "placeholder" and (i := n.meta.get("spmd_input")) is not None and i.kind == "batch"}
     assert shapes == {0: (2, 8), 1: (2, 8), 2: (32,)}  # micro-batches of 2 rows; the weights whole
+
+
+def test_fused_optimizer_is_split_per_stage(monkeypatch):
+    """A fused=True optimizer is traced with its per-parameter update under a pipeline:
+    each stage's optimizer piece updates its own parameters (one fused kernel over all
+    of them would span stages and be refused)."""
+    monkeypatch.setenv("SPMD_COMPILER_EXPLAIN", "1")
+    model = GPT(vocab=32, seq=8, dim=16, heads=2, layers=2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    step = sc.compile(train_step, mesh=fake_mesh((2,), ["pp"]), pipeline=sc.Pipeline(chunks=2, split={"blocks.1": S}))
+    ids = torch.randint(0, 32, (4, 8))
+    step(model, opt, ids, ids)
+    ops = {str(n.target) for n in step.last.traced.gm.graph.nodes}
+    assert not any(o.startswith("aten._fused_") for o in ops) and "aten.addcdiv_.default" in ops

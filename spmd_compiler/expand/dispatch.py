@@ -252,6 +252,8 @@ def _op_name(op: Any) -> str:
 def wrap_result(b: SubgraphBuilder, node: fx.Node, spec: Any, masks: dict[int, fx.Node], ctx: ExpandContext, op: Any) -> Any:
     """Turn the local result node into the recipe's result pytree."""
     val = node.meta["val"]
+    if val is None and op._schema.is_mutable and not op._schema.returns:
+        return None  # a list op that only writes its arguments (_foreach_add_, _fused_adamw_)
     if isinstance(val, torch.Tensor):
         if not isinstance(spec, pt.DTensorSpec):
             raise UnsupportedOpError(op, [], ctx.node, f"DTensor gave no output placement (got {spec!r})")

@@ -137,7 +137,9 @@ class PipelinedStep(CompiledStep):
                     split = balanced_split(model, stages, "params")
             g_args, g_kwargs = self._global_batch(batch, kwargs)
             with self._ghosted(model, optimizer), gc_paused():
-                traced = trace(self.fn, model, optimizer, *g_args, symbolic=self.symbolic, split_points=split, **g_kwargs)
+                traced = trace(
+                    self.fn, model, optimizer, *g_args, symbolic=self.symbolic, split_points=split, fused_optimizer=False, **g_kwargs
+                )
             defer_batchnorm_stats(traced.gm, cfg.chunks)
             assignment = assign_stages(traced.gm, traced.outputs)
             if assignment.num_stages != stages:

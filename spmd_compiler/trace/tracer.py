@@ -152,6 +152,7 @@ def trace(
     symbolic: str = "batch",
     split_points: dict[str, Any] | None = None,
     symbolic_dims: dict[int, tuple[int, ...]] | None = None,
+    fused_optimizer: bool = True,
     **batch_kwargs: Any,
 ) -> TracedStep:
     """Trace ``step_fn(model, optimizer, *batch, **batch_kwargs)`` into a :class:`TracedStep`.
@@ -174,6 +175,10 @@ def trace(
 
     ``split_points`` (``{module FQN: SplitPoint}``) inserts pipeline stage boundaries
     at the beginning or end of those modules' forward, like ``pipe_split()`` calls.
+
+    ``fused_optimizer=False`` traces a ``fused=True`` optimizer with its per-parameter
+    update (pipelines do: each stage updates its own parameters, and a fused kernel over
+    all of them would span stages).
 
     Example::
 
@@ -228,9 +233,12 @@ def trace(
 
     n_params, n_buffers = len(state.params), len(state.buffers)
     n_optim, n_hparams = len(optim_tensor_keys), len(lifted)
-    # foreach/fused optimizers are traced with their per-parameter implementation (the
-    # same update): expansion works op by op, and list ops are not expanded
-    multi_tensor = [(g, k) for (g, k), v in state.hparams.items() if k in ("foreach", "fused") and v]
+    # foreach optimizers are traced with their per-parameter implementation (the same
+    # update; on CPU the foreach kernels loop over tensors anyway). Fused ones keep their
+    # one-kernel update (expand/rules/optimizers.py), reading a group's lr as a tensor.
+    per_parameter = ("foreach",) if fused_optimizer else ("foreach", "fused")
+    multi_tensor = [(g, k) for (g, k), v in state.hparams.items() if k in per_parameter and v]
+    fused_groups = {g for (g, k), v in state.hparams.items() if k == "fused" and v and fused_optimizer}
     if multi_tensor:
         log.info("tracing the optimizer's per-parameter implementation instead of %s", ", ".join(f"param_groups[{g}][{k!r}]=True" for g, k in multi_tensor))
     layout: dict[str, Any] = {}
@@ -244,7 +252,7 @@ def trace(
         # numbers are read out with .item() when the optimizer step starts: its
         # arithmetic stays scalar, and the read belongs to the optimizer phase
         hparams = {
-            key: (lambda t=t: t) if isinstance(state.hparams[key], torch.Tensor) else (lambda t=t: t.item())
+            key: (lambda t=t: t) if isinstance(state.hparams[key], torch.Tensor) or key[0] in fused_groups else (lambda t=t: t.item())
             for key, t in zip(lifted, flat[start : start + n_hparams])
         }
         hparams.update({key: (lambda: False) for key in multi_tensor})
