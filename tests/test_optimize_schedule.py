@@ -159,3 +159,37 @@ def test_updates_into_waits_keep_tp_numerics():
                                   passes=sc.optimize.default_passes())
     gm = res.sim.expansions[(0,)].gm
     assert any("optimizer work that runs while" in n.meta.get("spmd_schedule", "") for n in gm.graph.nodes)
+
+
+def _writes_while_in_flight(gm):
+    """Nodes that write the storage a collective reads, between its issue and its wait
+    (a race: gloo and NCCL read collective inputs asynchronously until the wait)."""
+    from spmd_compiler.optimize.graph_utils import alias_root, written_inputs
+
+    nodes = list(gm.graph.nodes)
+    out = []
+    for i, c in enumerate(nodes):
+        if not is_collective(c):
+            continue
+        end = max(nodes.index(u) for u in c.users if is_wait(u))
+        roots = {alias_root(x) for x in c.all_input_nodes}
+        out += [(c.name, n.name) for n in nodes[i + 1 : end] if roots & {alias_root(x) for x in written_inputs(n)}]
+    return out
+
+
+def test_no_write_to_a_collective_input_while_it_is_in_flight(mesh4):
+    """Under FSDP the backward re-gathers parameter shards; AdamW's weight decay scales
+    the same shards and is ready early (it needs no gradient): it must wait for the gather."""
+    model = MLP().double()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    x = torch.randn(8, 16, dtype=torch.float64)
+    mse_train_step(model, opt, x, x)
+    step = sc.expand(sc.trace(mse_train_step, model, opt, x, x), mesh4, sc.Plan(params={"*": [sc.Shard(0)]}))
+    from spmd_compiler.optimize import default_passes, run_passes
+    from spmd_compiler.testing import fake_mesh
+
+    gm, _ = run_passes(step.gm, default_passes())
+    assert any("optimizer work that runs while" in n.meta.get("spmd_schedule", "") for n in gm.graph.nodes)
+    assert _writes_while_in_flight(gm) == []
+    tp = schedule_for_overlap_pass(overlap_pass(_gpt_step(fake_mesh((2,), ("tp",)), gpt_tp_plan()).gm))
+    assert _writes_while_in_flight(tp) == []

@@ -30,7 +30,7 @@ import torch
 import torch.fx as fx
 
 from ..trace.markers import MARKER
-from .graph_utils import is_collective, is_wait, move_before, mutation_edges, positions
+from .graph_utils import alias_root, is_collective, is_wait, move_before, mutation_edges, positions, written_inputs
 from .overlap import is_param_gather
 
 __all__ = ["schedule_for_overlap_pass"]
@@ -128,20 +128,34 @@ def _order_tail_by_readiness(gm: fx.GraphModule, pos: dict[fx.Node, float], pred
 
 def _updates_into_waits(gm: fx.GraphModule, pos: dict[fx.Node, float], preds: dict[fx.Node, set[fx.Node]]) -> int:
     """Move each optimizer-tail node to before the first wait of a backward collective
-    at which everything it needs, data and mutation order, is done."""
+    at which everything it needs, data and mutation order, is done.
+
+    A collective reads its input until it is waited (gloo and NCCL read the buffer
+    asynchronously), so a node that writes the storage of a collective still in flight
+    at that point stays where it is (an FSDP re-gather of a parameter shard while
+    weight decay scales the shard would race).
+    """
     tail = _tail(gm)
     if not tail or any(_pinned(n) for n in tail if n.op == "call_function"):
         return 0
     in_tail = set(tail)
-    pending = [n for n in tail if n.op == "call_function"]
+    pending = [n for n in tail if n.op == "call_function" and not is_wait(n) and not is_collective(n)]
+    flights = []  # (issue, wait, storages read) of collectives issued before the tail
+    for c in gm.graph.nodes:
+        if is_collective(c) and c not in in_tail:
+            waits = [u for u in c.users if is_wait(u)]
+            end = max((pos[u] for u in waits), default=float("inf"))
+            flights.append((pos[c], end, {alias_root(x) for x in c.all_input_nodes}))
     moved: set[fx.Node] = set()
     windows = [n for n in gm.graph.nodes if is_wait(n) and n not in in_tail and n.args[0].meta.get("spmd_phase") == "backward"]
     for w in windows:
         at = pos[w]
+        busy = set().union(*(roots for start, end, roots in flights if start < at <= end))
         left = []
         for n in pending:  # tail order is topological, so one sweep settles chains
             deps = list(n.all_input_nodes) + list(preds.get(n, ()))
-            if all(d in moved if d in in_tail else pos[d] < at for d in deps):
+            ready = all(d in moved if d in in_tail else pos[d] < at for d in deps)
+            if ready and not busy.intersection(alias_root(x) for x in written_inputs(n)):
                 move_before(n, w, pos)
                 moved.add(n)
                 n.meta["spmd_schedule"] = f"optimizer work that runs while {w.args[0].name} is in flight (its gradient is final)"
