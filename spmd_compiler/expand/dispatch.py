@@ -465,6 +465,22 @@ def is_inplace(op: Any) -> bool:
     return bool(alias is not None and alias.is_write and not schema.arguments[0].kwarg_only)
 
 
+def laid_out_like(target: Any, spec: Any) -> Any:
+    """``spec``'s tensor laid out like ``target``'s: each shard of ``target`` on a dim that
+    lines up with one of ``spec``'s (trailing dims, broadcast rules, equal size) shards that
+    dim; every other mesh axis is replicated."""
+    t_shape, shape = list(target.shape), list(spec.shape)
+    lead = len(t_shape) - len(shape)
+    placements = []
+    for p in target.placements:
+        d = getattr(p, "dim", None)
+        if d is not None and p.is_shard() and d - lead >= 0 and shape[d - lead] == t_shape[d]:
+            placements.append(pt.Shard(d - lead))
+        else:
+            placements.append(pt.Replicate())
+    return pt.DTensorSpec(spec.mesh, tuple(placements), tensor_meta=spec.tensor_meta)
+
+
 def inplace_follow_self(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: dict) -> Any:
     """An in-place pointwise op whose ``self`` must keep its placement.
 
@@ -475,8 +491,6 @@ def inplace_follow_self(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: t
     self_arg = args[0]
     if any(p.is_partial() for p in self_arg.spec.placements):
         raise NoStrategy(f"in-place {op} on a Partial value")
-    s_shape = list(self_arg.spec.shape)
-
     counter = iter(range(1 << 30))
 
     def fix(x: Any) -> Any:
@@ -485,16 +499,7 @@ def inplace_follow_self(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: t
         index = next(counter)
         if x is self_arg:
             return x
-        shape = list(x.spec.shape)
-        lead = len(s_shape) - len(shape)
-        placements = []
-        for p in self_arg.spec.placements:
-            d = getattr(p, "dim", None)
-            if d is not None and p.is_shard() and d - lead >= 0 and shape[d - lead] == s_shape[d]:
-                placements.append(pt.Shard(d - lead))
-            else:
-                placements.append(pt.Replicate())
-        dst = pt.DTensorSpec(x.spec.mesh, tuple(placements), tensor_meta=x.spec.tensor_meta)
+        dst = laid_out_like(self_arg.spec, x.spec)
         node, mask = emit_redistribute(b, x.node, x.spec, dst, mask=x.mask, reason=f"input {index} of in-place {_op_name(op)} follows self", input_index=x.index, value_label=x.label)
         return x.moved(node, dst, mask)
 

@@ -183,7 +183,7 @@ def trace(
     Example::
 
         traced = spmd_compiler.trace(train_step, model, opt, x, y)
-        print(traced.gm.graph)
+        traced.gm.print_readable()
     """
     if not callable(step_fn):
         raise TypeError(f"step_fn must be callable, got {type(step_fn).__name__}")

@@ -21,7 +21,7 @@ import torch.utils._pytree as pytree
 from ... import _private_torch as pt
 from ...errors import UnsupportedOpError
 from ..builder import OutTensor, SubgraphBuilder
-from ..dispatch import ExpandContext, TensorArg, _global_leaf, _is_tensor_arg, _reduces_partial, input_placements_text
+from ..dispatch import ExpandContext, TensorArg, _global_leaf, _is_tensor_arg, _reduces_partial, input_placements_text, laid_out_like
 from ..redistribute import emit_redistribute
 from ..registry import register_rule
 
@@ -37,20 +37,6 @@ def _fused_ops() -> list[Any]:
             if op is not None:
                 out.append(op)
     return out
-
-
-def _like(param: TensorArg, x: TensorArg) -> Any:
-    """``x``'s spec laid out like ``param`` (dims that do not line up replicated)."""
-    p_shape, shape = list(param.spec.shape), list(x.spec.shape)
-    lead = len(p_shape) - len(shape)
-    placements = []
-    for p in param.spec.placements:
-        d = getattr(p, "dim", None)
-        if p.is_shard() and d is not None and d - lead >= 0 and shape[d - lead] == p_shape[d]:
-            placements.append(pt.Shard(d - lead))
-        else:
-            placements.append(pt.Replicate())
-    return pt.DTensorSpec(x.spec.mesh, tuple(placements), tensor_meta=x.spec.tensor_meta)
 
 
 def _replicated(x: TensorArg) -> Any:
@@ -71,7 +57,7 @@ def _fused_optimizer(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tupl
     def place(x: Any, param: TensorArg | None, what: str, written: bool = False) -> Any:
         if not isinstance(x, TensorArg):
             return _global_leaf(x)
-        dst = _replicated(x) if param is None else _like(param, x)  # 0-d step counts come out replicated
+        dst = _replicated(x) if param is None else laid_out_like(param.spec, x.spec)  # 0-d step counts come out replicated
         reason = f"{what} of {name} laid out like its parameter" if param is not None else f"{what} of {name} (replicated)"
         node, _ = emit_redistribute(b, x.node, x.spec, dst, mask=x.mask, reason=reason, input_index=x.index, value_label=x.label)
         if node is not x.node and x.index is not None and (written or _reduces_partial(x.spec, dst)):
