@@ -103,20 +103,36 @@ def test_dcp_save_restart_resume(tmp_path):
     assert resumed == pytest.approx(full[3:], abs=1e-12)
 
 
+def _boom(rank, world):
+    if rank == 2:
+        raise ValueError("rank two fails")
+    return rank
+
+
 def test_worker_errors_are_reported():
-    def boom(rank, world):
-        if rank == 2:
-            raise ValueError("rank two fails")
+    with pytest.raises(WorkerError, match="rank two fails"):
+        run_processes(_boom, 4, timeout=60)
+
+
+def test_local_functions_are_refused_with_a_fix():
+    def local(rank, world):
         return rank
 
-    with pytest.raises(WorkerError, match="rank two fails"):
-        run_processes(boom, 4, timeout=60)
+    with pytest.raises(TypeError, match="module level"):
+        run_processes(local, 2, timeout=60)
 
 
-def test_example_loss_parity():
+def test_example_loss_parity(tmp_path):
+    """The README's demo on 2 gloo processes, with numpy hidden: torch's wheel does not
+    depend on numpy and neither does the library, so a fresh machine has none."""
+    hidden = tmp_path / "no_numpy" / "numpy"
+    hidden.mkdir(parents=True)
+    (hidden / "__init__.py").write_text("raise ModuleNotFoundError('numpy is hidden by the test', name='numpy')\n")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            os.path.join(root, "examples", "train_gpt.py"), "--strategy", "dp", "--steps", "3", "--layers", "1", "--check"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    path = os.pathsep.join([str(hidden.parent), os.environ.get("PYTHONPATH", "")])
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "single-device check" in proc.stdout and "PASS" in proc.stdout
+    assert "Failed to initialize NumPy" in proc.stderr  # the hiding worked

@@ -183,9 +183,12 @@ class SubgraphBuilder:
         return Recipe(self.graph, len(self.inputs), result, notes or {}, self.coord_dependent, dict(self.replacements))
 
 
-def local_fake(fake_mode: Any, shape: tuple[int, ...], dtype: torch.dtype, stride: tuple[int, ...] | None = None) -> torch.Tensor:
-    """A fake local tensor with the given shape (contiguous unless ``stride`` is given)."""
+def local_fake(
+    fake_mode: Any, shape: tuple[int, ...], dtype: torch.dtype, stride: tuple[int, ...] | None = None, *, device: Any = None
+) -> torch.Tensor:
+    """A fake local tensor with the given shape (contiguous unless ``stride`` is given) on
+    ``device`` (the device of the value it stands for; None: torch's default device)."""
     with fake_mode:
         if stride is None:
-            return torch.empty(shape, dtype=dtype)
-        return torch.empty_strided(shape, stride, dtype=dtype)
+            return torch.empty(shape, dtype=dtype, device=device)
+        return torch.empty_strided(shape, stride, dtype=dtype, device=device)

@@ -190,9 +190,39 @@ def _propagate(b: SubgraphBuilder, op: Any, args: Any, kwargs: Any, activation_s
         raise NoStrategy(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
 
 
+def _nested_uneven(spec: Any, mesh_shape: Any) -> str | None:
+    """A tensor dim split over several mesh axes whose size the product of those axes
+    does not divide (e.g. size 2 over a 2x2 mesh: shards of 1, 1, 0, 0), described."""
+    if not isinstance(spec, pt.DTensorSpec):
+        return None
+    ways: dict[int, int] = {}
+    for axis, p in enumerate(spec.placements):
+        if isinstance(p, pt.Shard):
+            ways[p.dim] = ways.get(p.dim, 1) * mesh_shape[axis]
+    for dim, n in ways.items():
+        nested = sum(1 for p in spec.placements if isinstance(p, pt.Shard) and p.dim == dim) > 1
+        if nested and spec.shape[dim] % n:
+            return f"dim {dim} of size {spec.shape[dim]} is split {n} ways over several mesh axes"
+    return None
+
+
+def _guard_view_sizes(b: SubgraphBuilder, op: Any, args: Any, kwargs: Any, out: Any) -> None:
+    """DTensor's view strategies check divisibility one mesh axis at a time, so a dim split
+    unevenly over several axes gets local sizes that do not match the local data."""
+    if not out.use_val_from_redistribute_schema:
+        return
+    specs = [t.spec for t in pytree.tree_leaves((args, kwargs), is_leaf=_is_tensor_arg) if isinstance(t, TensorArg)]
+    specs += list(out.output_spec) if isinstance(out.output_spec, (tuple, list)) else [out.output_spec]
+    for spec in specs:
+        why = _nested_uneven(spec, b.mctx.shape)
+        if why:
+            raise NoStrategy(f"{_op_name(op)} cannot take local sizes when {why}")
+
+
 def generic_expand(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: dict) -> Any:
     """Expand ``op(*args, **kwargs)`` with DTensor's strategy; returns the result pytree."""
     out = _propagate(b, op, args, kwargs, ctx.activation_sharding)
+    _guard_view_sizes(b, op, args, kwargs, out)
     _guard_partition(args, kwargs, out)
     if out.use_val_from_redistribute_schema and any(
         _uneven_axes(b, t.spec) for t in pytree.tree_leaves((args, kwargs), is_leaf=_is_tensor_arg) if isinstance(t, TensorArg)

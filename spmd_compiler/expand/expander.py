@@ -150,7 +150,7 @@ class _Expander:
         new = self.graph.placeholder(node.name)
         if _is_uneven(inp.shape, placements, self.mctx.shape):
             self.stats.coord_dependent = True
-        new.meta["val"] = local_fake(self.fake_mode, local_shape, inp.dtype)
+        new.meta["val"] = local_fake(self.fake_mode, local_shape, inp.dtype, device=inp.device)
         new.meta["spmd_spec"] = spec
         new.meta["spmd_input"] = inp
         value = DValue(new, spec)
@@ -179,8 +179,7 @@ class _Expander:
         name = node.target
         self.constants[name] = value.detach().clone()
         new = self.graph.get_attr(name)
-        with self.fake_mode:
-            new.meta["val"] = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype)
+        new.meta["val"] = local_fake(self.fake_mode, tuple(value.shape), value.dtype, tuple(value.stride()), device=value.device)
         spec = pt.make_spec(self.mctx.mesh, [pt.Replicate()] * self.mctx.ndim, value.shape, value.stride(), value.dtype)
         new.meta["spmd_spec"] = spec
         return DValue(new, spec)

@@ -100,7 +100,7 @@ class PipelineRunner:
 
     def _buffer(self, name: str) -> torch.Tensor:
         v = self.program.vals[name]
-        return torch.empty(tuple(v.shape), dtype=v.dtype, device=v.device if v.device.type != "meta" else "cpu")
+        return torch.empty(tuple(v.shape), dtype=v.dtype, device=v.device)
 
     def _span(self, kind: str, stage: int, mb: int | None, start: float, detail: str = "") -> None:
         self.spans.append(Span(dist.get_rank() if dist.is_initialized() else 0, kind, stage, mb, start, time.perf_counter(), detail))

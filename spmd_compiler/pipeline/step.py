@@ -23,7 +23,7 @@ from torch.utils import _pytree as pytree
 from .. import _private_torch as pt
 from ..errors import SpmdError
 from ..expand import expand
-from ..runtime.agreement import check_agreement
+from ..runtime.agreement import check_agreement, exchange
 from ..runtime.compiled import CompiledStep, _Entry, gc_paused
 from ..trace import trace
 from ..trace.state import collect_state, input_value
@@ -298,7 +298,7 @@ class PipelinedStep(CompiledStep):
             for slot, node in zip(step.outputs, out_nodes):
                 if slot.kind == "user":
                     v = node.meta["val"]
-                    user_out[slot.index] = torch.zeros(tuple(v.shape), dtype=v.dtype)
+                    user_out[slot.index] = torch.zeros(tuple(v.shape), dtype=v.dtype, device=v.device)
             return pytree.tree_unflatten([user_out[i] for i in range(len(user_out))], traced.user_spec)
         state = self._state(model, optimizer)
         leaves, _, paths = _flatten_batch(batch, kwargs)
@@ -332,7 +332,7 @@ class PipelinedStep(CompiledStep):
                     combined = torch.stack(got).mean(0) if self.pipeline.scale_grads else torch.stack(got).sum(0)
                 else:
                     v = node.meta["val"]
-                    combined = torch.empty(tuple(v.shape), dtype=v.dtype)
+                    combined = torch.empty(tuple(v.shape), dtype=v.dtype, device=v.device)
                 dist.broadcast(combined, src=last_rank, group=runner.pp_group)
                 user[slot.index] = combined
             elif slot.name in state.params:
@@ -355,9 +355,7 @@ class PipelinedStep(CompiledStep):
         """The last step's spans of every rank (index = global rank). Collective: every
         rank must call it."""
         spans = [s.__dict__ for s in self.last_timeline]
-        everyone: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, spans)
-        return everyone
+        return exchange(spans)
 
     def timeline_text(self, *, width: int = 72) -> str:
         """The last step as a text Gantt chart, one row per rank (see

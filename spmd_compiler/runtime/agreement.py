@@ -11,8 +11,10 @@ their structure is compared.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
+import pickle
 from typing import Any
 
 import torch
@@ -21,7 +23,7 @@ import torch.fx as fx
 
 from ..errors import RankMismatchError
 
-__all__ = ["fingerprint", "exchange", "check_agreement"]
+__all__ = ["fingerprint", "exchange", "check_agreement", "comm_device"]
 
 log = logging.getLogger(__name__)
 
@@ -54,12 +56,43 @@ def fingerprint(gm: fx.GraphModule, group_axes: dict[str, str], *, with_sizes: b
     return out
 
 
-def exchange(payload: Any) -> list[Any]:
-    """All-gather a picklable object from every rank (identity on one process)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() == "fake":
+def comm_device(group: Any = None) -> torch.device:
+    """The device a tensor for a collective on ``group`` must live on: the current CUDA
+    device under NCCL, the CPU otherwise (gloo, fake)."""
+    backend = str(dist.get_backend(group)) if dist.is_initialized() else "gloo"
+    if "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def exchange(payload: Any, group: Any = None) -> list[Any]:
+    """All-gather a picklable object from every rank (identity on one process).
+
+    Written here rather than calling ``dist.all_gather_object``, which decodes through
+    numpy (not a dependency of torch's wheel, nor of ours): the pickles are padded to the
+    longest, gathered as one uint8 tensor on the group's device, and read back with
+    ``ctypes.string_at``.
+    """
+    if not dist.is_initialized() or dist.get_world_size(group) == 1 or dist.get_backend(group) == "fake":
         return [payload]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, payload)
+    world = dist.get_world_size(group)
+    device = comm_device(group)
+    data = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    sizes = [torch.empty_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size, group=group)
+    lengths = [int(s.item()) for s in sizes]
+    longest = max(lengths)
+    mine = torch.zeros(longest, dtype=torch.uint8)
+    if data:
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    mine = mine.to(device)
+    gathered = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(world)]
+    dist.all_gather(gathered, mine, group=group)
+    out = []
+    for t, n in zip(gathered, lengths):
+        host = t.cpu().contiguous()
+        out.append(pickle.loads(ctypes.string_at(host.data_ptr(), n)))
     return out
 
 

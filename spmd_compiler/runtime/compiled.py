@@ -428,7 +428,7 @@ def _batch_placements(plan: Plan, paths: list[str], leaves: list[Any], ndim: int
     from ..trace.tracer import GraphInput
 
     inputs = [
-        GraphInput("batch", path, tuple(leaf.shape), tuple(leaf.stride()), leaf.dtype, index=i)
+        GraphInput("batch", path, tuple(leaf.shape), tuple(leaf.stride()), leaf.dtype, index=i, device=leaf.device)
         for i, (path, leaf) in enumerate(zip(paths, leaves))
         if isinstance(leaf, torch.Tensor)
     ]

@@ -32,7 +32,7 @@ def state_inputs(model: torch.nn.Module, optimizer: Any) -> tuple[list[GraphInpu
     inputs: list[GraphInput] = []
 
     def add(kind: str, name: str, t: torch.Tensor, key: str | None = None) -> None:
-        inputs.append(GraphInput(kind, name, tuple(t.shape), tuple(t.stride()), t.dtype, key))
+        inputs.append(GraphInput(kind, name, tuple(t.shape), tuple(t.stride()), t.dtype, key, device=t.device))
 
     for n, p in state.params.items():
         add("param", n, p)

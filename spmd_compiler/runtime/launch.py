@@ -2,14 +2,23 @@
 
 For tests, examples and benchmarks; production launches use ``torchrun``. Each worker
 initializes the default process group, calls ``fn(rank, world_size, *args)``, and sends
-back its return value (picklable) or its traceback. Workers are forked (about twice as
-fast to start as spawn) with one intra-op thread each.
+back its return value (picklable) or its traceback. Workers run with one intra-op
+thread each.
+
+Workers start from a fork server (``start_method="forkserver"``), never by forking the
+caller: on CUDA builds of torch a process that has run autograd once (a fake-mode trace
+is enough) has device threads, and every child forked from it fails ("Unable to handle
+autograd's threading in combination with fork-based multiprocessing"). The fork server
+is a fresh interpreter that imports torch and spmd_compiler once and forks the workers,
+so they start about as fast as forked ones. ``fn`` and ``args`` are therefore pickled:
+``fn`` must be importable (a module-level function), as with ``spawn``.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -52,15 +61,26 @@ def run_processes(
     world_size: int,
     *args: Any,
     backend: str = "gloo",
-    start_method: str = "fork",
+    start_method: str = "forkserver",
     threads: int = 1,
     timeout: float = 300.0,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; returns results by rank.
 
-    Raises WorkerError with every failing rank's traceback.
+    Raises WorkerError with every failing rank's traceback. ``fn`` and ``args`` must
+    pickle (``start_method="fork"`` lifts that, and is unsafe once autograd has run on a
+    CUDA build of torch).
     """
+    if start_method not in ("forkserver", "spawn", "fork"):
+        raise ValueError(f"start_method must be 'forkserver', 'spawn' or 'fork', got {start_method!r}")
+    if start_method != "fork" and getattr(fn, "__qualname__", "").count("<locals>"):
+        raise TypeError(
+            f"run_processes needs an importable function to send to its workers, got the local function "
+            f"{fn.__qualname__!r}; fix: define it at module level"
+        )
     ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "spmd_compiler"])
     queue = ctx.SimpleQueue()
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, queue, threads), daemon=True) for r in range(world_size)]
@@ -68,8 +88,6 @@ def run_processes(
         p.start()
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
-    import time
-
     deadline = time.monotonic() + timeout
     while len(results) + len(errors) < world_size:
         if queue.empty():

@@ -69,7 +69,7 @@ def shard_tensor(t: torch.Tensor, placements: Sequence[Any], mesh_shape: Sequenc
     out = t
     for d, ix in enumerate(index_lists(tuple(t.shape), placements, mesh_shape, coord)):
         if ix != list(range(t.shape[d])):
-            out = out.index_select(d, torch.tensor(ix, dtype=torch.long))
+            out = out.index_select(d, torch.tensor(ix, dtype=torch.long, device=t.device))
     out = out.clone()
     for axis, p in enumerate(placements):
         if p.is_partial() and coord[axis] != 0:
@@ -80,7 +80,7 @@ def shard_tensor(t: torch.Tensor, placements: Sequence[Any], mesh_shape: Sequenc
 def assemble(placements: Sequence[Any], global_shape: Sequence[int], locals_by_coord: dict[tuple[int, ...], torch.Tensor], mesh_shape: Sequence[int]) -> torch.Tensor:
     """Rebuild the global tensor from every rank's local tensor (sums Partial axes)."""
     first = next(iter(locals_by_coord.values()))
-    out = torch.zeros(tuple(global_shape), dtype=first.dtype)
+    out = torch.zeros(tuple(global_shape), dtype=first.dtype, device=first.device)
     partial_axes = [a for a, p in enumerate(placements) if p.is_partial()]
     for coord, local in locals_by_coord.items():
         if any(coord[a] != 0 for a, p in enumerate(placements) if p.is_replicate()):
@@ -88,7 +88,7 @@ def assemble(placements: Sequence[Any], global_shape: Sequence[int], locals_by_c
         ix = index_lists(tuple(global_shape), placements, mesh_shape, coord)
         if any(len(i) == 0 for i in ix):
             continue
-        grid = torch.meshgrid(*[torch.tensor(i, dtype=torch.long) for i in ix], indexing="ij") if ix else ()
+        grid = torch.meshgrid(*[torch.tensor(i, dtype=torch.long, device=first.device) for i in ix], indexing="ij") if ix else ()
         if partial_axes:
             out.index_put_(grid, local, accumulate=True) if ix else out.add_(local)
         else:

@@ -57,6 +57,7 @@ class GraphInput:
     key: str | None = None
     index: int | None = None
     requires_grad: bool = False
+    device: torch.device | None = None  # where the value lives (None: torch's default device)
 
     @property
     def label(self) -> str:
@@ -196,7 +197,7 @@ def trace(
     def add(kind: str, name: str, t: torch.Tensor, key: str | None = None, index: int | None = None) -> None:
         t = pt.example_tensor(t)
         inputs.append(
-            GraphInput(kind, name, tuple(t.shape), tuple(t.stride()), t.dtype, key, index, bool(t.requires_grad))
+            GraphInput(kind, name, tuple(t.shape), tuple(t.stride()), t.dtype, key, index, bool(t.requires_grad), t.device)
         )
         real.append(t)
 
