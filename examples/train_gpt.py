@@ -131,7 +131,7 @@ def main() -> int:
             ok = worst <= args.tolerance
             print(f"single-device check: max relative loss difference {worst:.2e} over {args.steps} steps "
                   f"(tolerance {args.tolerance:.0e}): {'PASS' if ok else 'FAIL'}")
-    status = torch.tensor([0 if ok else 1])
+    status = torch.tensor([0 if ok else 1], device=device)  # NCCL only moves device tensors
     dist.broadcast(status, src=0)
     dist.destroy_process_group()
     return int(status.item())
