@@ -141,3 +141,22 @@ def test_optimizer_with_foreign_parameters(mesh4):
     opt = torch.optim.SGD([*model.parameters(), torch.nn.Parameter(torch.ones(3))], lr=0.1)
     with pytest.raises(ValueError, match="is not a parameter of the model"):
         sc.compile(mse_step, mesh=mesh4)(model, opt, torch.randn(2, 16), torch.randn(2, 16))
+
+
+def test_step_counts_stay_host_scalars(mesh4):
+    """AdamW's ``step`` stays a plain 0-d CPU tensor, as torch keeps it: a DTensor would
+    move to the mesh's device, and on a GPU every ``step.item()`` would wait for it."""
+    step = sc.compile(mse_step, mesh=mesh4)
+    model = MLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(3):
+        step(model, opt, torch.randn(2, 16), torch.randn(2, 16))
+    assert step.compiles == 2
+    for p in model.parameters():
+        s = opt.state[p]
+        assert isinstance(p, DTensor) and isinstance(s["exp_avg"], DTensor)
+        assert type(s["step"]) is torch.Tensor and s["step"].device.type == "cpu" and s["step"].dim() == 0
+        assert s["step"].item() == 3.0
+    host = [n for n in step.last.gm.graph.nodes if n.op == "placeholder" and n.meta.get("spmd_input") is not None
+            and n.meta["spmd_input"].key == "step"]
+    assert len(host) == len(list(model.parameters())) and all(n.meta["val"].device.type == "cpu" for n in host)

@@ -25,6 +25,7 @@ from ..errors import SpmdError
 from ..expand import expand
 from ..runtime.agreement import check_agreement, exchange
 from ..runtime.compiled import CompiledStep, _Entry, gc_paused
+from ..runtime.distribute import is_host_scalar
 from ..trace import trace
 from ..trace.state import collect_state, input_value
 from ..trace.tracer import _flatten_batch
@@ -335,6 +336,8 @@ class PipelinedStep(CompiledStep):
                     combined = torch.empty(tuple(v.shape), dtype=v.dtype, device=v.device)
                 dist.broadcast(combined, src=last_rank, group=runner.pp_group)
                 user[slot.index] = combined
+            elif slot.name in state.params and is_host_scalar(values[node.name][0]):
+                optimizer.state[state.params[slot.name]][slot.key] = values[node.name][0]
             elif slot.name in state.params:
                 dt = DTensor.from_local(values[node.name][0], mesh, self._full_placements(slot.spec.placements), run_check=False,
                                         shape=slot.spec.shape, stride=slot.spec.stride)

@@ -36,7 +36,7 @@ from ..trace import trace
 from ..trace.state import StateCache, input_value
 from ..trace.tracer import CONSTANT_LEAF_TYPES, _flatten_batch
 from .agreement import check_agreement, exchange
-from .distribute import distribute_state, is_distributed
+from .distribute import distribute_state, is_distributed, is_host_scalar
 from .executor import compile_runner
 
 __all__ = ["compile", "CompiledStep"]
@@ -394,6 +394,8 @@ class CompiledStep:
                     user[slot.index] = out
                 else:
                     user[slot.index] = DTensor.from_local(out, mesh, slot.spec.placements, run_check=False, shape=slot.spec.shape, stride=slot.spec.stride)
+            elif is_host_scalar(out):
+                optimizer.state[state.params[slot.name]][slot.key] = out
             else:
                 dt = DTensor.from_local(out, mesh, slot.spec.placements, run_check=False, shape=slot.spec.shape, stride=slot.spec.stride)
                 optimizer.state[state.params[slot.name]][slot.key] = dt

@@ -43,6 +43,14 @@ def state_inputs(model: torch.nn.Module, optimizer: Any) -> tuple[list[GraphInpu
     return inputs, state
 
 
+def is_host_scalar(t: Any) -> bool:
+    """A 0-d CPU tensor of optimizer state (AdamW's ``step``): it stays a plain tensor on
+    the host, as torch's optimizers keep it whatever the parameters' device, so reading
+    it (``step.item()``) never waits for a GPU. Made a DTensor it would move to the mesh's
+    device and cost a device-to-host sync per parameter per step."""
+    return isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and t.dim() == 0 and t.device.type == "cpu"
+
+
 def is_distributed(model: torch.nn.Module) -> bool:
     return all(isinstance(p, DTensor) for p in model.parameters()) and any(True for _ in model.parameters())
 
@@ -100,7 +108,7 @@ def distribute_state(model: torch.nn.Module, optimizer: Any, mesh: Any, plan: Pl
                         continue
                     converted = {}
                     for key, value in entries.items():
-                        if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+                        if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and not is_host_scalar(value):
                             value = distribute_tensor(value, mesh, list(placements[f"{name}[{key!r}]"]))
                         converted[key] = value
                     new_state[by_name[name]] = converted

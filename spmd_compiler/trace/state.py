@@ -62,7 +62,7 @@ class ModelState:
         parameter shapes, fixed hyperparameters (memoized; the state is not mutated)."""
         key = getattr(self, "_signature", None)
         if key is None:
-            optim = tuple(sorted((n, k, tuple(v.shape) if isinstance(v, torch.Tensor) else repr(v)) for (n, k), v in self.optim.items()))
+            optim = tuple(sorted((n, k, (tuple(v.shape), v.device.type) if isinstance(v, torch.Tensor) else repr(v)) for (n, k), v in self.optim.items()))
             params = tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in self.params.items())
             key = (optim, params, self.fixed_hparams())
             self._signature = key
