@@ -38,6 +38,10 @@ REGRESSIONS = [
     ((2, 2), [(1, 2, 2)], [("flatten", ())], [(sc.Shard(1), sc.Shard(1))]),
     ((2, 2), [(2, 2, 2)], [("flatten", ())], [(sc.Shard(1), sc.Shard(1))]),
     ((2, 2), [(1, 2, 2)], [("flatten", ())], [(sc.Shard(2), sc.Shard(2))]),
+    # thorough profile, 6.170.15: 7 columns over 5 ranks leave rank 4 an empty shard, and
+    # a reduction without identity (amax) raised on it
+    ((5,), [(2, 7)], [("flatten", ()), ("amax", (0, False))], [(sc.Shard(1),)]),
+    ((5,), [(2, 7)], [("amax", (1, True))], [(sc.Shard(1),)]),
 ]
 
 

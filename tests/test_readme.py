@@ -19,5 +19,13 @@ def test_ci_runs_the_readme_commands():
 
 def test_pyproject_torch_range_matches_readme_pin():
     text = (ROOT / "pyproject.toml").read_text()
-    assert '"torch>=2.13,<2.14"' in text
-    assert "pip install torch==2.13.0" in (ROOT / "README.md").read_text()
+    assert '"torch>=2.13,<2.15"' in text
+    readme = (ROOT / "README.md").read_text()
+    assert "pip install torch==2.13.0" in readme and "`>=2.13,<2.15`" in readme
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "pip install -q torch==2.14.1" in ci  # the other end of the range is tested too
+
+
+def test_ci_uses_a_fresh_virtual_environment():
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert ci.count("python3 -m venv") == 2 and ci.count("/bin/activate") == 2

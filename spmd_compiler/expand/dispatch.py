@@ -9,6 +9,7 @@ strategy for: gather every input to Replicate and run the op unsharded.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -219,10 +220,40 @@ def _guard_view_sizes(b: SubgraphBuilder, op: Any, args: Any, kwargs: Any, out: 
             raise NoStrategy(f"{_op_name(op)} cannot take local sizes when {why}")
 
 
+# reductions with no identity element: on an empty local shard they raise (amax) or
+# give a value that is not neutral (argmax), so no rank may hold an empty shard
+_NO_IDENTITY = {
+    "amax", "amin", "max", "min", "argmax", "argmin", "aminmax", "max_pool2d_with_indices", "cummax", "cummin",
+}
+
+
+def _guard_empty_shards(b: SubgraphBuilder, op: Any, args: Any, kwargs: Any, out: Any) -> None:
+    """Refuse DTensor's strategy for an identity-less reduction when some rank's local
+    input would be empty (a dim of 7 over 5 ranks: 2, 2, 2, 1, 0), so the op falls back."""
+    if op.__name__.split(".")[0] not in _NO_IDENTITY:
+        return
+    schema = out.redistribute_schema
+    if schema is not None:
+        specs = pytree.tree_leaves((tuple(schema.args_schema), dict(schema.kwargs_schema)))
+    else:
+        specs = [t.spec for t in pytree.tree_leaves((args, kwargs), is_leaf=_is_tensor_arg) if isinstance(t, TensorArg)]
+    for spec in specs:
+        if not isinstance(spec, pt.DTensorSpec) or not any(_is_sharded(p) for p in spec.placements):
+            continue
+        if any(s == 0 for s in spec.shape):
+            continue
+        for coord in itertools.product(*(range(n) for n in b.mctx.shape)):  # the same verdict on every rank
+            local, _ = pt.local_shape_and_offset(tuple(spec.shape), b.mctx.shape, coord, spec.placements)
+            if 0 in local:
+                raise NoStrategy(f"{_op_name(op)} has no identity element and rank {coord} would hold an empty shard "
+                                 f"of its input {list(spec.shape)} ({placements_text(spec.placements)})")
+
+
 def generic_expand(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: dict) -> Any:
     """Expand ``op(*args, **kwargs)`` with DTensor's strategy; returns the result pytree."""
     out = _propagate(b, op, args, kwargs, ctx.activation_sharding)
     _guard_view_sizes(b, op, args, kwargs, out)
+    _guard_empty_shards(b, op, args, kwargs, out)
     _guard_partition(args, kwargs, out)
     if out.use_val_from_redistribute_schema and any(
         _uneven_axes(b, t.spec) for t in pytree.tree_leaves((args, kwargs), is_leaf=_is_tensor_arg) if isinstance(t, TensorArg)
