@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import spmd_compiler as sc
-from spmd_compiler.testing import rank_coordinates, run_lockstep, shard_tensor
+from spmd_compiler.testing import group_axes_of, rank_coordinates, run_lockstep, shard_tensor
 from spmd_compiler.testing.models import GPT, gpt_2d_plan, train_step
 
 
@@ -34,7 +34,7 @@ def test_cached_equals_uncached_2d_transformer(mesh2x2):
     outs = []
     for step in (cached, plain):
         inputs = {c: [shard_tensor(g, s.placements, (2, 2), c) for g, s in zip(globals_, step.input_specs)] for c in coords}
-        outs.append(run_lockstep({c: step.gm for c in coords}, inputs, (2, 2)))
+        outs.append(run_lockstep({c: step.gm for c in coords}, inputs, (2, 2), group_axes=group_axes_of(step)))
     for c in coords:
         for a, b in zip(outs[0][c], outs[1][c]):
             assert torch.equal(a, b)

@@ -11,7 +11,7 @@
 from .compare import TrainingComparison, assert_training_matches
 from .harness import SimulatedTraining
 from .mesh import fake_mesh
-from .simulate import assemble, rank_coordinates, run_lockstep, shard_tensor
+from .simulate import assemble, group_axes_of, rank_coordinates, run_lockstep, shard_tensor
 from .spmd import SpmdMismatch, SpmdRun, assert_spmd_matches, run_spmd
 
 __all__ = [
@@ -26,5 +26,6 @@ __all__ = [
     "assemble",
     "rank_coordinates",
     "run_lockstep",
+    "group_axes_of",
     "shard_tensor",
 ]

@@ -20,7 +20,7 @@ from ..expand import ExpansionCache, expand
 from ..plan import Plan
 from ..trace import trace
 from ..trace.state import collect_state, input_value
-from .simulate import assemble, rank_coordinates, run_lockstep, shard_tensor
+from .simulate import assemble, group_axes_of, rank_coordinates, run_lockstep, shard_tensor
 
 __all__ = ["SimulatedTraining"]
 
@@ -98,7 +98,7 @@ class SimulatedTraining:
             c: [shard_tensor(g, spec.placements, self.mesh_shape, c) for g, spec in zip(globals_, first.input_specs)]
             for c in self.coords
         }
-        outs = run_lockstep({c: e.gm for c, e in self.expansions.items()}, inputs, self.mesh_shape)
+        outs = run_lockstep({c: e.gm for c, e in self.expansions.items()}, inputs, self.mesh_shape, group_axes=group_axes_of(first))
         pt.mark_optimizer_stepped(self.optimizer)
         # write the updated state back, assembled, into the single-device objects
         with torch.no_grad():

@@ -1,10 +1,23 @@
 """Run every rank of a per-rank graph in one process, in lockstep.
 
 The per-rank graph is executed node by node for all ranks at once; a functional
-collective is computed from the values of every member of its group (the group is the
-set of ranks that differ only in the collective's mesh axis). No process group, threads
-or real communication are involved, so all ranks of an 8-way program run on one core and
-a wrong collective shows up as a wrong number, not a hang.
+collective is computed from the values of every member of its group. No process group,
+threads or real communication are involved, so all ranks of an 8-way program run on one
+core and a wrong collective shows up as a wrong number, not a hang.
+
+The simulation is no kinder than a real backend (gloo, NCCL):
+
+* **Groups come from the program.** A collective runs on the group its ``group_name``
+  argument names, resolved to a mesh axis as the runtime resolves it (through the mesh's
+  process groups), never from the node's metadata; ``group_size`` must match it.
+* **Nothing is ready before its wait.** Issuing a collective gives a poisoned tensor
+  (NaN, or the integer minimum); ``wait_tensor`` fills it in place. A use of the
+  result before its wait reads poison.
+* **Inputs are read until the wait.** ``all_gather_into_tensor``, ``reduce_scatter_tensor``
+  and ``all_to_all_single`` read their input when they are waited on, so a write into
+  the input while the collective is in flight changes the result, as it can on gloo.
+  ``all_reduce`` copies its input when issued (torch's functional all_reduce clones it
+  before the in-place collective), and is simulated that way.
 
 Graphs may differ per rank (uneven shards give per-rank sizes) but must have the same
 nodes in the same order; that is how expansion builds them.
@@ -28,6 +41,7 @@ __all__ = [
     "shard_tensor",
     "assemble",
     "run_lockstep",
+    "group_axes_of",
 ]
 
 c10d = torch.ops._c10d_functional
@@ -118,9 +132,36 @@ def _reduce(values: list[torch.Tensor], op: str) -> torch.Tensor:
     return acc
 
 
-def _collective(node: fx.Node, vals: dict[tuple, Any], mesh_shape: Sequence[int]) -> dict[tuple, Any]:
+_GROUP_SIZE_ARG = {"all_gather_into_tensor": 1, "reduce_scatter_tensor": 2}
+
+
+def _group_axis(node: fx.Node, args: tuple, group_axes: dict[str, int] | None, mesh_shape: Sequence[int]) -> int:
+    """The mesh axis of the group a collective's arguments name."""
+    name = args[-1]
+    if group_axes is None:
+        raise ValueError(
+            f"run_lockstep met collective {node.name} on group {name!r} but was given no group_axes; fix: pass "
+            f"group_axes={{group_name: mesh axis}} (e.g. from ExpandedStep.mctx.group_names)"
+        )
+    if name not in group_axes:
+        raise RuntimeError(f"collective {node.name} names process group {name!r}, which is no axis of the mesh {dict(group_axes)}")
+    axis = group_axes[name]
+    op = node.target._opname if hasattr(node.target, "_opname") else str(node.target)
+    if op in _GROUP_SIZE_ARG and int(args[_GROUP_SIZE_ARG[op]]) != mesh_shape[axis]:
+        raise RuntimeError(f"collective {node.name} passes group_size {args[_GROUP_SIZE_ARG[op]]} for group {name!r} of {mesh_shape[axis]} ranks")
+    return axis
+
+
+def _poison(t: torch.Tensor) -> torch.Tensor:
+    if t.is_floating_point() or t.is_complex():
+        return torch.full_like(t, float("nan"))
+    if t.dtype == torch.bool:
+        return torch.ones_like(t)
+    return torch.full_like(t, torch.iinfo(t.dtype).min)
+
+
+def _collective(node: fx.Node, vals: dict[tuple, Any], mesh_shape: Sequence[int], axis: int) -> dict[tuple, Any]:
     """Compute a functional collective for every rank from every rank's input."""
-    axis = node.meta["spmd_comm"]["axis"]
     out: dict[tuple, Any] = {}
     for coord in vals:
         members = _group_members(coord, axis, mesh_shape)
@@ -145,17 +186,26 @@ def _collective(node: fx.Node, vals: dict[tuple, Any], mesh_shape: Sequence[int]
     return out
 
 
+def group_axes_of(step: Any) -> dict[str, int]:
+    """``{process group name: mesh axis}`` of an ExpandedStep's mesh, as the runtime
+    resolves the names its collectives pass."""
+    return {name: axis for axis, name in enumerate(step.mctx.group_names)}
+
+
 def run_lockstep(
     graphs: dict[tuple[int, ...], fx.GraphModule],
     inputs: dict[tuple[int, ...], list[Any]],
     mesh_shape: Sequence[int],
     *,
+    group_axes: dict[str, int] | None = None,
     record: dict[tuple[int, ...], dict[str, Any]] | None = None,
 ) -> dict[tuple[int, ...], list[Any]]:
     """Run the per-rank graphs of all ranks together; returns each rank's outputs.
 
     ``graphs`` and ``inputs`` are keyed by mesh coordinate; ``inputs[c]`` excludes the
-    coordinate arguments (they are supplied here). If ``record`` is a dict, it receives
+    coordinate arguments (they are supplied here). ``group_axes`` maps each process
+    group name the graphs pass to collectives to its mesh axis (``{name: axis for axis,
+    name in enumerate(step.mctx.group_names)}``). If ``record`` is a dict, it receives
     every rank's value of every node, by node name (values later mutated in place are
     recorded as they end up).
     """
@@ -167,6 +217,8 @@ def run_lockstep(
     envs: dict[tuple, dict[fx.Node, Any]] = {c: {} for c in coords}
     feeds = {c: iter(list(c) + list(inputs[c])) for c in coords}
     results: dict[tuple, list[Any]] = {}
+    # collectives in flight, by the issuing node's name: (node, every rank's args, axis)
+    in_flight: dict[str, tuple[fx.Node, dict[tuple, Any], int]] = {}
     for i in range(len(node_lists[coords[0]])):
         nodes = {c: node_lists[c][i] for c in coords}
         ref = nodes[coords[0]]
@@ -186,12 +238,22 @@ def run_lockstep(
                     record[c] = {n.name: v for n, v in envs[c].items()}
             break
         args = {c: pytree.tree_map_only(fx.Node, lambda n, c=c: envs[c][n], (nodes[c].args, nodes[c].kwargs)) for c in coords}
-        if "spmd_comm" in ref.meta:
+        if isinstance(ref.target, torch._ops.OpOverload) and ref.target.namespace == "_c10d_functional" and ref.target is not c10d.wait_tensor.default:
+            axis = _group_axis(ref, args[coords[0]][0], group_axes, mesh_shape)
             vals = {c: args[c][0] for c in coords}
-            outs = _collective(ref, vals, mesh_shape)
+            if ref.target is c10d.all_reduce.default:  # cloned at issue, as torch does
+                vals = {c: (v[0].clone(), *v[1:]) for c, v in vals.items()}
+            issued = _collective(ref, vals, mesh_shape, axis)  # for shapes; recomputed at the wait
             for c in coords:
-                envs[c][nodes[c]] = outs[c]
+                envs[c][nodes[c]] = _poison(issued[c])
+            in_flight[ref.name] = (ref, vals, axis)
         elif ref.target is c10d.wait_tensor.default:
+            src = ref.args[0]
+            pending = in_flight.pop(src.name, None) if isinstance(src, fx.Node) else None
+            if pending is not None:
+                done = _collective(pending[0], pending[1], mesh_shape, pending[2])  # inputs read now
+                for c in coords:
+                    args[c][0][0].copy_(done[c])
             for c in coords:
                 envs[c][nodes[c]] = args[c][0][0]
         else:

@@ -21,7 +21,7 @@ from ..expand import ExpansionCache, expand
 from ..expand.values import placements_text
 from ..plan import Plan
 from ..trace import trace
-from .simulate import assemble, rank_coordinates, run_lockstep, shard_tensor
+from .simulate import assemble, group_axes_of, rank_coordinates, run_lockstep, shard_tensor
 
 __all__ = ["assert_spmd_matches", "SpmdMismatch", "SpmdRun", "run_spmd"]
 
@@ -80,7 +80,7 @@ def run_spmd(
     leaves = [x for x in pytree.tree_leaves((tuple(args), {})) if isinstance(x, torch.Tensor)]
     inputs = {c: [shard_tensor(t, s.placements, mesh_shape, c) for t, s in zip(leaves, first.input_specs)] for c in coords}
     envs: dict[tuple[int, ...], dict[str, Any]] = {}
-    outs = run_lockstep({c: s.gm for c, s in steps.items()}, inputs, mesh_shape, record=envs)
+    outs = run_lockstep({c: s.gm for c, s in steps.items()}, inputs, mesh_shape, group_axes=group_axes_of(first), record=envs)
     outputs = []
     for j, slot in enumerate(first.outputs):
         outputs.append(assemble(slot.spec.placements, slot.spec.shape, {c: outs[c][j] for c in coords}, mesh_shape))
