@@ -23,7 +23,7 @@ import torch.fx as fx
 
 from ..errors import RankMismatchError
 
-__all__ = ["fingerprint", "exchange", "check_agreement", "comm_device"]
+__all__ = ["fingerprint", "exchange", "check_agreement", "compare_fingerprints", "comm_device"]
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +51,11 @@ def fingerprint(gm: fx.GraphModule, group_axes: dict[str, str], *, with_sizes: b
         target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
         if isinstance(node.target, torch._ops.OpOverload):
             target = str(node.target)
-        text = f"{node.op} {target} {_canon(node.args, index, group_axes, with_sizes)} {_canon(node.kwargs, index, group_axes, with_sizes)}"
-        out.append((f"%{node.name} = {node.op}[{target}]", hashlib.sha1(text.encode()).hexdigest()[:12]))
+        # a collective's sizes (group_size, split sizes) must agree even where shards are uneven
+        sizes = with_sizes or (isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == "_c10d_functional")
+        text = f"{node.op} {target} {_canon(node.args, index, group_axes, sizes)} {_canon(node.kwargs, index, group_axes, sizes)}"
+        shown = text if len(text) <= 160 else text[:157] + "..."
+        out.append((f"%{node.name} = {shown}", hashlib.sha1(text.encode()).hexdigest()[:12]))
     return out
 
 
@@ -114,8 +117,14 @@ def check_agreement(gm: fx.GraphModule | None, group_axes: dict[str, str], *, wi
             f"rank {r} failed to compile the step ({first_line}); every rank stops here instead of waiting "
             f"for it in a collective. See rank {r}'s log for the full error."
         )
-    ref = everyone[0][1]
-    for r, (_, fp) in enumerate(everyone):
+    compare_fingerprints([p[1] for p in everyone], rank)
+    log.debug("rank agreement: %d ranks compiled the same %d-node graph", len(everyone), len(everyone[0][1]))
+
+
+def compare_fingerprints(everyone: list[list[tuple[str, str]]], rank: int = 0) -> None:
+    """Raise RankMismatchError naming the first node where a rank's graph differs from rank 0's."""
+    ref = everyone[0]
+    for r, fp in enumerate(everyone):
         if fp == ref:
             continue
         for i, (a, b) in enumerate(zip(ref, fp)):
@@ -126,4 +135,3 @@ def check_agreement(gm: fx.GraphModule | None, group_axes: dict[str, str], *, wi
                     f"identical on every rank (uneven batch sizes are fine only along the sharded dim)."
                 )
         raise RankMismatchError(f"rank {r} compiled a graph with {len(fp)} nodes, rank 0 one with {len(ref)} nodes")
-    log.debug("rank agreement: %d ranks compiled the same %d-node graph", len(everyone), len(ref))

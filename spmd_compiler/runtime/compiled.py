@@ -35,7 +35,7 @@ from ..plan import Plan
 from ..trace import trace
 from ..trace.state import StateCache, input_value
 from ..trace.tracer import CONSTANT_LEAF_TYPES, _flatten_batch
-from .agreement import check_agreement, exchange
+from .agreement import check_agreement, comm_device, exchange
 from .distribute import distribute_state, is_distributed, is_host_scalar
 from .executor import compile_runner
 
@@ -111,8 +111,7 @@ def _as_mesh(mesh: Any) -> DeviceMesh:
         size *= s
     if size > world:
         raise ValueError(f"mesh {dict(zip(names, shape)) if names else shape} needs {size} ranks but the world has {world}; fix: launch {size} processes or shrink the mesh")
-    device = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
-    return init_device_mesh(device, shape, mesh_dim_names=names)
+    return init_device_mesh(comm_device().type, shape, mesh_dim_names=names)  # NCCL: cuda, else cpu
 
 
 class CompiledStep:

@@ -1,0 +1,76 @@
+"""Rank agreement: every collective's op, group, reduce op and sizes are part of the
+fingerprint, so one rank changing any of them is a RankMismatchError, never a hang."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import spmd_compiler as sc
+from spmd_compiler.errors import RankMismatchError
+from spmd_compiler.runtime.agreement import compare_fingerprints, fingerprint
+from spmd_compiler.testing.mesh import fake_mesh
+from spmd_compiler.testing.models import GPT, gpt_2d_plan, gpt_fsdp_plan, train_step
+
+c10d = torch.ops._c10d_functional
+
+
+@pytest.fixture(scope="module")
+def steps():
+    model = GPT(vocab=32, seq=8, dim=16, heads=2, layers=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 32, (4, 8))
+    traced = sc.trace(train_step, model, opt, ids, ids)
+    two_d = sc.expand(traced, fake_mesh((2, 2), ("dp", "tp")), gpt_2d_plan())
+    fsdp = sc.expand(traced, fake_mesh((4,), ("dp",)), gpt_fsdp_plan())  # gathers and reduce_scatters
+    return {"2d": two_d, "fsdp": fsdp}
+
+
+def _groups(step):
+    return dict(zip(step.mctx.group_names, step.mctx.axis_names))
+
+
+def _first(gm, target):
+    return next(n for n in gm.graph.nodes if n.target is target)
+
+
+def _reduce_op(gm, step):
+    n = _first(gm, c10d.all_reduce.default)
+    n.args = (n.args[0], "avg" if n.args[1] != "avg" else "sum", n.args[2])
+
+
+def _group(gm, step):
+    n = _first(gm, c10d.all_reduce.default)
+    other = next(g for g in step.mctx.group_names if g != n.args[2])
+    n.args = (*n.args[:2], other)
+
+
+def _op(gm, step):
+    n = _first(gm, c10d.all_reduce.default)
+    n.target = c10d.reduce_scatter_tensor.default
+
+
+def _size(gm, step):
+    n = next(n for n in gm.graph.nodes if n.target in (c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default))
+    i = 1 if n.target is c10d.all_gather_into_tensor.default else 2
+    n.args = (*n.args[:i], n.args[i] * 2, *n.args[i + 1 :])
+
+
+@pytest.mark.parametrize("mutate,which", [(_reduce_op, "2d"), (_group, "2d"), (_op, "2d"), (_size, "fsdp"), (_reduce_op, "fsdp")],
+                         ids=["reduce-op", "group", "op", "size", "reduce-op-fsdp"])
+@pytest.mark.parametrize("with_sizes", [True, False], ids=["even", "uneven"])
+def test_a_changed_collective_on_one_rank_is_a_mismatch(steps, mutate, which, with_sizes):
+    step_2d = steps[which]
+    collectives = [n for n in step_2d.gm.graph.nodes if getattr(n.target, "namespace", "") == "_c10d_functional"]
+    assert len(collectives) > 4
+    clean = fingerprint(step_2d.gm, _groups(step_2d), with_sizes=with_sizes)
+    gm = copy.deepcopy(step_2d.gm)
+    mutate(gm, step_2d)
+    changed = fingerprint(gm, _groups(step_2d), with_sizes=with_sizes)
+    compare_fingerprints([clean, clean])  # same programs agree
+    with pytest.raises(RankMismatchError, match="first difference at node") as info:
+        compare_fingerprints([clean, changed], rank=1)
+    rank0, rank1 = str(info.value).split("rank 0 has ")[1].split(", rank 1 has ")
+    assert rank0 != rank1.split(". fix:")[0]  # the two ranks' nodes read differently
