@@ -38,18 +38,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 import spmd_compiler as sc  # noqa: E402
 from spmd_compiler.runtime.launch import free_port  # noqa: E402
-from spmd_compiler.testing.models import GPT, GPTConfig  # noqa: E402
+from spmd_compiler.testing.models import GPT, GPTConfig, train_step  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results" / "gpu_step.md"
-
-
-def step_fp32(model: Any, optimizer: Any, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    logits = model(ids)
-    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss
 
 
 def step_bf16(model: Any, optimizer: Any, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -75,7 +66,7 @@ def run_config(layers: int, dim: int, precision: str, args: Any) -> dict[str, An
     cfg = GPTConfig(vocab=args.vocab, seq=args.seq, dim=dim, heads=dim // 64, layers=layers)
     torch.manual_seed(0)
     base = GPT(cfg).to(device)
-    fn = step_fp32 if precision == "fp32" else step_bf16
+    fn = train_step if precision == "fp32" else step_bf16
     sides: dict[str, Any] = {}
     model = copy.deepcopy(base)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
