@@ -210,3 +210,23 @@ def test_compile_runs_passes_and_dumps_each(mesh4, tmp_path):
     ]
     assert "bucket of" in (folder / "pass_01_bucket_gradients.py").read_text()
     assert step.timings()["passes"] > 0
+
+
+def _breaks_order_pass(gm):
+    """A broken pass: moves the first call to the end, after its users."""
+    first = next(n for n in gm.graph.nodes if n.op == "call_function" and n.users)
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    out.prepend(first)
+    return gm
+
+
+def test_a_pass_that_breaks_the_graph_is_named_in_a_short_error():
+    from spmd_compiler.errors import SpmdError
+    from spmd_compiler.optimize import PassSpec, run_passes
+
+    traced = sc.trace(lambda m, o, x: m(x).sum(), MLP(4, 8), None, torch.randn(2, 4))
+    gm = traced.gm
+    assert len(gm.graph.nodes) > 4
+    with pytest.raises(SpmdError, match=r"optimization pass 'breaks_order' failed: .*passes_disabled=\['breaks_order'\]") as info:
+        run_passes(gm, [PassSpec("breaks_order", _breaks_order_pass)])
+    assert len(str(info.value)) < 800 and len(str(info.value).splitlines()) < 40

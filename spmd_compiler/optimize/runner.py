@@ -68,10 +68,15 @@ def run_passes(
         start = time.perf_counter()
         try:
             gm = spec.fn(gm, **spec.options)
+            gm.graph.lint()  # the pass's output is checked under its name too
+            gm.recompile()
         except Exception as e:
-            raise SpmdError(f"optimization pass {spec.name!r} failed: {type(e).__name__}: {e}; disable it with passes_disabled=[{spec.name!r}] to compile without it") from e
-        gm.graph.lint()
-        gm.recompile()
+            first = (str(e).strip().splitlines() or [""])[0]
+            first = first if len(first) <= 300 else first[:297] + "..."  # lint errors embed the whole graph
+            raise SpmdError(
+                f"optimization pass {spec.name!r} failed: {type(e).__name__}: {first}; this is a bug in spmd-compiler, "
+                f"please report it; fix for now: passes_disabled=[{spec.name!r}] compiles without this pass"
+            ) from e
         elapsed = time.perf_counter() - start
         n1, c1 = _count(gm)
         records.append(PassRecord(spec.name, elapsed, n0, n1, c0, c1))
