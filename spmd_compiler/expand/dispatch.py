@@ -191,6 +191,10 @@ def _propagate(b: SubgraphBuilder, op: Any, args: Any, kwargs: Any, activation_s
         raise NoStrategy(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
 
 
+def _input_specs(args: Any, kwargs: Any) -> list[Any]:
+    return [t.spec for t in pytree.tree_leaves((args, kwargs), is_leaf=_is_tensor_arg) if isinstance(t, TensorArg)]
+
+
 def _nested_uneven(spec: Any, mesh_shape: Any) -> str | None:
     """A tensor dim split over several mesh axes whose size the product of those axes
     does not divide (e.g. size 2 over a 2x2 mesh: shards of 1, 1, 0, 0), described."""
@@ -212,7 +216,7 @@ def _guard_view_sizes(b: SubgraphBuilder, op: Any, args: Any, kwargs: Any, out: 
     unevenly over several axes gets local sizes that do not match the local data."""
     if not out.use_val_from_redistribute_schema:
         return
-    specs = [t.spec for t in pytree.tree_leaves((args, kwargs), is_leaf=_is_tensor_arg) if isinstance(t, TensorArg)]
+    specs = _input_specs(args, kwargs)
     specs += list(out.output_spec) if isinstance(out.output_spec, (tuple, list)) else [out.output_spec]
     for spec in specs:
         why = _nested_uneven(spec, b.mctx.shape)
@@ -236,7 +240,7 @@ def _guard_empty_shards(b: SubgraphBuilder, op: Any, args: Any, kwargs: Any, out
     if schema is not None:
         specs = pytree.tree_leaves((tuple(schema.args_schema), dict(schema.kwargs_schema)))
     else:
-        specs = [t.spec for t in pytree.tree_leaves((args, kwargs), is_leaf=_is_tensor_arg) if isinstance(t, TensorArg)]
+        specs = _input_specs(args, kwargs)
     for spec in specs:
         if not isinstance(spec, pt.DTensorSpec) or not any(_is_sharded(p) for p in spec.placements):
             continue
