@@ -35,7 +35,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 import spmd_compiler as sc  # noqa: E402
 from spmd_compiler.expand import expander as expander_mod  # noqa: E402
 from spmd_compiler.optimize import default_passes, run_passes  # noqa: E402
-from spmd_compiler.runtime.compiled import gc_paused  # noqa: E402
+from spmd_compiler.driver import gc_paused  # noqa: E402
 from spmd_compiler.testing import fake_mesh  # noqa: E402
 from spmd_compiler.testing.models import GPT, gpt_2d_plan, gpt_fsdp_plan, train_step  # noqa: E402
 
@@ -43,7 +43,7 @@ RESULTS = pathlib.Path(__file__).resolve().parent / "results" / "compile_time.md
 
 
 def _retrace_build(orig):
-    """Wrap _Expander._build: after building a recipe, re-trace it with make_fx."""
+    """Wrap Expansion._build: after building a recipe, re-trace it with make_fx."""
 
     def build(self, node, op, args, kwargs):
         recipe = orig(self, node, op, args, kwargs)
@@ -78,14 +78,14 @@ def measure(layers: int, plan_name: str, retrace: bool) -> dict:
     assert cached.gm.code == plain.gm.code, "memoized expansion changed the graph"
     retrace_s = float("nan")
     if retrace:
-        orig = expander_mod._Expander._build
-        expander_mod._Expander._build = _retrace_build(orig)
+        orig = expander_mod.Expansion._build
+        expander_mod.Expansion._build = _retrace_build(orig)
         try:
             with gc_paused():
                 r = sc.expand(traced, mesh, plan, cache=sc.ExpansionCache(enabled=False))
             retrace_s = r.timings["expand"]
         finally:
-            expander_mod._Expander._build = orig
+            expander_mod.Expansion._build = orig
     t0 = time.perf_counter()
     with gc_paused():
         gm, _ = run_passes(cached.gm, default_passes())

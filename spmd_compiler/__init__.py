@@ -13,7 +13,8 @@ from .errors import (
     UnsupportedOpError,
     UnsupportedPlacementError,
 )
-from .expand import DSymInt, ExpansionCache, expand, register_rule
+from .driver import expand
+from .expand import DSymInt, ExpansionCache, register_rule
 from .pipeline import Pipeline, SplitPoint, pipe_split
 from .plan import Plan
 from .rebuild import ExpandedStep

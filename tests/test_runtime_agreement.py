@@ -10,7 +10,7 @@ import torch
 
 import spmd_compiler as sc
 from spmd_compiler.errors import RankMismatchError
-from spmd_compiler.runtime.agreement import compare_fingerprints, fingerprint
+from spmd_compiler.driver.agreement import compare_fingerprints, fingerprint
 from spmd_compiler.testing.mesh import fake_mesh
 from spmd_compiler.testing.models import GPT, gpt_2d_plan, gpt_fsdp_plan, train_step
 

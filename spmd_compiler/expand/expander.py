@@ -27,9 +27,10 @@ from .builder import Recipe, SubgraphBuilder, local_fake
 from .cache import ExpansionCache, abstract_key
 from ..trace.markers import MARKER
 from .dispatch import ExpandContext, ScalarArg, TensorArg
+from .splice import redistribute_value, splice_recipe
 from .values import DSymInt, DValue, MeshContext, RScalar, placements_text, sym_apply
 
-__all__ = ["expand_graph", "ExpansionStats"]
+__all__ = ["expand_graph", "Expansion", "ExpansionStats"]
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -74,7 +75,12 @@ def _is_uneven(shape: Any, placements: Any, mesh_shape: Any) -> bool:
     return False
 
 
-class _Expander:
+class Expansion:
+    """One expansion of a traced step: it walks the traced graph and splices every
+    node's recipe into ``graph``; what :func:`spmd_compiler.rebuild.finalize` reads from it
+    is ``traced``, ``mctx``, ``graph``, ``coords``, ``constants``, ``input_values``,
+    ``output_values``, ``env``, ``stats`` and ``fake_mode``."""
+
     def __init__(
         self,
         traced: Any,
@@ -164,8 +170,6 @@ class _Expander:
         key = (value.node, phase)
         got = self._gathered.get(key)
         if got is None:
-            from ..rebuild.finalize import redistribute_value
-
             pl = tuple(pt.Replicate() if a in self.fsdp_axes else p for a, p in enumerate(value.spec.placements))
             dst = pt.DTensorSpec(value.spec.mesh, pl, tensor_meta=value.spec.tensor_meta)
             got = redistribute_value(self, value, dst, f"FSDP: gather parameter {value.extra['fsdp']} for {phase}", node)
@@ -266,8 +270,6 @@ class _Expander:
 
     # ------------------------------------------------------------------ ops
     def _expand(self, node: fx.Node, op: Any, args: tuple, kwargs: dict) -> Any:
-        from ..rebuild.splice import splice_recipe
-
         key = (op, abstract_key(args), abstract_key(kwargs), self.fallback, self.activation_sharding)
         recipe = self.cache.lookup(key, self.mctx.coordinate)
         hit = recipe is not None
@@ -335,11 +337,11 @@ def expand_graph(
     cache: ExpansionCache | None = None,
     fsdp_axes: tuple[int, ...] = (),
     activation_sharding: str = "follow",
-) -> "_Expander":
+) -> "Expansion":
     """Run the expander; returns it (graph, env, constants, stats) for :mod:`rebuild`."""
     if fallback not in ("replicate", "error"):
         raise ValueError(f"fallback must be 'replicate' or 'error', got {fallback!r}")
-    ex = _Expander(
+    ex = Expansion(
         traced, mctx, placements, fallback=fallback, cache=cache if cache is not None else ExpansionCache(),
         fsdp_axes=fsdp_axes, activation_sharding=activation_sharding,
     )

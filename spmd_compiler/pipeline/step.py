@@ -21,14 +21,10 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.utils import _pytree as pytree
 
 from .. import _private_torch as pt
-from ..errors import SpmdError
-from ..expand import expand
-from ..runtime.agreement import check_agreement, exchange
-from ..runtime.compiled import CompiledStep, _Entry, gc_paused
-from ..runtime.distribute import is_host_scalar
+from ..driver import StepDriver, exchange, expand, gc_paused, global_batch, is_host_scalar, store_outputs
 from ..trace import trace
 from ..trace.state import collect_state, input_value
-from ..trace.tracer import _flatten_batch
+from ..trace.tracer import flatten_batch
 from .api import Pipeline, check_split_points, pipeline_plan
 from .balance import balanced_split
 from .batchnorm import defer_batchnorm_stats
@@ -48,8 +44,9 @@ def _owner(model: torch.nn.Module, fqn: str) -> tuple[torch.nn.Module, str]:
 log = logging.getLogger(__name__)
 
 
-class PipelinedStep(CompiledStep):
-    """A compiled step whose program runs as a pipeline over ``pipeline.axis``."""
+class PipelinedStep(StepDriver):
+    """A compiled step whose program runs as a pipeline over ``pipeline.axis`` (built on
+    the same driver as :class:`~spmd_compiler.CompiledStep`: signature cache, agreement)."""
 
     def __init__(self, fn: Any, *, mesh: Any, plan: Any = None, pipeline: Pipeline, **options: Any) -> None:
         options.setdefault("passes", [])
@@ -102,9 +99,10 @@ class PipelinedStep(CompiledStep):
 
     # ------------------------------------------------------------------ batch
     def _global_batch(self, batch: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        args, kw = super()._global_batch(batch, kwargs)
+        """The global example batch of one micro-batch."""
+        args, kw = global_batch(batch, kwargs, self.mesh, self.plan, exchange)
         m = self.pipeline.chunks
-        leaves, spec, paths = _flatten_batch(args, kw)
+        leaves, spec, paths = flatten_batch(args, kw)
         out = []
         for path, leaf in zip(paths, leaves):
             if isinstance(leaf, torch.Tensor) and path not in self.pipeline.no_chunk:
@@ -121,71 +119,57 @@ class PipelinedStep(CompiledStep):
         return pytree.tree_unflatten(out, spec)
 
     # ------------------------------------------------------------------ compile
-    def _compile(self, model: Any, optimizer: Any, batch: tuple, kwargs: dict, reason: str) -> _Entry:
-        log.info("compiling pipelined %s (%s)", getattr(self.fn, "__name__", "step"), reason)
-        start = time.perf_counter()
+    def _build(self, model: Any, optimizer: Any, batch: tuple, kwargs: dict) -> tuple[Any, dict[str, Any]]:
+        """Trace one micro-batch with stage markers, expand it over the stage mesh, split
+        it into stage programs and make this rank's runner."""
         mesh, cfg = self.mesh, self.pipeline
         pp_index = self.pp_index
         pp = mesh.shape[pp_index]
-        error: BaseException | None = None
-        step = None
-        try:
-            check_split_points(model, cfg.split)
-            split = dict(cfg.split or {})
-            stages = pp * cfg.stages_per_rank
-            if cfg.auto and not split:
-                with self._ghosted(model, optimizer):
-                    split = balanced_split(model, stages, "params")
-            g_args, g_kwargs = self._global_batch(batch, kwargs)
-            with self._ghosted(model, optimizer), gc_paused():
-                traced = trace(
-                    self.fn, model, optimizer, *g_args, symbolic=self.symbolic, split_points=split, fused_optimizer=False, **g_kwargs
-                )
-            defer_batchnorm_stats(traced.gm, cfg.chunks)
-            assignment = assign_stages(traced.gm, traced.outputs)
-            if assignment.num_stages != stages:
-                raise ValueError(
-                    f"the step cuts into {assignment.num_stages} stage(s) ({assignment.num_stages - 1} split point(s)) but "
-                    f"the pipeline needs {stages} = {pp} ranks on axis {cfg.axis!r} x {cfg.stages_per_rank} stage(s) per rank; "
-                    f"fix: give {stages - 1} split points (Pipeline(split=...) or pipe_split() calls) or Pipeline(auto=True)"
-                )
-            smesh = self.stage_mesh
-            with gc_paused():
-                step = expand(traced, smesh, self.stage_plan, coordinate=tuple(smesh.get_coordinate()), fallback=self.fallback, cache=self.cache)
-            program = split_program(step.gm, assignment)
-            coord = list(mesh.get_coordinate())
-            mesh_ranks = mesh.mesh
-
-            def stage_rank(stage: int) -> int:
-                c = list(coord)
-                c[pp_index] = stage % pp
-                return int(mesh_ranks[tuple(c)].item())
-
-            runner = PipelineRunner(
-                program, pp_size=pp, pp_coord=coord[pp_index], stage_rank=stage_rank, chunks=cfg.chunks,
-                schedule=cfg.schedule, stages_per_rank=cfg.stages_per_rank, scale_grads=cfg.scale_grads,
-                pp_group=mesh.get_group(pp_index), checkpoint=cfg.checkpoint,
+        check_split_points(model, cfg.split)
+        split = dict(cfg.split or {})
+        stages = pp * cfg.stages_per_rank
+        if cfg.auto and not split:
+            with self._ghosted(model, optimizer):
+                split = balanced_split(model, stages, "params")
+        g_args, g_kwargs = self._global_batch(batch, kwargs)
+        with self._ghosted(model, optimizer), gc_paused():
+            traced = trace(
+                self.fn, model, optimizer, *g_args, symbolic=self.symbolic, split_points=split, fused_optimizer=False, **g_kwargs
             )
-            step.pipeline = runner
-            step.assignment = assignment
-            step.program = program
-        except Exception as e:
-            error = e
-        if self.check_ranks:
-            groups = {} if step is None else {g: n for g, n in zip(step.mctx.group_names, step.mctx.axis_names)}
-            check_agreement(step.gm if step else None, groups, with_sizes=bool(step and step.rank_independent), error=error)
-        elif error is not None:
-            raise error
-        self._drop_other_stages(model, optimizer, step.assignment, runner.my_stages)
-        elapsed = time.perf_counter() - start
-        self.compiles += 1
-        step.timings["total"] = elapsed
-        self._dump_stages(step)
-        log.info("compiled pipelined %s in %.2fs: %d stages, %s", getattr(self.fn, "__name__", "step"), elapsed, assignment.num_stages, cfg.schedule)
-        return _Entry(step, elapsed, reason, dict(step.timings))
+        defer_batchnorm_stats(traced.gm, cfg.chunks)
+        assignment = assign_stages(traced.gm, traced.outputs)
+        if assignment.num_stages != stages:
+            raise ValueError(
+                f"the step cuts into {assignment.num_stages} stage(s) ({assignment.num_stages - 1} split point(s)) but "
+                f"the pipeline needs {stages} = {pp} ranks on axis {cfg.axis!r} x {cfg.stages_per_rank} stage(s) per rank; "
+                f"fix: give {stages - 1} split points (Pipeline(split=...) or pipe_split() calls) or Pipeline(auto=True)"
+            )
+        smesh = self.stage_mesh
+        with gc_paused():
+            step = expand(traced, smesh, self.stage_plan, coordinate=tuple(smesh.get_coordinate()), fallback=self.fallback, cache=self.cache)
+        program = split_program(step.gm, assignment)
+        coord = list(mesh.get_coordinate())
+        mesh_ranks = mesh.mesh
+
+        def stage_rank(stage: int) -> int:
+            c = list(coord)
+            c[pp_index] = stage % pp
+            return int(mesh_ranks[tuple(c)].item())
+
+        step.pipeline = PipelineRunner(
+            program, pp_size=pp, pp_coord=coord[pp_index], stage_rank=stage_rank, chunks=cfg.chunks,
+            schedule=cfg.schedule, stages_per_rank=cfg.stages_per_rank, scale_grads=cfg.scale_grads,
+            pp_group=mesh.get_group(pp_index), checkpoint=cfg.checkpoint,
+        )
+        step.assignment = assignment
+        step.program = program
+        return step, {}
+
+    def _after_agreement(self, step: Any, model: Any, optimizer: Any) -> None:
+        self._drop_other_stages(model, optimizer, step.assignment, step.pipeline.my_stages)
 
     # ------------------------------------------------------------------ dump
-    def _dump_stages(self, step: Any) -> None:
+    def _dump(self, step: Any, texts: dict[str, Any]) -> None:
         """The usual dump, plus one annotated file per stage piece (``stage_<s>_<F|B|O>.py``)
         and ``pipeline.txt``: the stage of every parameter, the values crossing stages and
         the schedule."""
@@ -302,7 +286,7 @@ class PipelinedStep(CompiledStep):
                     user_out[slot.index] = torch.zeros(tuple(v.shape), dtype=v.dtype, device=v.device)
             return pytree.tree_unflatten([user_out[i] for i in range(len(user_out))], traced.user_spec)
         state = self._state(model, optimizer)
-        leaves, _, paths = _flatten_batch(batch, kwargs)
+        leaves, _, paths = flatten_batch(batch, kwargs)
         m = self.pipeline.chunks
         chunked = {}
         for inp in traced.inputs:
@@ -323,27 +307,29 @@ class PipelinedStep(CompiledStep):
         values = runner.run(feed)
         pt.mark_optimizer_stepped(optimizer)
         out_nodes = next(n for n in step.gm.graph.nodes if n.op == "output").args[0]
-        user: dict[int, Any] = dict(traced.user_constants)
         mesh = self.mesh
         last_rank = runner.stage_rank(runner.last_stage)
-        for slot, node in zip(step.outputs, out_nodes):
-            if slot.kind == "user":
-                got = values.get(node.name)
+
+        def wrap(slot: Any, got: Any) -> Any:
+            if slot.kind == "user":  # the last stage has every micro-batch's value; everyone gets their mean or sum
                 if got is not None:
                     combined = torch.stack(got).mean(0) if self.pipeline.scale_grads else torch.stack(got).sum(0)
                 else:
-                    v = node.meta["val"]
+                    v = node_of[slot].meta["val"]
                     combined = torch.empty(tuple(v.shape), dtype=v.dtype, device=v.device)
                 dist.broadcast(combined, src=last_rank, group=runner.pp_group)
-                user[slot.index] = combined
-            elif slot.name in state.params and is_host_scalar(values[node.name][0]):
-                optimizer.state[state.params[slot.name]][slot.key] = values[node.name][0]
-            elif slot.name in state.params:
-                dt = DTensor.from_local(values[node.name][0], mesh, self._full_placements(slot.spec.placements), run_check=False,
-                                        shape=slot.spec.shape, stride=slot.spec.stride)
-                optimizer.state[state.params[slot.name]][slot.key] = dt
-            elif slot.name in self._ghosts:  # another stage's state: remember its shape
-                self._ghost_states.setdefault(slot.name, {})[slot.key] = (slot.spec.shape, slot.spec.tensor_meta.dtype)
+                return combined
+            if is_host_scalar(got[0]):
+                return got[0]
+            return DTensor.from_local(got[0], mesh, self._full_placements(slot.spec.placements), run_check=False,
+                                      shape=slot.spec.shape, stride=slot.spec.stride)
+
+        def missing(slot: Any) -> None:  # another stage's new optimizer state: remember its shape
+            assert slot.name in self._ghosts, f"optimizer state for {slot.name!r}, a parameter no stage holds"
+            self._ghost_states.setdefault(slot.name, {})[slot.key] = (slot.spec.shape, slot.spec.tensor_meta.dtype)
+
+        node_of = dict(zip(step.outputs, out_nodes))
+        result = store_outputs(step, [values.get(n.name) for n in out_nodes], state, optimizer, wrap, missing=missing)
         self.last_timeline = runner.timeline()
         if getattr(step, "timeline_pending", False):
             step.timeline_pending = False
@@ -351,7 +337,7 @@ class PipelinedStep(CompiledStep):
             if step.dump_folder is not None:
                 (step.dump_folder / "timeline.txt").write_text(format_timeline(everyone) + "\n")
                 (step.dump_folder / "timeline_trace.json").write_text(json.dumps(chrome_trace_events(everyone)))
-        return pytree.tree_unflatten([user[i] for i in range(len(user))], traced.user_spec)
+        return result
 
     # ------------------------------------------------------------------ timeline
     def gather_timeline(self) -> list[list[Any]]:

@@ -1,6 +1,5 @@
-"""Stage 3: splice recipes into the per-rank graph and finish it."""
+"""Stage 3: finish the per-rank graph an expansion spliced together (see :func:`finalize`)."""
 
 from .finalize import ExpandedStep, OutputSlot, finalize
-from .splice import splice_recipe
 
-__all__ = ["ExpandedStep", "OutputSlot", "finalize", "splice_recipe"]
+__all__ = ["ExpandedStep", "OutputSlot", "finalize"]

@@ -19,10 +19,8 @@ import torch.fx as fx
 
 from .. import _private_torch as pt
 from ..errors import SpmdError
-from ..expand.builder import SubgraphBuilder
-from ..expand.redistribute import emit_redistribute
+from ..expand.splice import redistribute_value
 from ..expand.values import DValue, MeshContext
-from .splice import splice_recipe
 
 __all__ = ["OutputSlot", "ExpandedStep", "finalize"]
 
@@ -85,21 +83,6 @@ def _storage_root(node: fx.Node) -> fx.Node:
         else:
             break
     return node
-
-
-def redistribute_value(ex: Any, value: DValue, dst: Any, reason: str, origin: fx.Node | None, value_name: str | None = None) -> DValue:
-    """Splice the redistribution of ``value`` to ``dst`` into the per-rank graph."""
-    if tuple(value.spec.placements) == tuple(dst.placements):
-        return value
-    b = SubgraphBuilder(ex.mctx, ex.fake_mode)
-    x = b.input(value.local, value.node.name)
-    mask = b.input(value.mask.meta["val"], "mask") if value.mask is not None else None
-    out, _ = emit_redistribute(b, x, value.spec, dst, mask=mask, reason=reason, input_index=0)
-    from ..expand.builder import OutTensor
-
-    recipe = b.finish(OutTensor(b.slot(out), dst))
-    inputs = [value.node] + ([value.mask] if value.mask is not None else [])
-    return splice_recipe(ex.graph, recipe, ex.coords, inputs, origin, [value_name or value.node.name])[0]
 
 
 def finalize(ex: Any, *, reduce_partial_outputs: bool = True) -> ExpandedStep:

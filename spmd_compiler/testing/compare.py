@@ -39,12 +39,13 @@ def assert_training_matches(
     fallback: str = "replicate",
     passes: Any = None,
     make_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+    **options: Any,
 ) -> TrainingComparison:
     """Train a copy of ``model`` on one device and on all ranks of ``mesh`` (simulated in
     this process) over ``batches``; assert losses and parameters agree within tolerance.
 
-    ``batches`` are global; each rank gets its shard as the plan says. ``passes`` are
-    optimization passes run on the per-rank graphs (default none). ``make_scheduler``
+    ``batches`` are global; each rank gets its shard as the plan says. ``passes`` and
+    ``options`` are ``compile()``'s (default: the same passes compile() runs). ``make_scheduler``
     builds an LR scheduler for an optimizer; it steps after every training step on both
     sides. Use float64 models for tight tolerances: Adam amplifies reduction-order
     rounding in float32.
@@ -54,7 +55,7 @@ def assert_training_matches(
     ref_opt = make_optimizer(ref.parameters())
     dist_opt = make_optimizer(dist_model.parameters())
     schedulers = [make_scheduler(ref_opt), make_scheduler(dist_opt)] if make_scheduler else []
-    sim = SimulatedTraining(step_fn, dist_model, dist_opt, mesh, plan, fallback=fallback, passes=passes)
+    sim = SimulatedTraining(step_fn, dist_model, dist_opt, mesh, plan, fallback=fallback, passes=passes, **options)
     losses, ref_losses = [], []
     for batch in batches:
         out = sim.step(*batch)

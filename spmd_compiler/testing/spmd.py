@@ -17,10 +17,10 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from ..expand import ExpansionCache, expand
+from ..driver import Options, build_program
+from ..expand import ExpansionCache
 from ..expand.values import placements_text
 from ..plan import Plan
-from ..trace import trace
 from .simulate import assemble, group_axes_of, rank_coordinates, run_lockstep, shard_tensor
 
 __all__ = ["assert_spmd_matches", "SpmdMismatch", "SpmdRun", "run_spmd"]
@@ -55,9 +55,11 @@ def run_spmd(
     fallback: str = "replicate",
     symbolic: str = "batch",
     cache: ExpansionCache | None = None,
+    passes: Any = None,
 ) -> SpmdRun:
     """Trace ``fn(*args)``, expand it with ``placements`` (one per tensor argument, in
-    order; default Replicate), run all ranks and return assembled and reference outputs."""
+    order; default Replicate) and optimize it as ``compile()`` does (``passes``: default
+    the same passes), run all ranks and return assembled and reference outputs."""
     args = list(args)
     mesh_shape = tuple(mesh.shape)
     tensor_args = [a for a in pytree.tree_leaves(args) if isinstance(a, torch.Tensor)]
@@ -69,14 +71,17 @@ def run_spmd(
     def step(model: Any, optimizer: Any, *a: Any) -> Any:
         return fn(*a)
 
-    traced = trace(step, _NoState(), None, *args, symbolic=symbolic)
     plan = Plan(inputs=list(placements), default_param=None)
+    options = Options(fallback=fallback, symbolic=symbolic, passes=passes)
     cache = cache or ExpansionCache()
     coords = rank_coordinates(mesh_shape)
-    first = expand(traced, mesh, plan, coordinate=coords[0], fallback=fallback, cache=cache)
+    first = build_program(step, _NoState(), None, tuple(args), {}, mesh, plan, options, coordinate=coords[0], cache=cache)
+    traced = first.traced
     steps = {coords[0]: first}
     for c in coords[1:]:
-        steps[c] = first if first.rank_independent else expand(traced, mesh, plan, coordinate=c, fallback=fallback, cache=cache)
+        steps[c] = first if first.rank_independent else build_program(
+            step, _NoState(), None, tuple(args), {}, mesh, plan, options, coordinate=c, cache=cache, traced=traced
+        )
     leaves = [x for x in pytree.tree_leaves((tuple(args), {})) if isinstance(x, torch.Tensor)]
     inputs = {c: [shard_tensor(t, s.placements, mesh_shape, c) for t, s in zip(leaves, first.input_specs)] for c in coords}
     envs: dict[tuple[int, ...], dict[str, Any]] = {}
@@ -141,13 +146,14 @@ def assert_spmd_matches(
     fallback: str = "replicate",
     symbolic: str = "batch",
     cache: ExpansionCache | None = None,
+    passes: Any = None,
 ) -> SpmdRun:
     """Assert that ``fn(*args)`` sharded over ``mesh`` equals ``fn(*args)`` on one device.
 
     ``placements`` gives, per tensor argument, one placement per mesh axis (uneven shards
     allowed). Raises :class:`SpmdMismatch` naming the first differing graph node.
     """
-    run = run_spmd(fn, args, mesh, placements, fallback=fallback, symbolic=symbolic, cache=cache)
+    run = run_spmd(fn, args, mesh, placements, fallback=fallback, symbolic=symbolic, cache=cache, passes=passes)
     if len(run.outputs) != len(run.reference):
         raise SpmdMismatch(f"the sharded program returned {len(run.outputs)} tensors, the single-device one {len(run.reference)}")
     for i, (got, want) in enumerate(zip(run.outputs, run.reference)):

@@ -114,7 +114,7 @@ class TracedStep:
         raise KeyError((kind, name, key))
 
 
-def _flatten_batch(batch: tuple, kwargs: dict) -> tuple[list[Any], pytree.TreeSpec, list[str]]:
+def flatten_batch(batch: tuple, kwargs: dict) -> tuple[list[Any], pytree.TreeSpec, list[str]]:
     leaves_with_path, spec = pytree.tree_flatten_with_path((batch, kwargs))
     leaves, paths = [], []
     for path, leaf in leaves_with_path:
@@ -189,7 +189,7 @@ def trace(
     if not callable(step_fn):
         raise TypeError(f"step_fn must be callable, got {type(step_fn).__name__}")
     state = collect_state(model, optimizer)
-    leaves, batch_spec, paths = _flatten_batch(batch, batch_kwargs)
+    leaves, batch_spec, paths = flatten_batch(batch, batch_kwargs)
 
     inputs: list[GraphInput] = []
     real: list[torch.Tensor] = []

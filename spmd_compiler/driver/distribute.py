@@ -21,7 +21,7 @@ from ..plan import Plan
 from ..trace.state import collect_state
 from ..trace.tracer import GraphInput
 
-__all__ = ["distribute_state", "state_inputs", "is_distributed"]
+__all__ = ["distribute_state", "state_inputs", "is_distributed", "is_host_scalar"]
 
 log = logging.getLogger(__name__)
 

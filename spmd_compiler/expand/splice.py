@@ -1,5 +1,8 @@
 """Splicing a recipe (the dispatch subgraph of one traced node) into the per-rank graph.
 
+Expansion splices as it goes (each traced node's recipe right after its inputs);
+:mod:`spmd_compiler.rebuild` only finishes the graph that results.
+
 Splicing maps the recipe's placeholders to nodes of the per-rank graph (the mesh
 coordinates and the local inputs), copies every other node, and records on each copy
 where it came from (``node.meta["spmd_origin"]``), so a dump can say why a collective
@@ -15,10 +18,11 @@ from torch.utils import _pytree as pytree
 
 from .. import _private_torch as pt
 from ..errors import user_source_line
-from ..expand.builder import OutScalar, OutTensor, Recipe
-from ..expand.values import DValue, RScalar
+from .builder import OutScalar, OutTensor, Recipe, SubgraphBuilder
+from .redistribute import emit_redistribute
+from .values import DValue, RScalar
 
-__all__ = ["splice_recipe", "fresh_spec"]
+__all__ = ["splice_recipe", "fresh_spec", "redistribute_value"]
 
 
 def fresh_spec(spec: Any) -> Any:
@@ -109,3 +113,16 @@ def splice_recipe(
     result = pytree.tree_map(to_value, recipe.result, is_leaf=lambda x: isinstance(x, (OutTensor, OutScalar)))
     replacements = {i: to_value(o) for i, o in recipe.replacements.items()}
     return result, replacements
+
+
+def redistribute_value(ex: Any, value: DValue, dst: Any, reason: str, origin: fx.Node | None, value_name: str | None = None) -> DValue:
+    """Splice the redistribution of ``value`` to ``dst`` into the per-rank graph."""
+    if tuple(value.spec.placements) == tuple(dst.placements):
+        return value
+    b = SubgraphBuilder(ex.mctx, ex.fake_mode)
+    x = b.input(value.local, value.node.name)
+    mask = b.input(value.mask.meta["val"], "mask") if value.mask is not None else None
+    out, _ = emit_redistribute(b, x, value.spec, dst, mask=mask, reason=reason, input_index=0)
+    recipe = b.finish(OutTensor(b.slot(out), dst))
+    inputs = [value.node] + ([value.mask] if value.mask is not None else [])
+    return splice_recipe(ex.graph, recipe, ex.coords, inputs, origin, [value_name or value.node.name])[0]

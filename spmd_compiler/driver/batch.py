@@ -1,0 +1,112 @@
+"""The batch and state side of the driver: placements of batch tensors, the global
+example batch behind each rank's shard, and the signature that picks a compiled program.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .. import _private_torch as pt
+from ..plan import Plan
+from ..trace.tracer import CONSTANT_LEAF_TYPES, GraphInput, flatten_batch
+
+__all__ = ["batch_placements", "sharded_batch_dims", "global_batch", "signature", "why_recompile"]
+
+
+def batch_placements(plan: Plan, paths: list[str], leaves: list[Any], ndim: int) -> list[tuple | None]:
+    """Placements of every batch leaf (None for constants), resolved without a trace."""
+    inputs = [
+        GraphInput("batch", path, tuple(leaf.shape), tuple(leaf.stride()), leaf.dtype, index=i, device=leaf.device)
+        for i, (path, leaf) in enumerate(zip(paths, leaves))
+        if isinstance(leaf, torch.Tensor)
+    ]
+    resolved = iter(plan.batch_placements(inputs, ndim))
+    return [next(resolved)[0] if isinstance(leaf, torch.Tensor) else None for leaf in leaves]
+
+
+def sharded_batch_dims(plan: Plan, args: tuple, kwargs: dict, ndim: int) -> dict[int, tuple[int, ...]]:
+    """Per batch leaf, the dims the plan shards: only those are traced as symbols
+    (an unsharded dim has the same size on every rank, and symbols slow the trace)."""
+    leaves, _, paths = flatten_batch(args, kwargs)
+    placements = batch_placements(plan, paths, leaves, ndim)
+    return {i: tuple(sorted({p.dim for p in pl if isinstance(p, pt.Shard)})) for i, pl in enumerate(placements) if pl is not None}
+
+
+def global_batch(batch: tuple, kwargs: dict, mesh: Any, plan: Plan, exchange: Any) -> tuple[tuple, dict]:
+    """Global example tensors for this rank's local batch (each rank passes its shard).
+
+    ``exchange(payload)`` gathers a payload from every rank (collective); the sharded
+    dims' global sizes are the sums of the ranks' local sizes along the mesh axes that
+    shard them. Unsharded dims must agree between ranks (ValueError naming the rank).
+    """
+    leaves, spec, paths = flatten_batch(batch, kwargs)
+    ndim = mesh.ndim
+    placements = batch_placements(plan, paths, leaves, ndim)
+    coord = tuple(mesh.get_coordinate())
+    local = [tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in leaves]
+    everyone = exchange((coord, local))
+    out = []
+    for i, (leaf, pl) in enumerate(zip(leaves, placements)):
+        if not isinstance(leaf, torch.Tensor):
+            out.append(leaf)
+            continue
+        shape = list(leaf.shape)
+        for d in range(len(shape)):
+            axes = [a for a, p in enumerate(pl) if isinstance(p, pt.Shard) and p.dim == d]
+            if not axes:
+                continue
+            if len(everyone) == 1:  # fake group or one process: assume even shards
+                for a in axes:
+                    shape[d] *= mesh.shape[a]
+                continue
+            shape[d] = sum(shapes[i][d] for c, shapes in everyone if all(c[a] == coord[a] for a in range(ndim) if a not in axes))
+        for c, shapes in everyone:
+            other = shapes[i]
+            for d in range(len(shape)):
+                sharded = any(isinstance(p, pt.Shard) and p.dim == d for p in pl)
+                if not sharded and other[d] != leaf.shape[d]:
+                    raise ValueError(
+                        f"{paths[i]} has size {leaf.shape[d]} in dim {d} here but {other[d]} on the rank at mesh "
+                        f"coordinate {c}; only the sharded dims of batch tensors may differ between ranks"
+                    )
+        out.append(torch.empty(shape, dtype=leaf.dtype, device=leaf.device).requires_grad_(leaf.requires_grad))
+    args, kw = pytree.tree_unflatten(out, spec)
+    return args, kw
+
+
+def signature(state: Any, batch: tuple, kwargs: dict) -> tuple:
+    """What selects a compiled program: the batch's structure, shapes, dtypes, devices
+    and constants, and the structure of the model and optimizer state."""
+    leaves, spec, paths = flatten_batch(batch, kwargs)
+    sig = []
+    for path, leaf in zip(paths, leaves):
+        if isinstance(leaf, torch.Tensor):
+            sig.append((path, tuple(leaf.shape), leaf.dtype, leaf.device.type, leaf.requires_grad))
+        else:
+            sig.append((path, type(leaf).__name__, leaf if isinstance(leaf, CONSTANT_LEAF_TYPES) else id(leaf)))
+    return (str(spec), tuple(sig), *state.signature())
+
+
+def why_recompile(old: tuple | None, key: tuple) -> str:
+    """The reason a call with signature ``key`` compiles again after ``old``."""
+    if old is None:
+        return "first call"
+    if old[2] != key[2]:
+        return "optimizer state changed (created by the first step)" if len(key[2]) > len(old[2]) else "optimizer state changed"
+    if old[1] != key[1]:
+        for a, b in zip(old[1], key[1]):
+            if a != b:
+                what = ["shape", "dtype", "device", "requires_grad"] if len(a) == 5 else ["type", "value"]
+                diffs = [f"{w} {x} -> {y}" for w, x, y in zip(what, a[1:], b[1:]) if x != y]
+                return f"{b[0]}: " + ", ".join(diffs)
+    if old[3] != key[3]:
+        return "model parameters changed"
+    if old[4] != key[4]:
+        for a, b in zip(old[4], key[4]):
+            if a != b:
+                return f"optimizer hyperparameter param_groups[{b[0]}][{b[1]!r}] changed: {a[2]} -> {b[2]}"
+        return "optimizer param groups changed"
+    return "batch structure changed"

@@ -1,0 +1,198 @@
+"""From a step function and its example inputs to one rank's optimized program.
+
+:func:`expand` runs stages 2 and 3 (expansion hands its result to rebuild);
+:func:`build_program` runs stages 1 to 4 for one mesh coordinate. ``compile()``, the
+pipeline and the simulated test harness all call these, with the same
+:class:`Options`, so a test that simulates every rank exercises the program a user runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..expand import ExpansionCache, MeshContext, expand_graph
+from ..plan import Plan
+from ..rebuild import ExpandedStep, finalize
+from ..trace import trace
+
+__all__ = ["Options", "expand", "build_program", "optimize_program", "gc_paused"]
+
+FALLBACKS = ("replicate", "error")
+SYMBOLIC = ("batch", "all", "none")
+
+
+@dataclass(frozen=True)
+class Options:
+    """How a step is compiled (the keyword options of ``spmd_compiler.compile``).
+
+    Attributes:
+        fallback: "replicate" runs ops without a sharding strategy on gathered inputs
+            (with a warning); "error" raises UnsupportedOpError.
+        symbolic: "batch" traces the plan's sharded batch dims as symbols; "all" every
+            batch dim; "none" no symbol.
+        passes: PassSpecs to run (None: :func:`spmd_compiler.optimize.default_passes`).
+        passes_disabled: names of passes to skip.
+        bucket_mb, first_bucket_mb: gradient bucket sizes for the default passes.
+        check_ranks: exchange program fingerprints between ranks at every compile.
+        dump_dir: write a dump folder per compile (``$SPMD_COMPILER_DUMP`` too).
+    """
+
+    fallback: str = "replicate"
+    symbolic: str = "batch"
+    passes: Sequence[Any] | None = None
+    passes_disabled: tuple[str, ...] = ()
+    bucket_mb: float = 25.0
+    first_bucket_mb: float | None = 1.0
+    check_ranks: bool = True
+    dump_dir: str | None = None
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.fallback not in FALLBACKS:
+            raise ValueError(f"fallback={self.fallback!r}: expected one of {list(FALLBACKS)}")
+        if self.symbolic not in SYMBOLIC:
+            raise ValueError(f"symbolic={self.symbolic!r}: expected one of {list(SYMBOLIC)}")
+        object.__setattr__(self, "passes_disabled", tuple(self.passes_disabled))
+
+    def pass_list(self) -> list[Any]:
+        """The passes to run, in order."""
+        if self.passes is not None:
+            return list(self.passes)
+        from ..optimize import default_passes
+
+        return default_passes(bucket_mb=self.bucket_mb, first_bucket_mb=self.first_bucket_mb)
+
+    @classmethod
+    def from_kwargs(cls, options: dict[str, Any]) -> "Options":
+        """Options from ``compile()``'s keywords; an unknown keyword is a TypeError naming the known ones."""
+        known = set(cls.__dataclass_fields__) - {"extra"}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            import difflib
+
+            hints = [f"{u!r} (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(u, known, n=1)) else repr(u) for u in unknown]
+            raise TypeError(f"unknown compile option(s) {', '.join(hints)}; expected some of {sorted(known)}")
+        return cls(**options)
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """No garbage collection while compiling: a compile builds tens of thousands of fx
+    nodes, and every full collection scans all of them (about 10% of a 32-layer compile).
+    The cycles made meanwhile are collected after."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def expand(
+    traced: Any,
+    mesh: Any,
+    plan: Plan | None = None,
+    *,
+    coordinate: tuple[int, ...] | None = None,
+    fallback: str = "replicate",
+    cache: ExpansionCache | None = None,
+    reduce_partial_outputs: bool = True,
+) -> ExpandedStep:
+    """Expand ``traced`` (from :func:`spmd_compiler.trace`) into the per-rank program.
+
+    Args:
+        traced: the TracedStep.
+        mesh: a ``DeviceMesh`` (1-D or 2-D).
+        plan: a :class:`spmd_compiler.Plan` (default: parameters Replicate, batch
+            Shard(0) on the first mesh axis, i.e. data parallel).
+        coordinate: expand for the rank at this mesh coordinate (default: this process's).
+            Only matters when some dim is sharded unevenly.
+        fallback: ``"replicate"`` runs ops without a sharding strategy on gathered
+            inputs (with a warning); ``"error"`` raises UnsupportedOpError instead.
+        cache: an ExpansionCache to share recipes across expansions.
+        reduce_partial_outputs: reduce Partial step outputs to Replicate.
+
+    Returns an :class:`~spmd_compiler.rebuild.ExpandedStep`.
+    """
+    if plan is None:
+        plan = Plan()
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan must be a spmd_compiler.Plan, got {type(plan).__name__}; fix: plan=spmd_compiler.Plan(...)")
+    mctx = MeshContext.of(mesh, coordinate)
+    resolved = plan.resolve(traced, mesh)
+    t0 = time.perf_counter()
+    expansion = expand_graph(
+        traced, mctx, resolved.placements, fallback=fallback, cache=cache, fsdp_axes=plan.fsdp_axis_indices(mesh),
+        activation_sharding=plan.activation_sharding,
+    )
+    t1 = time.perf_counter()
+    step = finalize(expansion, reduce_partial_outputs=reduce_partial_outputs)
+    t2 = time.perf_counter()
+    step.plan_sources = resolved.sources
+    step.timings = {"trace": traced.trace_seconds, "expand": t1 - t0, "rebuild": t2 - t1}
+    return step
+
+
+def optimize_program(
+    step: ExpandedStep, passes: Sequence[Any], *, disabled: Sequence[str] = (), texts: dict[str, Any] | None = None
+) -> ExpandedStep:
+    """Stage 4 on ``step`` (its ``gm`` is replaced); with ``texts``, the annotated graph
+    before and after every pass is recorded there for a dump."""
+    from ..optimize import run_passes
+
+    after: Callable[[str, Any], None] | None = None
+    if texts is not None:
+        from ..dump.printer import annotated_code
+
+        texts["expanded"] = annotated_code(step.gm, title="per-rank graph after expansion")
+        texts["passes"] = []
+
+        def after(name: str, gm: Any) -> None:
+            texts["passes"].append((name, annotated_code(gm, title=f"after pass {name}")))
+
+    t0 = time.perf_counter()
+    step.gm, step.pass_records = run_passes(step.gm, list(passes), disabled=tuple(disabled), after_pass=after)
+    step.timings["passes"] = time.perf_counter() - t0
+    for r in step.pass_records:
+        step.timings[f"pass {r.name}"] = r.seconds
+    return step
+
+
+def build_program(
+    fn: Callable[..., Any],
+    model: Any,
+    optimizer: Any,
+    args: tuple,
+    kwargs: dict[str, Any],
+    mesh: Any,
+    plan: Plan,
+    options: Options,
+    *,
+    coordinate: tuple[int, ...] | None = None,
+    cache: ExpansionCache | None = None,
+    traced: Any = None,
+    texts: dict[str, Any] | None = None,
+) -> ExpandedStep:
+    """Trace ``fn(model, optimizer, *args, **kwargs)`` on the *global* example batch,
+    expand it for the rank at ``coordinate`` and run the passes.
+
+    ``traced`` reuses a trace made for another coordinate of the same step (the trace
+    does not depend on the rank).
+    """
+    from .batch import sharded_batch_dims
+
+    if traced is None:
+        with gc_paused():
+            traced = trace(
+                fn, model, optimizer, *args, symbolic=options.symbolic,
+                symbolic_dims=sharded_batch_dims(plan, args, kwargs, len(tuple(mesh.shape))), **kwargs,
+            )
+    with gc_paused():
+        step = expand(traced, mesh, plan, coordinate=coordinate, fallback=options.fallback, cache=cache)
+    return optimize_program(step, options.pass_list(), disabled=options.passes_disabled, texts=texts)

@@ -1,0 +1,58 @@
+"""Feeding a compiled program and storing what it returns, bound by name.
+
+A program's inputs are its traced inputs (:class:`~spmd_compiler.trace.tracer.GraphInput`:
+a parameter, buffer or optimizer state by FQN, a batch leaf by path, a lifted
+hyperparameter by group); its outputs are :class:`~spmd_compiler.rebuild.OutputSlot`
+(a leaf of the step's return value, or optimizer state the step created, by FQN and key).
+The real runtime and the simulator both go through these two functions; they differ
+only in how a value becomes local (a DTensor's local shard, or a global tensor sharded
+for one simulated rank) and how a result is wrapped (a DTensor, or the assembled value).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch.utils import _pytree as pytree
+
+from ..trace.state import input_value
+
+__all__ = ["program_inputs", "store_outputs"]
+
+
+def program_inputs(step: Any, state: Any, batch_leaves: list[Any]) -> list[Any]:
+    """The value of every traced input of ``step``, looked up by name in ``state``
+    (parameters, buffers, optimizer state, hyperparameters) or by index in the batch."""
+    return [input_value(inp, state, batch_leaves) for inp in step.traced.inputs]
+
+
+def store_outputs(
+    step: Any,
+    values: list[Any],
+    state: Any,
+    optimizer: Any,
+    wrap: Callable[[Any, Any], Any],
+    *,
+    missing: Callable[[Any], None] | None = None,
+) -> Any:
+    """Put the program's outputs where they belong and return the step's result.
+
+    ``values[i]`` is the value of ``step.outputs[i]``; ``wrap(slot, value)`` turns it into
+    what the user sees. Optimizer state the step created is stored into
+    ``optimizer.state`` under its parameter (found by FQN); a slot whose parameter this
+    rank does not hold (a pipeline stage elsewhere) goes to ``missing``. ``None``
+    values (user outputs another rank holds) are skipped by ``wrap``'s caller.
+    """
+    traced = step.traced
+    user: dict[int, Any] = dict(traced.user_constants)
+    for slot, value in zip(step.outputs, values):
+        if slot.kind == "user":
+            user[slot.index] = wrap(slot, value)
+        elif slot.name in state.params:
+            optimizer.state[state.params[slot.name]][slot.key] = wrap(slot, value)
+        elif missing is not None:
+            missing(slot)
+        else:
+            raise AssertionError(f"output for optimizer state of {slot.name!r}, which the optimizer does not hold")
+    return pytree.tree_unflatten([user[i] for i in range(len(user))], traced.user_spec)

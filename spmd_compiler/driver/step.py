@@ -1,0 +1,253 @@
+"""The driver every compiled step runs on: one program per signature, agreed by all ranks.
+
+:class:`StepDriver` holds what a compiled step keeps between calls: the mesh, the plan,
+the :class:`~.build.Options`, the model's named state and one compiled program per call
+signature (batch shapes and dtypes, state structure, fixed hyperparameters). A call with
+a new signature compiles (``_build``, which a subclass provides) inside one block that
+every rank leaves together: an error on any rank, or programs that differ, raise on all
+ranks (:mod:`.agreement`). :class:`spmd_compiler.CompiledStep` runs the program on the
+local tensors; :class:`spmd_compiler.pipeline.step.PipelinedStep` runs it as a pipeline.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import gc
+import logging
+import os
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from .. import _private_torch as pt
+from ..expand import ExpansionCache
+from ..plan import Plan
+from ..trace.state import StateCache
+from .agreement import check_agreement, comm_device
+from .batch import signature, why_recompile
+from .build import Options
+from .distribute import distribute_state, is_distributed
+
+__all__ = ["StepDriver", "Program", "as_mesh"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Program:
+    """One compiled variant of the step (for one call signature)."""
+
+    step: Any  # ExpandedStep
+    compile_seconds: float
+    reason: str
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+_LIVE: "weakref.WeakSet[StepDriver]" = weakref.WeakSet()
+
+
+@atexit.register
+def _release_at_exit() -> None:
+    """Free what holds process groups before the interpreter shuts down (best effort).
+
+    A compiled graph reaches the DeviceMesh through the placements recorded on its
+    nodes, DTensor's process-wide caches hold meshes too, and a mesh holds its process
+    groups. Whatever is still alive at interpreter shutdown is destroyed there, where
+    gloo's worker threads can no longer take the GIL to release the tensors of their
+    last collective, and the process can abort ("terminate called without an active
+    exception") after the training itself succeeded. Scripts launched by torchrun should
+    end with ``os._exit`` after ``destroy_process_group()``, as ``examples/train_gpt.py`` does.
+    """
+    for step in list(_LIVE):
+        step._release()
+    pt.clear_dtensor_caches()
+    gc.collect()
+
+
+def as_mesh(mesh: Any) -> DeviceMesh:
+    """A DeviceMesh from a DeviceMesh, a shape tuple or a ``{name: size}`` dict."""
+    if isinstance(mesh, DeviceMesh):
+        return mesh
+    if isinstance(mesh, dict):
+        names, shape = tuple(mesh), tuple(int(v) for v in mesh.values())
+    elif isinstance(mesh, (tuple, list)) and all(isinstance(s, int) for s in mesh):
+        names, shape = None, tuple(mesh)
+    else:
+        raise TypeError(f"mesh must be a DeviceMesh, a shape tuple or a {{name: size}} dict, got {type(mesh).__name__}")
+    if not dist.is_initialized():
+        raise ValueError(
+            f"mesh {shape} needs an initialized process group; call torch.distributed.init_process_group() "
+            f"first (torchrun sets up the environment for it)"
+        )
+    world = dist.get_world_size()
+    size = 1
+    for s in shape:
+        size *= s
+    if size > world:
+        raise ValueError(f"mesh {dict(zip(names, shape)) if names else shape} needs {size} ranks but the world has {world}; fix: launch {size} processes or shrink the mesh")
+    return init_device_mesh(comm_device().type, shape, mesh_dim_names=names)  # NCCL: cuda, else cpu
+
+
+class StepDriver:
+    """A training step compiled for a mesh; call it like the original step.
+
+    Attributes:
+        mesh: the DeviceMesh; ``plan``: the Plan; ``options``: the compile Options.
+        compiles: how many times the step was (re)compiled.
+        last: the ExpandedStep that ran last (its ``gm`` is the per-rank graph).
+    """
+
+    def __init__(self, fn: Callable[..., Any], *, mesh: Any, plan: Plan | None = None, **options: Any) -> None:
+        if not callable(fn):
+            raise TypeError(f"compile() needs a callable train_step, got {type(fn).__name__}")
+        if plan is not None and not isinstance(plan, Plan):
+            raise TypeError(f"plan must be a spmd_compiler.Plan, got {type(plan).__name__}; fix: plan=spmd_compiler.Plan(...)")
+        self.fn = fn
+        self.options = Options.from_kwargs(options)
+        self._mesh_arg = mesh
+        self._mesh: DeviceMesh | None = mesh if isinstance(mesh, DeviceMesh) else None
+        self.plan = plan or Plan()
+        self.cache = ExpansionCache()
+        self._states = StateCache()
+        _LIVE.add(self)
+        self._programs: dict[Any, Program] = {}
+        self._last_key: Any = None
+        self.compiles = 0
+        self.last: Any = None
+        self.dumps: list[Any] = []
+        self.passes = self.options.pass_list()
+        # explain mode (python -m spmd_compiler explain): compile and dump, never execute
+        self.explain = os.environ.get("SPMD_COMPILER_EXPLAIN") == "1"
+        functools.update_wrapper(self, fn)
+
+    # options, as attributes (read by dumps and tests)
+    fallback = property(lambda self: self.options.fallback)
+    symbolic = property(lambda self: self.options.symbolic)
+    check_ranks = property(lambda self: self.options.check_ranks)
+    dump_dir = property(lambda self: self.options.dump_dir)
+    passes_disabled = property(lambda self: self.options.passes_disabled)
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        if self._mesh is None:
+            self._mesh = as_mesh(self._mesh_arg)
+        return self._mesh
+
+    # ------------------------------------------------------------------ state
+    def distribute(self, model: torch.nn.Module, optimizer: Any = None) -> None:
+        """Shard ``model``/``optimizer`` per the plan now (the first call does it too).
+
+        Call it before loading a checkpoint, so the state dicts hold DTensors to load into.
+        """
+        if not is_distributed(model):
+            distribute_state(model, optimizer, self.mesh, self.plan)
+
+    def _state(self, model: torch.nn.Module, optimizer: Any) -> Any:
+        """The named state of ``model``/``optimizer`` (cached between calls)."""
+        return self._states.get(model, optimizer)
+
+    # ------------------------------------------------------------------ call
+    def __call__(self, model: torch.nn.Module, optimizer: Any, *batch: Any, **kwargs: Any) -> Any:
+        state = self._state(model, optimizer)
+        if not state.params or not all(isinstance(p, DTensor) for p in state.params.values()):
+            self.distribute(model, optimizer)
+        key = signature(self._state(model, optimizer), batch, kwargs)
+        program = self._programs.get(key)
+        if program is None:
+            program = self._compile(model, optimizer, batch, kwargs, why_recompile(self._last_key, key))
+            self._programs[key] = program
+        self._last_key = key
+        self.last = program.step
+        return self._run(program.step, model, optimizer, batch, kwargs)
+
+    def _compile(self, model: Any, optimizer: Any, batch: tuple, kwargs: dict, reason: str) -> Program:
+        """``_build`` on every rank, then agreement: all ranks return, or all raise."""
+        name = getattr(self.fn, "__name__", "step")
+        log.info("compiling %s (%s)", name, reason)
+        start = time.perf_counter()
+        error: BaseException | None = None
+        step, texts = None, {}
+        try:
+            step, texts = self._build(model, optimizer, batch, kwargs)
+        except Exception as e:  # reported to every rank by check_agreement
+            error = e
+        if self.options.check_ranks:
+            groups = {} if step is None else {g: n for g, n in zip(step.mctx.group_names, step.mctx.axis_names)}
+            check_agreement(step.gm if step else None, groups, with_sizes=bool(step and step.rank_independent), error=error)
+        elif error is not None:
+            raise error
+        self._after_agreement(step, model, optimizer)
+        elapsed = time.perf_counter() - start
+        self.compiles += 1
+        step.timings["total"] = elapsed
+        self._dump(step, texts)
+        if log.isEnabledFor(logging.INFO):
+            from ..dump.summary import comm_summary
+
+            log.info("collectives per rank per step:\n%s", comm_summary(step.gm).table())
+            log.info(
+                "compiled %s in %.2fs (%s): %d nodes, %d collectives", name, elapsed,
+                ", ".join(f"{k} {v:.2f}s" for k, v in step.timings.items() if not k.startswith("pass ") and k != "total"),
+                len(step.gm.graph.nodes), len(step.collectives()),
+            )
+        return Program(step, elapsed, reason, dict(step.timings))
+
+    # ------------------------------------------------------------------ what subclasses provide
+    def _build(self, model: Any, optimizer: Any, batch: tuple, kwargs: dict) -> tuple[Any, dict[str, Any]]:
+        """This rank's program for the call (and graph texts for a dump)."""
+        raise NotImplementedError
+
+    def _after_agreement(self, step: Any, model: Any, optimizer: Any) -> None:
+        """Called once all ranks compiled the same program."""
+
+    def _dump(self, step: Any, texts: dict[str, Any]) -> None:
+        from ..dump.writer import dump_root, write_dump
+
+        if not self._dumping():
+            return
+        name = getattr(self.fn, "__name__", "step")
+        folder = write_dump(
+            dump_root(self.dump_dir), step, name=name, expanded_text=texts.get("expanded"), pass_texts=texts.get("passes", []),
+            info={"world size": dist.get_world_size() if dist.is_initialized() else 1},
+        )
+        self.dumps.append(folder)
+        log.info("dump of %s written to %s", name, folder)
+
+    def _run(self, step: Any, model: Any, optimizer: Any, batch: tuple, kwargs: dict) -> Any:
+        raise NotImplementedError
+
+    def _dumping(self) -> bool:
+        from ..dump.writer import dump_root, should_dump
+
+        return dump_root(self.dump_dir) is not None and should_dump(dist.get_rank() if dist.is_initialized() else 0)
+
+    def _release(self) -> None:
+        """Drop compiled programs and cached state (the next call compiles again)."""
+        self._programs.clear()
+        self._last_key = None
+        self.last = None
+        self.cache = ExpansionCache()
+        self._states = StateCache()
+
+    # ------------------------------------------------------------------ introspection
+    def comm_summary(self) -> Any:
+        """Collectives of the last compiled graph per kind, axis and phase (per rank per step)."""
+        from ..dump.summary import comm_summary
+
+        if self.last is None:
+            raise RuntimeError("the step has not been compiled yet; call it once first")
+        return comm_summary(self.last.gm)
+
+    def timings(self) -> dict[str, float]:
+        """Seconds per compile phase of the last compile (trace, expand, rebuild, passes, total)."""
+        if self._last_key is None:
+            return {}
+        return dict(self._programs[self._last_key].timings)
