@@ -22,7 +22,12 @@ from .builder import OutScalar, OutTensor, Recipe, SubgraphBuilder
 from .redistribute import emit_redistribute
 from .values import DValue, RScalar
 
-__all__ = ["splice_recipe", "fresh_spec", "redistribute_value"]
+__all__ = ["splice_recipe", "fresh_spec", "redistribute_value", "RANK_SIZES"]
+
+# node.meta key: the node's size arguments are this rank's (an uneven shard), other ranks
+# have other sizes in the same place; a pass that compares sizes must leave it alone, or
+# the ranks' programs stop being the same program
+RANK_SIZES = "spmd_rank_sizes"
 
 
 def fresh_spec(spec: Any) -> Any:
@@ -76,6 +81,8 @@ def splice_recipe(
             outputs = [env[x] for x in n.args[0]]
             break
         new = graph.node_copy(n, lambda x: env[x])
+        if recipe.coord_dependent:  # sizes differ between ranks: passes must not decide on them
+            new.meta[RANK_SIZES] = True
         if record is not None:
             new.meta["spmd_origin"] = record
             new.meta["spmd_phase"] = origin.meta.get("spmd_phase", "output")

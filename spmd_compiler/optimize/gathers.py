@@ -55,6 +55,35 @@ def _param_of(n: fx.Node) -> str | None:
     return None
 
 
+def _first_use(m: fx.Node, pos: dict[fx.Node, float]) -> float:
+    """Position of the first use of ``m``'s result (its wait's first user)."""
+    waits = [u for u in m.users if is_wait(u)]
+    uses = [u for w in waits for u in w.users] or waits
+    return min((pos[u] for u in uses), default=float("inf"))
+
+
+def _ready(m: fx.Node, pos: dict[fx.Node, float]) -> float:
+    """Position after which ``m``'s input (before its preparation chain) exists."""
+    chain = prep_chain(m)
+    inside = set(chain)
+    sources = [a for c in chain for a in c.all_input_nodes if a not in inside] if chain else list(m.all_input_nodes)
+    return max((pos[a] for a in sources), default=float("-inf"))
+
+
+def _fusable(members: list[fx.Node], pos: dict[fx.Node, float]) -> list[fx.Node]:
+    """The members whose inputs exist before the earliest first use among them (the
+    fused gather goes there); a gather of a value made later (a parameter view computed
+    in backward) stays on its own."""
+    members = list(members)
+    while len(members) > 1:
+        anchor = min(_first_use(m, pos) for m in members)
+        late = [m for m in members if _ready(m, pos) >= anchor]
+        if not late:
+            break
+        members = [m for m in members if m not in late]
+    return members
+
+
 def _fuse(gm: fx.GraphModule, members: list[fx.Node], unit: str, pos: dict[fx.Node, float]) -> None:
     g = gm.graph
     first = members[0].meta["spmd_comm"]
@@ -115,6 +144,7 @@ def bucket_parameter_gathers_pass(gm: fx.GraphModule, *, by: str = "unit") -> fx
         c = n.meta["spmd_comm"]
         groups[(unit_of(fqn), n.args[-1], c["dtype"], c["group_size"])].append(n)
     for (unit, *_), members in groups.items():
+        members = _fusable(members, pos)
         if len(members) > 1:
             _fuse(gm, members, unit, pos)
             pos = positions(gm)

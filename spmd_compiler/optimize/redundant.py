@@ -9,6 +9,10 @@ same value can appear several times. This pass
 * folds an all_gather whose result is immediately narrowed back to this rank's own chunk
   (``Shard -> Replicate -> Shard`` on the same dim and axis): the narrow is the input.
 
+Nodes whose sizes are this rank's own (uneven shards, ``meta[RANK_SIZES]``) are left
+alone: two of them may look identical on one rank and differ on another, and every rank
+must end with the same program.
+
 A merged collective keeps its provenance and records what it absorbed
 (``meta["spmd_comm"]["history"]``).
 """
@@ -21,6 +25,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from ..expand.splice import RANK_SIZES
 from .graph_utils import alias_root, is_collective, is_pure, is_wait, positions, writes_by_root, written_roots, written_through
 
 __all__ = ["remove_redundant_collectives_pass", "cse_pass"]
@@ -54,7 +59,7 @@ def cse_pass(gm: fx.GraphModule) -> fx.GraphModule:
             continue
         if not (is_pure(node) or is_collective(node) or is_wait(node)):
             continue
-        if node in written:
+        if node in written or RANK_SIZES in node.meta:  # sizes differ per rank: merging would be rank-specific
             continue
         key = (node.target, _key(node.args), _key(node.kwargs))
         prev = seen.get(key)
@@ -102,7 +107,7 @@ def fold_gather_narrow_pass(gm: fx.GraphModule) -> fx.GraphModule:
             continue
         src, dim, start, length = node.args
         found = _gathered_from(src)
-        if found is None:
+        if found is None or RANK_SIZES in node.meta:  # uneven: only some ranks' narrows would fold
             continue
         x, gdim, axis = found
         if alias_root(x) in written:
