@@ -7,6 +7,7 @@ Stages (one subpackage each): ``trace`` -> ``expand`` -> ``rebuild`` -> ``optimi
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from .errors import (
+    CollectiveError,
     RankMismatchError,
     SpmdError,
     UnevenShardingError,
@@ -45,4 +46,5 @@ __all__ = [
     "UnsupportedPlacementError",
     "UnevenShardingError",
     "RankMismatchError",
+    "CollectiveError",
 ]

@@ -432,3 +432,25 @@ def raw_operator(target: Any) -> Any:
 
 
 __all__ += ["raw_operator"]
+
+
+def set_group_timeout(group: Any, seconds: float) -> None:
+    """Timeout of the collectives on ``group`` (gloo: 30 min by default, NCCL: 10 min)."""
+    from datetime import timedelta
+
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    _set_pg_timeout(timedelta(seconds=seconds), group)
+
+
+def default_store() -> Any:
+    """The rendezvous key-value store of the default process group (None if there is none)."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    try:
+        return _get_default_store()
+    except (RuntimeError, ValueError):
+        return None
+
+
+__all__ += ["set_group_timeout", "default_store"]

@@ -121,3 +121,12 @@ class UnevenShardingError(UnsupportedPlacementError):
 
 class RankMismatchError(SpmdError):
     """Ranks compiled different graphs; raised on every rank at once."""
+
+
+class CollectiveError(SpmdError):
+    """A collective of the step failed (a timeout, a peer that died); raised on every
+    surviving rank, naming the step, the collective's provenance and the ranks that did
+    not report."""
+
+
+__all__ += ["CollectiveError"]

@@ -62,7 +62,9 @@ def global_batch(batch: tuple, kwargs: dict, mesh: Any, plan: Plan, exchange: An
                 for a in axes:
                     shape[d] *= mesh.shape[a]
                 continue
-            shape[d] = sum(shapes[i][d] for c, shapes in everyone if all(c[a] == coord[a] for a in range(ndim) if a not in axes))
+            peers = [(c, shapes[i][d]) for c, shapes in everyone if all(c[a] == coord[a] for a in range(ndim) if a not in axes)]
+            shape[d] = sum(n for _, n in peers)
+            _check_chunk_layout(paths[i], d, shape[d], axes, mesh, peers)
         for c, shapes in everyone:
             other = shapes[i]
             for d in range(len(shape)):
@@ -75,6 +77,27 @@ def global_batch(batch: tuple, kwargs: dict, mesh: Any, plan: Plan, exchange: An
         out.append(torch.empty(shape, dtype=leaf.dtype, device=leaf.device).requires_grad_(leaf.requires_grad))
     args, kw = pytree.tree_unflatten(out, spec)
     return args, kw
+
+
+def _check_chunk_layout(path: str, dim: int, total: int, axes: list[int], mesh: Any, peers: list[tuple[tuple, int]]) -> None:
+    """Each rank's rows must be the shard the program gives its coordinate: torch.chunk's
+    layout (every rank ceil(total/n) rows, the last ones fewer), as ``x.chunk(world)[rank]``
+    and DTensor cut them. Every rank sees the same sizes, so all raise together."""
+    if len(axes) != 1:
+        return
+    n = mesh.shape[axes[0]]
+    chunk = -(-total // n) if total else 0
+    want = {j: max(0, min(chunk, total - j * chunk)) for j in range(n)}
+    got = {c[axes[0]]: size for c, size in peers}
+    if any(got[j] != want[j] for j in got):
+        have = ", ".join(f"coordinate {j}: {got[j]}" for j in sorted(got))
+        expect = ", ".join(f"{want[j]}" for j in sorted(want))
+        raise ValueError(
+            f"{path}: the ranks hold {have} rows of dim {dim} (global {total}), but a global size of {total} is "
+            f"split as [{expect}] over mesh axis {axes[0]} (torch.chunk's layout); the program would read rows that "
+            f"are not there. fix: split each batch with x.chunk(world)[rank] / tensor_split, drop the last partial "
+            f"batch (DataLoader(drop_last=True)), or pad it to a multiple of {n}"
+        )
 
 
 def signature(state: Any, batch: tuple, kwargs: dict) -> tuple:

@@ -40,6 +40,9 @@ class Options:
         bucket_mb, first_bucket_mb: gradient bucket sizes for the default passes.
         check_ranks: exchange program fingerprints between ranks at every compile.
         dump_dir: write a dump folder per compile (``$SPMD_COMPILER_DUMP`` too).
+        cache_size: compiled programs kept (least recently used evicted, logged at INFO).
+        timeout: seconds a collective may wait for the other ranks before every rank
+            raises CollectiveError (None: the process group's own timeout).
     """
 
     fallback: str = "replicate"
@@ -50,6 +53,8 @@ class Options:
     first_bucket_mb: float | None = 1.0
     check_ranks: bool = True
     dump_dir: str | None = None
+    cache_size: int = 8
+    timeout: float | None = 300.0
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -58,6 +63,10 @@ class Options:
         if self.symbolic not in SYMBOLIC:
             raise ValueError(f"symbolic={self.symbolic!r}: expected one of {list(SYMBOLIC)}")
         object.__setattr__(self, "passes_disabled", tuple(self.passes_disabled))
+        if not isinstance(self.cache_size, int) or self.cache_size < 1:
+            raise ValueError(f"cache_size={self.cache_size!r}: expected an int >= 1 (compiled programs to keep)")
+        if self.timeout is not None and not (isinstance(self.timeout, (int, float)) and self.timeout > 0):
+            raise ValueError(f"timeout={self.timeout!r}: expected seconds > 0, or None for the process group's own")
 
     def pass_list(self) -> list[Any]:
         """The passes to run, in order."""

@@ -14,10 +14,12 @@ from __future__ import annotations
 import atexit
 import functools
 import gc
+import hashlib
 import logging
 import os
 import time
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,12 +33,18 @@ from .. import _private_torch as pt
 from ..expand import ExpansionCache
 from ..plan import Plan
 from ..trace.state import StateCache
-from .agreement import check_agreement, comm_device
+from .agreement import check_agreement, comm_device, exchange
 from .batch import signature, why_recompile
 from .build import Options
 from .distribute import distribute_state, is_distributed
+from .failure import collective_failure
+from .guard import GuardError, Resync, StepGuard
 
 __all__ = ["StepDriver", "Program", "as_mesh"]
+
+
+def _agreed() -> None:
+    """The check of a step whose program every rank has just agreed on."""
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +57,7 @@ class Program:
     compile_seconds: float
     reason: str
     timings: dict[str, float] = field(default_factory=dict)
+    local_key: Any = None  # this rank's call signature for it
 
 
 _LIVE: "weakref.WeakSet[StepDriver]" = weakref.WeakSet()
@@ -118,7 +127,10 @@ class StepDriver:
         self.cache = ExpansionCache()
         self._states = StateCache()
         _LIVE.add(self)
-        self._programs: dict[Any, Program] = {}
+        self._programs: OrderedDict[Any, Program] = OrderedDict()  # by every rank's signature, least recent first
+        self._current: Program | None = None  # the program every rank agreed on last
+        self._guard: StepGuard | None = None
+        self.calls = 0
         self._last_key: Any = None
         self.compiles = 0
         self.last: Any = None
@@ -160,13 +172,59 @@ class StepDriver:
         if not state.params or not all(isinstance(p, DTensor) for p in state.params.values()):
             self.distribute(model, optimizer)
         key = signature(self._state(model, optimizer), batch, kwargs)
-        program = self._programs.get(key)
-        if program is None:
-            program = self._compile(model, optimizer, batch, kwargs, why_recompile(self._last_key, key))
-            self._programs[key] = program
-        self._last_key = key
-        self.last = program.step
-        return self._run(program.step, model, optimizer, batch, kwargs)
+        self.calls += 1
+        if self._guard is None:  # every rank's first call: set up together
+            self._setup_groups()
+        current = self._current
+        name = getattr(self.fn, "__name__", "step")
+        if current is not None:
+            try:
+                check = self._guard.start(changed=current.local_key != key)
+                if current.local_key == key:
+                    self._last_key, self.last = key, current.step
+                    return self._run(current.step, model, optimizer, batch, kwargs, check)
+                check()  # raises Resync: this rank's signature changed, the others learn it from the flag
+            except Resync:
+                log.info("call %d: a rank's call signature changed; agreeing on the program anew", self.calls)
+            except GuardError as e:
+                raise collective_failure(e, where="the per-step check that every rank runs the same program (before "
+                                         "the step's first collective)", step_name=name, call=self.calls, timeout=self.options.timeout) from e
+        try:
+            digest = hashlib.sha1(repr(key).encode()).hexdigest()
+            everyone = tuple(exchange(digest))
+        except RuntimeError as e:
+            raise collective_failure(e, where="the exchange of call signatures that picks the program", step_name=name,
+                                     call=self.calls, timeout=self.options.timeout) from e
+        program = self._agree_program(model, optimizer, batch, kwargs, key, everyone)
+        self._current = program
+        self._last_key, self.last = key, program.step
+        return self._run(program.step, model, optimizer, batch, kwargs, _agreed)
+
+    def _setup_groups(self) -> None:
+        """The step guard's group, and the collective timeout on the mesh's groups."""
+        timeout = self.options.timeout
+        self._guard = StepGuard(self.mesh, timeout)
+        if timeout is None or not dist.is_initialized() or dist.get_backend() == "fake":
+            return
+        for axis in range(self.mesh.ndim):
+            pt.set_group_timeout(self.mesh.get_group(axis), timeout)
+        if self._guard.group is not None:
+            pt.set_group_timeout(self._guard.group, timeout)
+
+    def _agree_program(self, model: Any, optimizer: Any, batch: tuple, kwargs: dict, key: Any, everyone: tuple) -> Program:
+        """Every rank together, with every rank's call signature (``everyone``): reuse the
+        program compiled for exactly these signatures or compile one (collective)."""
+        program = self._programs.get(everyone)
+        if program is not None:
+            self._programs.move_to_end(everyone)
+            return program
+        program = self._compile(model, optimizer, batch, kwargs, why_recompile(self._last_key, key))
+        program.local_key = key
+        self._programs[everyone] = program
+        while len(self._programs) > self.options.cache_size:
+            _, old = self._programs.popitem(last=False)
+            log.info("compile cache full (cache_size=%d): dropped the least recently used program (%s)", self.options.cache_size, old.reason)
+        return program
 
     def _compile(self, model: Any, optimizer: Any, batch: tuple, kwargs: dict, reason: str) -> Program:
         """``_build`` on every rank, then agreement: all ranks return, or all raise."""
@@ -175,9 +233,10 @@ class StepDriver:
         start = time.perf_counter()
         error: BaseException | None = None
         step, texts = None, {}
-        try:
+        try:  # anything that can fail on one rank fails here, before the step's first collective
             step, texts = self._build(model, optimizer, batch, kwargs)
-        except Exception as e:  # reported to every rank by check_agreement
+            self._dump(step, texts)
+        except BaseException as e:  # reported to every rank by check_agreement (an interrupt too)
             error = e
         if self.options.check_ranks:
             groups = {} if step is None else {g: n for g, n in zip(step.mctx.group_names, step.mctx.axis_names)}
@@ -188,7 +247,6 @@ class StepDriver:
         elapsed = time.perf_counter() - start
         self.compiles += 1
         step.timings["total"] = elapsed
-        self._dump(step, texts)
         if log.isEnabledFor(logging.INFO):
             from ..dump.summary import comm_summary
 
@@ -221,7 +279,9 @@ class StepDriver:
         self.dumps.append(folder)
         log.info("dump of %s written to %s", name, folder)
 
-    def _run(self, step: Any, model: Any, optimizer: Any, batch: tuple, kwargs: dict) -> Any:
+    def _run(self, step: Any, model: Any, optimizer: Any, batch: tuple, kwargs: dict, check: Callable[[], None]) -> Any:
+        """Run ``step``; call ``check()`` before its first collective, write or random op
+        (it raises Resync when another rank's signature changed: nothing may have changed yet)."""
         raise NotImplementedError
 
     def _dumping(self) -> bool:
@@ -232,6 +292,7 @@ class StepDriver:
     def _release(self) -> None:
         """Drop compiled programs and cached state (the next call compiles again)."""
         self._programs.clear()
+        self._current = None
         self._last_key = None
         self.last = None
         self.cache = ExpansionCache()
@@ -248,6 +309,6 @@ class StepDriver:
 
     def timings(self) -> dict[str, float]:
         """Seconds per compile phase of the last compile (trace, expand, rebuild, passes, total)."""
-        if self._last_key is None:
+        if self._current is None:
             return {}
-        return dict(self._programs[self._last_key].timings)
+        return dict(self._current.timings)

@@ -275,8 +275,9 @@ class PipelinedStep(StepDriver):
         return ctx()
 
     # ------------------------------------------------------------------ run
-    def _run(self, step: Any, model: Any, optimizer: Any, batch: tuple, kwargs: dict) -> Any:
+    def _run(self, step: Any, model: Any, optimizer: Any, batch: tuple, kwargs: dict, check: Any) -> Any:
         traced, runner = step.traced, step.pipeline
+        check()  # every rank on this program (a pipeline's first action may already be a send)
         if self.explain:  # python -m spmd_compiler explain: compiled and dumped, never run
             out_nodes = next(n for n in step.gm.graph.nodes if n.op == "output").args[0]
             user_out: dict[int, Any] = dict(traced.user_constants)

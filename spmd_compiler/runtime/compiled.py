@@ -21,6 +21,8 @@ from torch.distributed.tensor import DTensor
 
 from .. import _private_torch as pt
 from ..driver import StepDriver, build_program, exchange, global_batch, is_host_scalar, program_inputs, store_outputs
+from ..driver.failure import collective_failure, failed_node, is_collective_node
+from ..driver.guard import GuardError, Resync, first_effect
 from ..plan import Plan
 from ..trace.tracer import flatten_batch
 from .executor import compile_runner
@@ -49,19 +51,28 @@ class CompiledStep(StepDriver):
         )
         return step, texts or {}
 
-    def _run(self, step: Any, model: Any, optimizer: Any, batch: tuple, kwargs: dict) -> Any:
+    def _run(self, step: Any, model: Any, optimizer: Any, batch: tuple, kwargs: dict, check: Callable[[], None]) -> Any:
         state = self._state(model, optimizer)
         leaves, _, _ = flatten_batch(batch, kwargs)
         inputs: list[Any] = [*step.mctx.coordinate, *(pt.local_tensor(v) for v in program_inputs(step, state, leaves))]
         if self.explain:
+            check()
             vals = [n.meta["val"] for n in step.gm.graph.find_nodes(op="output")[0].args[0]]
             outs = [torch.zeros(v.shape, dtype=v.dtype, device=v.device) for v in vals]
         else:
             runner = getattr(step, "runner", None)
             if runner is None:
-                runner = step.runner = compile_runner(step.gm)
-            with torch.no_grad():
-                outs = runner(*inputs)
+                runner = step.runner = compile_runner(step.gm, guard=True, check_before=first_effect(step.gm))
+            try:
+                with torch.no_grad():
+                    outs = runner(*inputs, _check=check)
+            except (Resync, GuardError):
+                raise
+            except RuntimeError as e:  # gloo/NCCL: a timeout or a dead peer
+                if not is_collective_node(failed_node(e, runner)):
+                    raise
+                raise collective_failure(e, runner, step_name=getattr(self.fn, "__name__", "step"), call=self.calls,
+                                         timeout=self.options.timeout) from e
             pt.mark_optimizer_stepped(optimizer)
         mesh = self.mesh
 
@@ -94,7 +105,8 @@ def compile(fn: Callable[..., Any] | None = None, *, mesh: Any, plan: Plan | Non
             PassSpec; default :func:`spmd_compiler.optimize.default_passes`),
             ``passes_disabled`` (pass names to skip), ``bucket_mb`` (gradient bucket size,
             25), ``first_bucket_mb`` (size of each group's first bucket, 1 as in DDP;
-            None: ``bucket_mb``); and ``pipeline`` (a :class:`spmd_compiler.Pipeline`: run
+            None: ``bucket_mb``), ``cache_size`` (programs kept, 8), ``timeout`` (seconds a
+            collective waits for the other ranks, 300; None: the process group's); and ``pipeline`` (a :class:`spmd_compiler.Pipeline`: run
             the step as a pipeline over one mesh axis; the plan then gives placements for
             the other axes).
     """

@@ -26,9 +26,15 @@ __all__ = ["compile_runner"]
 _LITERALS = (bool, int, str, type(None))
 
 
-def compile_runner(gm: fx.GraphModule) -> Callable[..., Any]:
+def compile_runner(gm: fx.GraphModule, *, guard: bool = False, check_before: fx.Node | None = None) -> Callable[..., Any]:
     """A function equivalent to ``gm.forward`` for a flat graph of call_function,
-    get_attr, placeholder and output nodes."""
+    get_attr, placeholder and output nodes.
+
+    With ``guard`` the function takes a keyword ``_check``, a callable it calls right
+    before running ``check_before`` (or before returning, if that is None or absent):
+    the step guard's wait (:mod:`spmd_compiler.driver.guard`). ``run.node_at_line`` maps a
+    line of the generated code to the node it runs (for errors).
+    """
     nodes = list(gm.graph.nodes)
     last_use: dict[fx.Node, int] = {}
     for i, n in enumerate(nodes):
@@ -53,13 +59,19 @@ def compile_runner(gm: fx.GraphModule) -> Callable[..., Any]:
         return bind(x, type(x).__name__)  # dtypes, devices, memory formats, inf/nan
 
     params = [n.name for n in nodes if n.op == "placeholder"]
-    lines = [f"def run({', '.join(params)}):"]
+    guarded = guard
+    lines = [f"def run({', '.join(params + (['*', '_check'] if guarded else []))}):"]
+    node_at_line: dict[int, fx.Node] = {}
     for i, n in enumerate(nodes):
         if n.op == "placeholder":
             continue
+        if guarded and (n is check_before or n.op == "output"):
+            lines.append("    _check()")
+            guarded = False
         if n.op == "output":
             lines.append(f"    return {render(n.args[0])}")
             break
+        node_at_line[len(lines) + 1] = n
         if n.op == "get_attr":
             lines.append(f"    {n.name} = {bind(getattr(gm, n.target), 'attr')}")
         elif n.op == "call_function":
@@ -77,4 +89,5 @@ def compile_runner(gm: fx.GraphModule) -> Callable[..., Any]:
     exec(code, env)
     run = env["run"]
     run.source = source  # type: ignore[attr-defined]
+    run.node_at_line = node_at_line  # type: ignore[attr-defined]
     return run

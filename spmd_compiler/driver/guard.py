@@ -1,0 +1,102 @@
+"""Every step, every rank runs the same program: the step guard.
+
+Each rank picks a program by its *local* call signature, and only that rank knows it
+changed: with a last batch of 7 rows split 4/3, rank 1's shapes change and rank 0's do
+not. If rank 1 recompiled (entering the compile's collectives) while rank 0 ran the old
+program (entering the step's), both would wait forever, and two ranks in different cached
+programs would train silently wrong.
+
+So the choice is made together. Every rank holds the program all ranks agreed on last.
+A step starts a one-element ``all_reduce(MAX)`` of "my signature differs from the agreed
+one" (0 or 1) on a CPU group, without waiting; the program runs until just before its
+first collective, first write to state or first random op, and waits there (the flag's
+round trip hides behind that compute). If any rank raised the flag, every rank stops
+there, nothing having changed, and they agree on a program anew
+(:meth:`StepDriver._agree_program`: exchange signatures, compile together or reuse a
+cached program). A rank whose signature changed raises the flag and goes straight there.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+
+__all__ = ["Resync", "GuardError", "StepGuard", "first_effect"]
+
+log = logging.getLogger(__name__)
+
+
+class Resync(Exception):
+    """Some rank's call signature differs from the agreed program's: agree anew."""
+
+
+class GuardError(RuntimeError):
+    """The flag exchange itself failed (a peer died or timed out)."""
+
+
+def _is_effect(node: fx.Node) -> bool:
+    t = node.target
+    if node.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
+        return False
+    if t.namespace == "_c10d_functional" or t._schema.is_mutable:
+        return True  # a collective, or a write (in-place update, state write-back)
+    return torch.Tag.nondeterministic_seeded in t.tags  # advances the RNG
+
+
+def first_effect(gm: fx.GraphModule) -> fx.Node | None:
+    """The first node of ``gm`` after which running it cannot be undone: a collective,
+    a write, or a random op (None if it has none)."""
+    return next((n for n in gm.graph.nodes if _is_effect(n)), None)
+
+
+class _Pending:
+    def __init__(self, flag: torch.Tensor, work: Any) -> None:
+        self.flag, self.work = flag, work
+
+    def __call__(self) -> None:
+        """Wait for the flag; raise :class:`Resync` if any rank raised it."""
+        if self.work is not None:
+            try:
+                self.work.wait()
+            except RuntimeError as e:
+                raise GuardError(str(e)) from e
+        if int(self.flag.item()):
+            raise Resync()
+
+
+def _no_check() -> None:
+    return None
+
+
+class StepGuard:
+    """The per-step flag exchange over every rank of a mesh (a CPU group: for NCCL a
+    gloo group beside it, so the check never synchronizes with the GPU)."""
+
+    def __init__(self, mesh: Any, timeout: float | None = None) -> None:
+        self.group: Any = None
+        if not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() == "fake":
+            return
+        ranks = sorted(int(r) for r in mesh.mesh.flatten().tolist())
+        if ranks != list(range(dist.get_world_size())):
+            log.warning("the mesh covers ranks %s of a world of %d: no per-step agreement check", ranks, dist.get_world_size())
+            return
+        if dist.get_backend() == "gloo":
+            self.group = dist.group.WORLD
+        else:  # made by every rank together: the guard is built on the first call, which every rank makes
+            kw = {"timeout": timedelta(seconds=timeout)} if timeout else {}
+            self.group = dist.new_group(backend="gloo", **kw)
+
+    def start(self, changed: bool) -> Any:
+        """Start the flag exchange; returns the check to call before the first effect."""
+        if self.group is None:
+            if changed:
+                raise Resync()
+            return _no_check
+        flag = torch.tensor([1 if changed else 0], dtype=torch.int64)
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        return _Pending(flag, work)
