@@ -74,3 +74,26 @@ def test_a_changed_collective_on_one_rank_is_a_mismatch(steps, mutate, which, wi
         compare_fingerprints([clean, changed], rank=1)
     rank0, rank1 = str(info.value).split("rank 0 has ")[1].split(", rank 1 has ")
     assert rank0 != rank1.split(". fix:")[0]  # the two ranks' nodes read differently
+
+
+def test_a_difference_past_the_shown_text_is_shown_in_full(steps, monkeypatch):
+    """A scalar far into a long node (past the 160 characters each fingerprint shows):
+    the error exchanges that node's whole text and shows both versions."""
+    from spmd_compiler.driver import agreement
+
+    step = steps["2d"]
+    gm_b = copy.deepcopy(step.gm)
+    node = next(n for n in gm_b.graph.nodes if n.op == "call_function" and len(str(n.args)) > 10)
+    node.args = (*node.args, "x" * 200 + "rank-b-only")  # a long argument, different on "rank 1"
+    gm_a = copy.deepcopy(step.gm)
+    node_a = next(n for n in gm_a.graph.nodes if n.name == node.name)
+    node_a.args = (*node_a.args, "x" * 200 + "rank-a-only")
+    fps = [fingerprint(g, _groups(step)) for g in (gm_a, gm_b)]
+    i = next(k for k, (a, b) in enumerate(zip(*fps)) if a[1] != b[1])
+    assert fps[0][i][0] == fps[1][i][0]  # the shown texts agree: the difference is past the cut
+    calls = iter([[("ok", fps[0]), ("ok", fps[1])], [agreement._node_text(gm_a, i, _groups(step), True), agreement._node_text(gm_b, i, _groups(step), True)]])
+    monkeypatch.setattr(agreement, "exchange", lambda payload, group=None: next(calls))
+    with pytest.raises(RankMismatchError) as info:
+        agreement.check_agreement(gm_a, _groups(step), with_sizes=True, error=None)
+    text = str(info.value)
+    assert "rank-a-only" in text and "rank-b-only" in text and "past the part shown" in text, text

@@ -42,6 +42,14 @@ def _canon(x: Any, index: dict[fx.Node, int], groups: dict[str, str], with_sizes
     return repr(x)
 
 
+def _node_text(gm: fx.GraphModule, i: int, group_axes: dict[str, str], with_sizes: bool) -> str:
+    """The whole canonical text of node ``i`` (what its fingerprint digests)."""
+    index = {n: k for k, n in enumerate(gm.graph.nodes)}
+    node = list(gm.graph.nodes)[i]
+    sizes = with_sizes or (isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == "_c10d_functional")
+    return f"%{node.name} = {_canon(node.args, index, group_axes, sizes)} {_canon(node.kwargs, index, group_axes, sizes)}"
+
+
 def fingerprint(gm: fx.GraphModule, group_axes: dict[str, str], *, with_sizes: bool = True) -> list[tuple[str, str]]:
     """``[(node text, digest)]`` for every node, independent of rank-specific group names."""
     index: dict[fx.Node, int] = {}
@@ -117,7 +125,19 @@ def check_agreement(gm: fx.GraphModule | None, group_axes: dict[str, str], *, wi
             f"rank {r} failed to compile the step ({first_line}); every rank stops here instead of waiting "
             f"for it in a collective. See rank {r}'s log for the full error."
         )
-    compare_fingerprints([p[1] for p in everyone], rank)
+    try:
+        compare_fingerprints([p[1] for p in everyone], rank)
+    except RankMismatchError as e:
+        node = getattr(e, "node_index", None)
+        if node is None or gm is None:
+            raise
+        # the short texts agree (the difference is past their cut): every rank is here, exchange the whole node
+        texts = exchange(_node_text(gm, node, group_axes, with_sizes))
+        differing = [r for r, t in enumerate(texts) if t != texts[0]]
+        raise RankMismatchError(
+            f"{e}\n  node {node} in full: rank 0 has {texts[0]}\n  rank {differing[0] if differing else '?'} has "
+            f"{texts[differing[0]] if differing else '?'}"
+        ) from None
     log.debug("rank agreement: %d ranks compiled the same %d-node graph", len(everyone), len(everyone[0][1]))
 
 
@@ -129,6 +149,14 @@ def compare_fingerprints(everyone: list[list[tuple[str, str]]], rank: int = 0) -
             continue
         for i, (a, b) in enumerate(zip(ref, fp)):
             if a[1] != b[1]:
+                if a[0] == b[0]:  # same short text: check_agreement adds the whole node
+                    err = RankMismatchError(
+                        f"rank {r} compiled a different graph than rank 0 (this is rank {rank}); first difference at "
+                        f"node {i} ({a[0]}), past the part shown. fix: make the model, plan, batch shapes and Python "
+                        f"scalars the step uses identical on every rank (uneven batch sizes are fine only along the sharded dim)."
+                    )
+                    err.node_index = i  # type: ignore[attr-defined]
+                    raise err
                 raise RankMismatchError(
                     f"rank {r} compiled a different graph than rank 0 (this is rank {rank}); first difference at "
                     f"node {i}: rank 0 has {a[0]}, rank {r} has {b[0]}. fix: make the model, plan and batch shapes "

@@ -30,6 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from .. import _private_torch as pt
+from ..errors import SpmdError
 from ..expand import ExpansionCache
 from ..plan import Plan
 from ..trace.state import StateCache
@@ -240,7 +241,13 @@ class StepDriver:
             error = e
         if self.options.check_ranks:
             groups = {} if step is None else {g: n for g, n in zip(step.mctx.group_names, step.mctx.axis_names)}
-            check_agreement(step.gm if step else None, groups, with_sizes=bool(step and step.rank_independent), error=error)
+            try:
+                check_agreement(step.gm if step else None, groups, with_sizes=bool(step and step.rank_independent), error=error)
+            except RuntimeError as e:
+                if e is error or isinstance(e, SpmdError):
+                    raise
+                raise collective_failure(e, where="the rank agreement of the compile (exchange of program fingerprints)",
+                                         step_name=name, call=self.calls, timeout=self.options.timeout) from e
         elif error is not None:
             raise error
         self._after_agreement(step, model, optimizer)

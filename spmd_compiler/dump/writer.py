@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import pathlib
 from collections.abc import Sequence
 from typing import Any
@@ -67,6 +68,7 @@ def collectives_table(gm: fx.GraphModule) -> list[dict[str, Any]]:
 
 
 def _next_folder(root: pathlib.Path, name: str, rank: int) -> pathlib.Path:
+    name = re.sub(r"[^0-9A-Za-z_.-]", "_", name) or "step"  # a step's __name__ may hold '/', '<lambda>'...
     root.mkdir(parents=True, exist_ok=True)
     existing = [p.name for p in root.glob(f"{name}-*-rank{rank}")]
     n = 0
