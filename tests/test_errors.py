@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 import spmd_compiler as sc
-from spmd_compiler.testing import SimulatedTraining, assert_training_matches
+from spmd_compiler.testing import SimulatedTraining, assert_distributed, assert_training_matches
 
 
 class RenormModel(nn.Module):
@@ -53,6 +53,7 @@ def test_replicate_fallback_warns_once_and_matches(mesh4, caplog):
     warnings = [r for r in caplog.records if "renorm" in r.getMessage()]
     assert len(warnings) == 1  # once per op, not per node or step
     assert any("replicate fallback" in n.meta["spmd_comm"]["reason"] for n in res.sim.expansions[(0,)].collectives())
+    assert_distributed(res, sharded=["batch[0]"], collectives={"forward/all_gather/dp": 1})  # the fallback's gather
 
 
 def test_fallback_option_is_validated(mesh4):

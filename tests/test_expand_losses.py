@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import Replicate, Shard
 
-from spmd_compiler.testing import assert_spmd_matches, assert_training_matches
+from spmd_compiler.testing import assert_distributed, assert_spmd_matches, assert_training_matches, distribution_of
 from spmd_compiler.testing.models import GPT, gpt_2d_plan, train_step
 
 
@@ -30,7 +30,9 @@ def test_cross_entropy_with_ignored_targets(mesh4, rows, ignored):
             loss.backward()
         return loss.detach(), x.grad
 
-    assert_spmd_matches(loss_and_grad, [logits, target], mesh4, [[Shard(0)], [Shard(0)]], atol=1e-12)
+    run = assert_spmd_matches(loss_and_grad, [logits, target], mesh4, [[Shard(0)], [Shard(0)]], atol=1e-12)
+    # the count of kept targets is reduced in forward, the loss at the output; the gradient stays sharded
+    assert_distributed(run, sharded=["batch[0]", "batch[1]"], collectives={"forward/all_reduce": 1, "output/all_reduce": 1})
 
 
 def test_weighted_cross_entropy(mesh4):
@@ -38,10 +40,11 @@ def test_weighted_cross_entropy(mesh4):
     target = torch.randint(0, 6, (16,))
     target[3:9] = -100
     weight = torch.rand(6, dtype=torch.float64) + 0.5
-    assert_spmd_matches(
+    run = assert_spmd_matches(
         lambda x, t, w: F.cross_entropy(x, t, weight=w), [logits, target, weight], mesh4,
         [[Shard(0)], [Shard(0)], [Replicate()]], atol=1e-12,
     )
+    assert_distributed(run, sharded=["batch[0]", "batch[1]"], collectives={"forward/all_reduce": 1, "output/all_reduce": 1})
 
 
 def test_replicated_target_keeps_dtensor_rule(mesh4):
@@ -49,6 +52,7 @@ def test_replicated_target_keeps_dtensor_rule(mesh4):
     target = torch.randint(0, 6, (8,))
     run = assert_spmd_matches(lambda x, t: F.cross_entropy(x, t), [logits, target], mesh4, [[Replicate()], [Replicate()]])
     assert _collectives(run) == []
+    assert distribution_of(run).sharded == ()  # a replicated plan by design: every rank holds and computes everything
 
 
 def padded_lm_step(model, optimizer, ids, targets):
@@ -72,10 +76,12 @@ def _padded_batches(rows, n=2, vocab=32, seq=8):
 
 def test_padded_language_model_data_parallel(mesh4):
     model = GPT(vocab=32, seq=8, dim=16, heads=2, layers=1).double()
-    assert_training_matches(padded_lm_step, model, lambda p: torch.optim.AdamW(p, lr=0.01), _padded_batches(8), mesh4)
+    res = assert_training_matches(padded_lm_step, model, lambda p: torch.optim.AdamW(p, lr=0.01), _padded_batches(8), mesh4)
+    assert_distributed(res, sharded=["batch[0]", "batch[1]"], collectives={"optimizer/all_reduce/dp": len(list(model.parameters()))})
 
 
 @pytest.mark.slow
 def test_padded_language_model_2d(mesh2x2):
     model = GPT(vocab=32, seq=8, dim=16, heads=2, layers=1).double()
-    assert_training_matches(padded_lm_step, model, lambda p: torch.optim.AdamW(p, lr=0.01), _padded_batches(4), mesh2x2, gpt_2d_plan())
+    res = assert_training_matches(padded_lm_step, model, lambda p: torch.optim.AdamW(p, lr=0.01), _padded_batches(4), mesh2x2, gpt_2d_plan())
+    assert_distributed(res, sharded=["batch[0]", "blocks.0.fc.weight"], collectives={"forward/all_reduce/tp": 2})  # Megatron: one per sub-layer

@@ -12,7 +12,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 import spmd_compiler as sc
-from spmd_compiler.testing import assert_training_matches
+from spmd_compiler.testing import assert_distributed, assert_training_matches
 from spmd_compiler.testing.models import GPT, MLP, gpt_2d_plan, megatron_mlp_plan, train_step
 
 OPTIMIZERS = {
@@ -37,6 +37,7 @@ def mlp_batches(n=3, batch=8, dim=16):
 @pytest.mark.parametrize("opt", list(OPTIMIZERS))
 def test_mlp_data_parallel(mesh4, opt):
     res = assert_training_matches(mse_step, MLP().double(), OPTIMIZERS[opt], mlp_batches(), mesh4)
+    assert_distributed(res, sharded=["batch[0]", "batch[1]"], collectives={"optimizer/all_reduce/dp": 4})
     step = res.sim.expansions[(0,)]
     comms = [n.meta["spmd_comm"] for n in step.collectives()]
     assert "all_gather" not in [c["kind"] for c in comms]
@@ -55,16 +56,15 @@ def test_mlp_fsdp_style(mesh4):
         by_phase.setdefault(n.meta["spmd_phase"], []).append(n.meta["spmd_comm"]["kind"])
     assert "all_gather" in by_phase["forward"], by_phase  # parameters gathered for use
     assert "reduce_scatter" in by_phase["optimizer"] + by_phase.get("backward", []), by_phase  # gradients reduce-scattered
-    # every parameter stays sharded: its local shard is a quarter of it
-    for ph, spec in zip(step.gm.graph.find_nodes(op="placeholder"), [None] * len(step.mctx.coordinate) + step.input_specs):
-        if spec is not None and ph.meta["spmd_input"].kind == "param":
-            assert ph.meta["val"].shape[0] == spec.shape[0] // 4
+    # every parameter stays sharded: on every rank its local shard is a quarter of it
+    assert_distributed(res, sharded=["l1.weight", "l1.bias", "l2.weight", "l2.bias"])
 
 
 def test_megatron_tp_mlp_one_forward_all_reduce(mesh4):
     plan = megatron_mlp_plan()
     batches = [(x, y) for x, y in mlp_batches()]
     res = assert_training_matches(mse_step, MLP().double(), OPTIMIZERS["sgd_momentum"], batches, mesh4, sc.Plan(params=plan.params, default_input=[Replicate()]))
+    assert_distributed(res, sharded=["l1.weight", "l1.bias", "l2.weight"], collectives={"forward/all_reduce": 1})
     step = res.sim.expansions[(0,)]
     forward = [n for n in step.collectives() if n.meta["spmd_phase"] == "forward"]
     assert [n.meta["spmd_comm"]["kind"] for n in forward] == ["all_reduce"], [n.format_node() for n in forward]
@@ -77,6 +77,7 @@ def test_transformer_2d_adamw(mesh2x2):
     model = GPT(vocab=32, seq=8, dim=16, heads=2, layers=2).double()
     batches = [(torch.randint(0, 32, (4, 8)), torch.randint(0, 32, (4, 8))) for _ in range(3)]
     res = assert_training_matches(train_step, model, OPTIMIZERS["adamw"], batches, mesh2x2, gpt_2d_plan())
+    assert_distributed(res, sharded=["batch[0]", "blocks.0.attn.q.weight", "blocks.0.proj.weight"])
     step = res.sim.expansions[(0, 0)]
     axes = {n.meta["spmd_comm"]["axis_name"] for n in step.collectives()}
     assert axes == {"dp", "tp"}
@@ -86,7 +87,9 @@ def test_transformer_2d_adamw(mesh2x2):
 def test_transformer_tied_embeddings_dp(mesh4):
     model = GPT(vocab=32, seq=8, dim=16, heads=2, layers=1, tie_embeddings=True).double()
     batches = [(torch.randint(0, 32, (8, 8)), torch.randint(0, 32, (8, 8))) for _ in range(2)]
-    assert_training_matches(train_step, model, OPTIMIZERS["adam"], batches, mesh4)
+    res = assert_training_matches(train_step, model, OPTIMIZERS["adam"], batches, mesh4)
+    # one gradient all_reduce per parameter: the tied embedding / LM head counts once
+    assert_distributed(res, sharded=["batch[0]", "batch[1]"], collectives={"optimizer/all_reduce/dp": len(list(model.parameters()))})
 
 
 def clipped_step(model, optimizer, x, y):
@@ -101,7 +104,8 @@ def clipped_step(model, optimizer, x, y):
 def test_fsdp_style_with_gradient_clipping(mesh4):
     # the gradient norm of a Shard(0) gradient is a p-norm partial: x^2, sum over ranks, sqrt
     plan = sc.Plan(params={"*": [Shard(0)]})
-    assert_training_matches(clipped_step, MLP().double(), OPTIMIZERS["sgd_momentum"], mlp_batches(), mesh4, plan)
+    res = assert_training_matches(clipped_step, MLP().double(), OPTIMIZERS["sgd_momentum"], mlp_batches(), mesh4, plan)
+    assert_distributed(res, sharded=["l1.weight", "l2.weight"], collectives={"optimizer/all_reduce/dp": 4})  # one norm partial per gradient
 
 
 @pytest.mark.parametrize("p", [1, 2, 3])
@@ -110,7 +114,8 @@ def test_vector_norm_of_a_shard(mesh4, p, rows):
     from spmd_compiler.testing import assert_spmd_matches
 
     x = torch.randn(rows, 3, dtype=torch.float64)
-    assert_spmd_matches(lambda t: torch.linalg.vector_norm(t, p), [x], mesh4, [[Shard(0)]], symbolic="none")
+    run = assert_spmd_matches(lambda t: torch.linalg.vector_norm(t, p), [x], mesh4, [[Shard(0)]], symbolic="none")
+    assert_distributed(run, sharded=["batch[0]"], collectives={"all_reduce/dp": 1})
 
 
 def test_fill_and_like_ops_of_partial_values(mesh4):
@@ -121,7 +126,8 @@ def test_fill_and_like_ops_of_partial_values(mesh4):
         return torch.ones_like(s) + torch.empty_like(s).fill_(2.0) - s, torch.full_like(s, 3.0) * s
 
     a, b = torch.randn(5, 6, dtype=torch.float64), torch.randn(5, 6, dtype=torch.float64)
-    assert_spmd_matches(fn, [a, b], mesh4, [[Shard(1)], [Shard(1)]], symbolic="none")
+    run = assert_spmd_matches(fn, [a, b], mesh4, [[Shard(1)], [Shard(1)]], symbolic="none")
+    assert_distributed(run, sharded=["batch[0]", "batch[1]"], collectives={"all_reduce/dp": 2})
 
 
 class SmallCNN(torch.nn.Module):
@@ -144,6 +150,7 @@ def test_conv_net_data_parallel(mesh4):
     res = assert_training_matches(mse_step, SmallCNN().double(), OPTIMIZERS["adam"], batches, mesh4)
     kinds = [n.meta["spmd_comm"]["kind"] for n in res.sim.expansions[(0,)].collectives()]
     assert "all_gather" not in kinds  # no fallback gathered the batch
+    assert_distributed(res, sharded=["batch[0]", "batch[1]"], collectives={"optimizer/all_reduce/dp": 4, "all_gather": 0})
 
 
 @pytest.mark.parametrize("opt", ["sgd_momentum", "adamw"])
@@ -160,6 +167,7 @@ def test_lr_schedule_is_followed(mesh4, opt):
             make_scheduler=warmup,
         )
     assert res.sim.compiles == 2  # first step (creates state), then the steady step: lr changes never recompile
+    assert_distributed(res, sharded=["l1.weight", "l2.weight", "batch[0]"])
 
 
 @pytest.mark.parametrize("make_opt", [
@@ -168,5 +176,6 @@ def test_lr_schedule_is_followed(mesh4, opt):
 ])
 def test_foreach_optimizers_trace_their_per_parameter_update(mesh4, make_opt):
     res = assert_training_matches(mse_step, MLP().double(), make_opt, mlp_batches(), mesh4, sc.Plan(params={"*": [Shard(0)]}))
+    assert_distributed(res, sharded=["l1.weight", "l2.weight", "batch[0]"])
     ops = {str(n.target) for n in next(iter(res.sim.expansions.values())).gm.graph.nodes}
     assert not any("_foreach_" in o for o in ops)

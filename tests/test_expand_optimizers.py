@@ -10,7 +10,7 @@ import torch.distributed as dist
 import spmd_compiler as sc
 import spmd_compiler.optimize  # noqa: F401
 from spmd_compiler.optimize.graph_utils import is_collective
-from spmd_compiler.testing import assert_training_matches, fake_mesh
+from spmd_compiler.testing import assert_distributed, assert_training_matches, fake_mesh
 from spmd_compiler.testing.models import GPT, gpt_2d_plan, gpt_fsdp_plan, gpt_tp_plan, train_step
 
 PLANS = {
@@ -23,6 +23,12 @@ OPTIMIZERS = {
     "adamw": lambda p: torch.optim.AdamW(p, lr=0.01, fused=True),
     "adam-amsgrad": lambda p: torch.optim.Adam(p, lr=0.01, weight_decay=0.1, amsgrad=True, fused=True),
     "sgd-momentum": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, fused=True),  # buffers made at step 1
+}
+SHARDED = {  # inputs each plan shards
+    "dp": ["batch[0]"],
+    "fsdp-uneven": ["batch[0]", "tok.weight", "blocks.0.fc.weight"],
+    "tp": ["blocks.0.fc.weight", "blocks.0.proj.weight"],
+    "2d": ["batch[0]", "blocks.0.fc.weight"],
 }
 CASES = [("dp", "adamw"), ("fsdp-uneven", "adamw"), ("fsdp-uneven", "sgd-momentum"), ("tp", "sgd-momentum"),
          ("tp", "adam-amsgrad"), ("2d", "adamw")]
@@ -53,6 +59,7 @@ def _fused(res):
 def test_fused_optimizers_train_as_on_one_device(gpt, plan_name, opt_name):
     warmup = lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda i: 1.0 / (i + 1))  # noqa: E731
     res = _train(gpt, plan_name, opt_name, make_scheduler=warmup)
+    assert_distributed(res, sharded=SHARDED[plan_name])
     gm, fused = _fused(res)
     assert len(fused) == 1  # one kernel for all parameters, on local shards
     params = fused[0].args[0]
@@ -89,6 +96,7 @@ def test_fused_matches_the_per_parameter_update_of_the_same_optimizer(gpt):
         for _ in range(3):
             ids = torch.randint(0, 32, (4, 8))
             step(model, opt, ids, ids)
+        assert_distributed(step, sharded=SHARDED["tp"])
         out[fused] = [p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach().clone() for p in model.parameters()]
         dist.destroy_process_group()
     for a, b in zip(out[False], out[True]):

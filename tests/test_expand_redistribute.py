@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from spmd_compiler.testing import assert_spmd_matches
+from spmd_compiler.testing import assert_distributed, assert_spmd_matches
 
 
 def _collectives(run):
@@ -24,6 +24,7 @@ def test_subsplitting_a_kept_shard_is_local(mesh2x2, rows):
         lambda a, b: a * b, [x, y], mesh2x2, [[Shard(0), Replicate()], [Shard(0), Shard(0)]], atol=1e-12
     )
     assert _collectives(run) == []
+    assert_distributed(run, sharded=["batch[0]", "batch[1]"])  # no collective, but every rank holds a shard
 
 
 def test_changing_the_outer_split_regathers_the_inner_one(mesh2x2):
@@ -35,9 +36,11 @@ def test_changing_the_outer_split_regathers_the_inner_one(mesh2x2):
     )
     kinds = _collectives(run)
     assert kinds and all(k.startswith(("all_gather", "all_to_all")) for k in kinds), kinds
+    assert_distributed(run, sharded=["batch[0]", "batch[1]"])
 
 
 def test_partial_to_replicate_is_one_all_reduce(mesh4):
     x = torch.randn(8, 4, dtype=torch.float64)
     run = assert_spmd_matches(lambda a: torch.tanh(a), [x], mesh4, [[Partial()]], atol=1e-12)
     assert _collectives(run) == ["all_reduce@dp"]
+    assert_distributed(run, collectives={"all_reduce/dp": 1})

@@ -20,7 +20,7 @@ from spmd_compiler.optimize import (
 )
 from spmd_compiler.optimize.bucketing import gradient_reductions
 from spmd_compiler.optimize.graph_utils import is_collective, is_wait, positions
-from spmd_compiler.testing import assert_training_matches
+from spmd_compiler.testing import assert_distributed, assert_training_matches
 from spmd_compiler.testing.models import GPT, MLP, gpt_2d_plan, gpt_fsdp_plan, train_step
 
 
@@ -44,6 +44,7 @@ def test_passes_keep_numerics_2d_transformer(mesh2x2):
         train_step, model, lambda p: torch.optim.AdamW(p, lr=0.01), batches, mesh2x2, gpt_2d_plan(),
         passes=default_passes(bucket_mb=0.001),
     )
+    assert_distributed(res, sharded=["batch[0]", "blocks.0.attn.q.weight"])
     records = res.sim.expansions[(0, 0)].pass_records
     assert [r.name for r in records] == list(sc.optimize.DEFAULT_PASSES)
     assert records[1].collectives_after < records[1].collectives_before  # buckets formed
@@ -59,8 +60,9 @@ def test_passes_keep_numerics_fsdp(mesh4):
         opt.zero_grad()
         return loss
 
-    assert_training_matches(step, MLP().double(), lambda p: torch.optim.Adam(p, lr=0.01), batches, mesh4,
-                            sc.Plan(params={"*": [sc.Shard(0)]}), passes=default_passes(bucket_mb=0.001))
+    res = assert_training_matches(step, MLP().double(), lambda p: torch.optim.Adam(p, lr=0.01), batches, mesh4,
+                                  sc.Plan(params={"*": [sc.Shard(0)]}), passes=default_passes(bucket_mb=0.001))
+    assert_distributed(res, sharded=["l1.weight", "l2.weight", "batch[0]"])
 
 
 def test_duplicate_collectives_removed(mesh4):
@@ -86,6 +88,7 @@ def test_never_merges_values_written_in_place(mesh4):
     traced = sc.trace(train_step_mse, model, opt, torch.randn(8, 16), torch.randn(8, 16))
     step = sc.expand(traced, mesh4)
     zeros = [n for n in step.gm.graph.nodes if n.target is torch.ops.aten.zeros_like.default]
+    assert len(zeros) >= 2 and step.collectives()  # something the pass could merge
     remove_redundant_collectives_pass(step.gm)
     assert [n for n in step.gm.graph.nodes if n.target is torch.ops.aten.zeros_like.default] == zeros
 
@@ -103,6 +106,7 @@ def test_bucket_count_is_ceil_of_bytes(mesh4, bucket_mb):
     traced = adam_gpt(layers=2)
     step = sc.expand(traced, mesh4)  # data parallel: every gradient all_reduced over dp
     grads = gradient_reductions(step.gm)
+    assert len(grads) == len(list(traced.state.params))  # one per gradient, to bucket
     total = sum(n.meta["spmd_comm"]["bytes"] for n in grads)
     bucket_gradients_pass(step.gm, bucket_mb=bucket_mb)
     buckets = gradient_reductions(step.gm)
@@ -122,6 +126,7 @@ def test_first_bucket_is_small_as_in_ddp(mesh4, first_mb):
     traced = adam_gpt(layers=2)
     step = sc.expand(traced, mesh4)
     grads = gradient_reductions(step.gm)
+    assert len(grads) == len(list(traced.state.params))  # one per gradient, to bucket
     total = sum(n.meta["spmd_comm"]["bytes"] for n in grads)
     cap = 0.01 * 2**20
     bucket_gradients_pass(step.gm, bucket_mb=0.01, first_bucket_mb=first_mb)
@@ -143,6 +148,7 @@ def test_overlap_issues_early_and_waits_late(mesh4):
     gm = step.gm
     bucket_gradients_pass(gm, bucket_mb=0.002)
     overlap_pass(gm)
+    assert len(gradient_reductions(gm)) >= 2  # buckets to overlap
     pos = positions(gm)
     for n in gm.graph.nodes:
         if is_collective(n):

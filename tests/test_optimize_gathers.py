@@ -10,7 +10,7 @@ from spmd_compiler.optimize import bucket_parameter_gathers_pass, default_passes
 from spmd_compiler.optimize.gathers import unit_of
 from spmd_compiler.optimize.graph_utils import is_collective, is_wait, positions
 from spmd_compiler.optimize.overlap import is_param_gather
-from spmd_compiler.testing import assert_training_matches
+from spmd_compiler.testing import assert_distributed, assert_training_matches
 from spmd_compiler.testing.models import GPT, gpt_fsdp_plan, train_step
 
 
@@ -80,5 +80,6 @@ def test_fused_gathers_keep_training_numerics(mesh4, vocab):
         train_step, model, lambda p: torch.optim.AdamW(p, lr=0.01), batches, mesh4, gpt_fsdp_plan(),
         passes=default_passes(),
     )
+    assert_distributed(res, sharded=["tok.weight", "blocks.0.fc.weight", "batch[0]"])
     gm = next(iter(res.sim.expansions.values())).gm
     assert sorted(n.meta["spmd_param_gather"] for n in _gathers(gm)) == ["", "blocks.0", "blocks.1"]

@@ -9,7 +9,7 @@ import spmd_compiler as sc
 from spmd_compiler.optimize import bucket_gradients_pass, overlap_pass, schedule_for_overlap_pass
 from spmd_compiler.optimize.bucketing import gradient_reductions
 from spmd_compiler.optimize.graph_utils import is_collective, is_wait, mutation_edges, positions
-from spmd_compiler.testing import assert_training_matches
+from spmd_compiler.testing import assert_distributed, assert_training_matches
 from spmd_compiler.testing.models import GPT, MLP, gpt_tp_plan, mse_train_step, train_step
 
 aten = torch.ops.aten
@@ -71,6 +71,7 @@ def test_schedule_keeps_training_numerics(mesh4):
         mse_train_step, MLP().double(), lambda p: torch.optim.AdamW(p, lr=0.01), batches, mesh4, sc.Plan(),
         passes=sc.optimize.default_passes(bucket_mb=0.0005, first_bucket_mb=0.0002),
     )
+    assert_distributed(res, sharded=["batch[0]", "batch[1]"])
     gm = res.sim.expansions[(0,)].gm
     assert len(gradient_reductions(gm)) >= 2
     assert any("spmd_schedule" in n.meta for n in gm.graph.nodes)
@@ -105,10 +106,11 @@ def test_nothing_moves_across_a_random_op(mesh4):
         h = torch.nn.functional.dropout(x @ w, p=0.5, training=True)
         return (h.sum(0) * 3).sum(), x.t() @ h
 
-    from spmd_compiler.testing import run_spmd
+    from spmd_compiler.testing import assert_distributed, run_spmd
     from torch.distributed.tensor import Replicate, Shard
 
     run = run_spmd(f, [torch.randn(8, 4), torch.randn(4, 4)], mesh4, [[Shard(0)], [Replicate()]])
+    assert_distributed(run, sharded=["batch[0]"], collectives={"all_reduce/dp": 2})  # the two reductions around the dropout
     gm = next(iter(run.steps.values())).gm
     order = [n for n in gm.graph.nodes if n.op == "call_function"]
     rand = [i for i, n in enumerate(order) if isinstance(n.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in n.target.tags]
@@ -157,6 +159,7 @@ def test_updates_into_waits_keep_tp_numerics():
     batches = [(torch.randint(0, 32, (4, 8)),) * 2 for _ in range(3)]
     res = assert_training_matches(train_step, model, lambda p: torch.optim.AdamW(p, lr=0.01), batches, mesh, gpt_tp_plan(),
                                   passes=sc.optimize.default_passes())
+    assert_distributed(res, sharded=["blocks.0.fc.weight"], collectives={"backward/all_reduce/tp": 4})
     gm = res.sim.expansions[(0,)].gm
     assert any("optimizer work that runs while" in n.meta.get("spmd_schedule", "") for n in gm.graph.nodes)
 
@@ -167,6 +170,7 @@ def _writes_while_in_flight(gm):
     from spmd_compiler.optimize.graph_utils import alias_root, written_inputs
 
     nodes = list(gm.graph.nodes)
+    assert any(is_collective(c) for c in nodes), "no collective: nothing could be written while in flight"
     out = []
     for i, c in enumerate(nodes):
         if not is_collective(c):

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 import spmd_compiler as sc
 from spmd_compiler.runtime.launch import run_processes
+from spmd_compiler.testing import distribution_of
 from spmd_compiler.testing.models import GPT, SkipNet, gpt_tp_plan, mse_train_step, train_step
 
 pytestmark = pytest.mark.gloo
@@ -98,7 +99,7 @@ def _worker(rank: int, world: int, names: list[str], trace_dir: str) -> dict:
         ref_sd, sd = ref.state_dict(), model.state_dict()
         state_err = max((v.full_tensor().double() - ref_sd[k].double()).abs().max().item() for k, v in sd.items())
         out[name] = {"loss_err": max(errs), "state_err": state_err, "keys": sorted(sd), "all_keys": sorted(all_keys),
-                     "compiles": step.compiles, "loss": got.item()}
+                     "compiles": step.compiles, "loss": got.item(), "comm": distribution_of(step.last).collectives}
         if name == "skipnet_bn":
             step.chrome_trace(f"{trace_dir}/trace.json")
             out[name]["timeline"] = step.timeline_text()
@@ -120,6 +121,11 @@ def test_pipelined_training_matches_one_device(results, name):
         assert r["loss_err"] < 1e-10, (rank, r)
         assert r["state_err"] < 1e-10, (rank, r)
         assert r["compiles"] == 2  # first step (creates AdamW state), then the steady step
+        # distributed: each rank holds only its stages' state, and the stage program
+        # communicates over every other mesh axis (local shapes checked by distribution_of)
+        assert set(r["keys"]) < set(r["all_keys"]), (rank, r["keys"])
+        for axis in set(CONFIGS[name]["mesh"]) - {"pp"}:
+            assert any(k.endswith("/all_reduce/" + axis) for k in r["comm"]), (rank, axis, r["comm"])
     losses = {res[name]["loss"] for res in per_rank}
     assert len(losses) == 1, "every rank returns the same full-batch loss"
 

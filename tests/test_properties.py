@@ -16,7 +16,15 @@ from hypothesis import strategies as st
 
 import spmd_compiler as sc
 from spmd_compiler.expand.values import sym_apply
-from spmd_compiler.testing import assemble, assert_spmd_matches, assert_training_matches, rank_coordinates, shard_tensor
+from spmd_compiler.testing import (
+    assemble,
+    assert_distributed,
+    assert_spmd_matches,
+    assert_training_matches,
+    distribution_of,
+    rank_coordinates,
+    shard_tensor,
+)
 from spmd_compiler.testing import strategies as sst
 from spmd_compiler.testing.models import MLP
 
@@ -26,6 +34,16 @@ CACHE = sc.ExpansionCache()  # recipes repeat across examples
 
 def n(count: int) -> int:
     return max(5, int(count * SCALE))
+
+
+def assert_distributed_as_drawn(program, drawn, mesh_shape) -> None:
+    """The program shards exactly what the drawn placements shard (``drawn``: input label
+    -> (global shape, placements)); a draw that shards nothing (all Replicate, or only
+    dims of size 1) runs the one-device program on every rank, and that is asserted too."""
+    want = [label for label, (shape, pl) in drawn.items()
+            if any(p.is_shard() and mesh_shape[a] > 1 and shape[p.dim] >= 2 for a, p in enumerate(pl))]
+    dist = assert_distributed(program, sharded=want) if want else distribution_of(program)
+    assert {label for label in dist.sharded if label in drawn} == set(want), (dist.describe(), want)
 
 
 # Every failure a hypothesis search ever found, kept as an explicit case: derandomized
@@ -49,8 +67,9 @@ REGRESSIONS = [
 def test_found_programs_match_single_device(mesh_shape, shapes, ops, placements):
     mesh = sc.testing.fake_mesh(mesh_shape)
     prog = sst.Program(list(shapes), list(ops))
-    assert_spmd_matches(prog.fn, prog.inputs(seed=0), mesh, [list(p) for p in placements], atol=1e-9, rtol=1e-7,
-                        symbolic="none", cache=sc.ExpansionCache(enabled=False))
+    run = assert_spmd_matches(prog.fn, prog.inputs(seed=0), mesh, [list(p) for p in placements], atol=1e-9, rtol=1e-7,
+                              symbolic="none", cache=sc.ExpansionCache(enabled=False))
+    assert_distributed(run, sharded=[f"batch[{i}]" for i in range(len(shapes))])  # every regression shards its input
 
 
 @settings(max_examples=n(600))
@@ -60,7 +79,8 @@ def test_programs_match_single_device(data):
     prog = data.draw(sst.programs(max_ops=4))
     inputs = prog.inputs(seed=data.draw(st.integers(0, 2**16)))
     pls = [data.draw(sst.placements(x.shape, mesh.shape), label=f"placements of input {i}") for i, x in enumerate(inputs)]
-    assert_spmd_matches(prog.fn, inputs, mesh, pls, atol=1e-9, rtol=1e-7, symbolic="none", cache=CACHE)
+    run = assert_spmd_matches(prog.fn, inputs, mesh, pls, atol=1e-9, rtol=1e-7, symbolic="none", cache=CACHE)
+    assert_distributed_as_drawn(run, {f"batch[{i}]": (x.shape, pl) for i, (x, pl) in enumerate(zip(inputs, pls))}, mesh.shape)
 
 
 @settings(max_examples=n(400))
@@ -108,7 +128,10 @@ def test_train_steps_match_single_device(data):
     ]))
     g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
     batches = [(torch.randn(batch, dim, generator=g, dtype=torch.float64), torch.randn(batch, dim, generator=g, dtype=torch.float64)) for _ in range(2)]
-    assert_training_matches(mse_step, model, make_opt, batches, mesh, plan, atol=1e-8, rtol=1e-6)
+    res = assert_training_matches(mse_step, model, make_opt, batches, mesh, plan, atol=1e-8, rtol=1e-6)
+    drawn = {name: (p.shape, params[name]) for name, p in model.named_parameters()}
+    drawn.update({f"batch[{i}]": ((batch, dim), batch_pl) for i in range(2)})
+    assert_distributed_as_drawn(res, drawn, mesh.shape)
 
 
 @settings(max_examples=n(200))

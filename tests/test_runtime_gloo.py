@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import subprocess
 import sys
 
@@ -17,6 +18,7 @@ import torch
 
 import spmd_compiler as sc
 from spmd_compiler.runtime.launch import WorkerError, run_processes
+from spmd_compiler.testing import assert_distributed
 from spmd_compiler.testing.models import MLP, megatron_mlp_plan, mse_train_step
 
 pytestmark = pytest.mark.gloo
@@ -37,6 +39,7 @@ def _data(step: int, batch: int = 8, dim: int = 16):
 
 def _numerics_and_agreement(rank: int, world: int) -> dict:
     out = {}
+    sharded = {"dp": ["batch[0]", "batch[1]"], "fsdp": ["l1.weight", "l2.weight", "batch[0]"]}
     for name, plan in [("dp", None), ("fsdp", sc.Plan(params={"*": [sc.Shard(0)]}))]:
         torch.manual_seed(0)
         model = MLP().double()
@@ -51,6 +54,8 @@ def _numerics_and_agreement(rank: int, world: int) -> dict:
         errs.append(max((p.full_tensor() - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters())))
         out[name] = max(errs)
         out[name + "_compiles"] = step.compiles
+        # this rank's program holds its shards, at its own coordinate, and communicates
+        out[name + "_comm"] = assert_distributed(step, sharded=sharded[name], collectives=1).collectives
     # rank 1 runs a different model: every rank must fail at compile, none may hang
     model = MLP().double() if rank != 1 else torch.nn.Sequential(MLP().double(), torch.nn.Tanh())
     step = sc.compile(mse_step, mesh=(world,))
@@ -68,6 +73,8 @@ def test_numerics_and_rank_agreement():
     for rank, res in enumerate(results):
         assert res["dp"] < 1e-10 and res["fsdp"] < 1e-10, res
         assert res["dp_compiles"] == 2 and res["fsdp_compiles"] == 2
+        assert any(k.startswith("optimizer/all_reduce/") for k in res["dp_comm"]), res["dp_comm"]  # gradients reduced
+        assert any(k.startswith("forward/all_gather/") for k in res["fsdp_comm"]), res["fsdp_comm"]  # parameters gathered
         assert res["mismatch"] is not None, f"rank {rank} did not detect the mismatch"
         assert "rank 1 compiled a different graph than rank 0" in res["mismatch"] and "first difference at node" in res["mismatch"]
 
@@ -172,4 +179,6 @@ def test_example_loss_parity(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "single-device check" in proc.stdout and "PASS" in proc.stdout
+    # and it was distributed: the printed summary has gradient all_reduces over dp
+    assert re.search(r"^optimizer\s+all_reduce\s+dp\s+[1-9]", proc.stdout, re.M), proc.stdout[-3000:]
     assert "Failed to initialize NumPy" in proc.stderr  # the hiding worked

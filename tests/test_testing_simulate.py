@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import spmd_compiler as sc
-from spmd_compiler.testing import fake_mesh, group_axes_of, rank_coordinates, run_lockstep, shard_tensor
+from spmd_compiler.testing import assert_distributed, fake_mesh, group_axes_of, rank_coordinates, run_lockstep, shard_tensor
 from spmd_compiler.testing.spmd import run_spmd
 
 c10d = torch.ops._c10d_functional
@@ -46,6 +46,7 @@ def _collectives(gm, target):
 def test_unmutated_program_matches():
     outs, run = _run()
     got = run.outputs[0]
+    assert_distributed(run, sharded=["batch[0]", "batch[1]"], collectives={"all_reduce/tp": 1, "all_gather/dp": 1})
     assert torch.allclose(got, run.reference[0], atol=1e-12)
 
 

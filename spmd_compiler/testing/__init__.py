@@ -2,12 +2,15 @@
 
 * :func:`assert_spmd_matches` - a function sharded vs on one device, first differing node.
 * :func:`assert_training_matches` / :class:`SimulatedTraining` - whole train steps.
+* :func:`assert_distributed` / :func:`distribution_of` - prove a program is really
+  distributed as its plan says (local shapes, sharded inputs, collectives).
 * :func:`fake_mesh` - a DeviceMesh over a fake process group (no communication).
 * :mod:`.strategies` - hypothesis strategies (meshes, placements, programs); import it
   explicitly (``from spmd_compiler.testing import strategies``), it needs hypothesis.
 * :mod:`.models` - small models and plans (MLP, GPT).
 """
 
+from .checks import Distribution, assert_distributed, distribution_of
 from .compare import TrainingComparison, assert_training_matches
 from .harness import SimulatedTraining
 from .mesh import fake_mesh
@@ -19,6 +22,9 @@ __all__ = [
     "run_spmd",
     "SpmdMismatch",
     "SpmdRun",
+    "assert_distributed",
+    "distribution_of",
+    "Distribution",
     "assert_training_matches",
     "TrainingComparison",
     "SimulatedTraining",

@@ -1,0 +1,176 @@
+"""assert_distributed (spmd_compiler/testing/checks.py): passes on sharded programs, fails
+on a program that distributes nothing, on local shapes that disagree with the plan and on
+wrong collective counts."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+import spmd_compiler as sc
+from spmd_compiler.testing import (
+    SimulatedTraining,
+    assert_distributed,
+    assert_spmd_matches,
+    assert_training_matches,
+    distribution_of,
+    rank_coordinates,
+    shard_tensor,
+)
+from spmd_compiler.testing import strategies as sst
+from spmd_compiler.testing.checks import local_shape
+from spmd_compiler.testing.models import MLP, megatron_mlp_plan
+
+
+def mse_step(model, optimizer, x, y):
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def _expand(mesh, plan=None, rows=8):
+    model = MLP()
+    traced = sc.trace(mse_step, model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(rows, 16), torch.randn(rows, 16))
+    return sc.expand(traced, mesh, plan)
+
+
+REPLICATED = sc.Plan(default_input=[Replicate()])  # parameters default to Replicate too
+
+
+def test_passes_on_data_parallel_and_names_what_is_distributed(mesh4):
+    step = _expand(mesh4)
+    dist = assert_distributed(step, collectives={"all_reduce/dp": 5, "optimizer/all_reduce": 4, "all_gather": 0}, sharded=["batch[0]"])
+    assert dist.mesh == {"dp": 4} and dist.coordinates == ((0,),)
+    assert dist.sharded == ("batch[0]", "batch[1]")
+    assert dist.placements["l1.weight"] == "R" and dist.placements["batch[0]"] == "S(0)"
+    assert dist.num_collectives == 5 and dist.count("dp") == 5 and dist.count("output") == 1
+    assert assert_distributed(step, collectives=5) == dist
+
+
+def test_passes_on_tensor_parallel_with_replicated_batch(mesh4):
+    step = _expand(mesh4, sc.Plan(params=megatron_mlp_plan().params, default_input=[Replicate()]))
+    dist = assert_distributed(step, collectives={"forward/all_reduce": 1}, sharded=["l1.weight", "l2.weight"])
+    assert "batch[0]" not in dist.sharded
+
+
+def test_fails_when_nothing_is_distributed(mesh4):
+    step = _expand(mesh4, REPLICATED)
+    assert step.collectives() == []
+    with pytest.raises(AssertionError, match=r"nothing was distributed: .* got neither \(mesh \{'dp': 4\}; inputs l1.weight: R"):
+        assert_distributed(step)
+    # the same through the numerics API: it matches one device, and proves nothing
+    res = assert_training_matches(mse_step, MLP().double(), lambda p: torch.optim.SGD(p, lr=0.1),
+                                  [(torch.randn(8, 16, dtype=torch.float64),) * 2], mesh4, REPLICATED)
+    with pytest.raises(AssertionError, match="nothing was distributed"):
+        assert_distributed(res)
+    dist = distribution_of(res)  # what is true of it: every rank holds everything, nothing is communicated
+    assert dist.sharded == () and dist.num_collectives == 0 and len(dist.coordinates) == 4
+
+
+def test_fails_on_wrong_collective_counts(mesh4):
+    step = _expand(mesh4)
+    with pytest.raises(AssertionError, match=r"'all_reduce/dp': expected 4, found 5; 'all_gather': expected 1, found 0\n.*phase"):
+        assert_distributed(step, collectives={"all_reduce/dp": 4, "all_gather": 1})
+    with pytest.raises(AssertionError, match="expected at least 6 collective"):
+        assert_distributed(step, collectives=6)
+
+
+def test_fails_on_sharded_names_that_are_not_sharded(mesh4):
+    step = _expand(mesh4)
+    with pytest.raises(AssertionError, match=r"expected sharded over a mesh axis of size > 1: \['l1.weight \(R\)'\]; sharded inputs are \['batch\[0\]', 'batch\[1\]'\]"):
+        assert_distributed(step, sharded=["batch[0]", "l1.weight"])
+    with pytest.raises(ValueError, match=r"\['l3.weight'\], which are not inputs .* inputs are \['l1.weight'"):
+        assert_distributed(step, sharded=["l3.weight"])
+    with pytest.raises(TypeError, match="got a str"):
+        assert_distributed(step, sharded="batch[0]")
+
+
+def test_fails_when_a_local_shape_is_the_global_one(mesh4):
+    """A program that records Shard(0) but holds the whole tensor (the one-device program
+    relabelled) is caught by its local shapes."""
+    step = _expand(mesh4)
+    gm = copy.deepcopy(step.gm)
+    batch = next(n for n in gm.graph.find_nodes(op="placeholder") if n.name == "in_batch_0")
+    batch.meta["val"] = torch.empty(8, 16)
+    with pytest.raises(AssertionError, match=r"batch input 'batch\[0\]' on the rank at coordinate \(0,\): local shape \[8, 16\], expected \[2, 16\] \(global \[8, 16\] split by S\(0\)"):
+        assert_distributed(gm)
+    # and a placeholder whose recorded spec is not the step's input spec
+    step.gm = gm
+    batch.meta["val"] = torch.empty(2, 16)
+    batch.meta["spmd_spec"] = step.input_specs[0]
+    with pytest.raises(AssertionError, match=r"placeholder in_batch_0 records R \[32, 16\], the step's input_specs S\(0\) \[8, 16\]"):
+        assert_distributed(step)
+
+
+def test_checks_every_rank_of_uneven_shards(mesh4):
+    """10 rows over 4 ranks: 3, 3, 3, 1. Rank 0's program reused for rank 3 is caught."""
+    plan = sc.Plan(params={"*": [Shard(0)]})
+    steps = {c: _expand(mesh4, plan, rows=10) if c == (0,) else None for c in rank_coordinates((4,))}
+    last = sc.expand(steps[(0,)].traced, mesh4, plan, coordinate=(3,))
+    steps[(3,)] = last
+    del steps[(1,)], steps[(2,)]
+    dist = assert_distributed(steps, sharded=["batch[0]", "l1.weight"])
+    assert dist.coordinates == ((0,), (3,))
+    steps[(3,)] = steps[(0,)]
+    with pytest.raises(AssertionError, match=r"coordinate \(3,\): local shape \[3, 16\], expected \[1, 16\]"):
+        assert_distributed(steps)
+
+
+def test_fails_when_ranks_issue_different_collectives(mesh4):
+    dp, fsdp = _expand(mesh4), _expand(mesh4, sc.Plan(params={"*": [Shard(0)]}))
+    with pytest.raises(AssertionError, match=r"coordinates \(0,\) and \(1,\) have different collectives"):
+        assert_distributed({(0,): dp, (1,): sc.expand(fsdp.traced, mesh4, sc.Plan(params={"*": [Shard(0)]}), coordinate=(1,))})
+
+
+def test_accepts_every_numerics_api(mesh4):
+    x = torch.randn(8, 4, dtype=torch.float64)
+    run = assert_spmd_matches(lambda a: torch.tanh(a), [x], mesh4, [[Partial()]], atol=1e-12)
+    assert assert_distributed(run, collectives={"all_reduce": 1}).coordinates == tuple(rank_coordinates((4,)))
+
+    batches = [(torch.randn(8, 16, dtype=torch.float64),) * 2]
+    res = assert_training_matches(mse_step, MLP().double(), lambda p: torch.optim.SGD(p, lr=0.1), batches, mesh4)
+    assert assert_distributed(res) == assert_distributed(res.sim)
+
+    sim = SimulatedTraining(mse_step, MLP().double(), torch.optim.SGD(MLP().parameters(), lr=0.1), mesh4)
+    with pytest.raises(ValueError, match="no compiled program yet"):
+        assert_distributed(sim)
+
+    step = sc.compile(mse_step, mesh=mesh4)
+    with pytest.raises(ValueError, match="has not compiled a step yet"):
+        assert_distributed(step)
+    model = MLP()
+    step(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(2, 16), torch.randn(2, 16))
+    # compile buckets the 4 gradient all_reduces into one
+    assert assert_distributed(step, collectives={"optimizer/all_reduce": 1, "output/all_reduce": 1}).sharded == ("batch[0]", "batch[1]")
+
+    with pytest.raises(TypeError, match="expected a program: ExpandedStep, .* got int"):
+        assert_distributed(3)
+
+
+def test_bad_expectations_are_rejected(mesh4):
+    step = _expand(mesh4)
+    with pytest.raises(ValueError, match=r"collective key 'all_reduce/tp': \['tp'\] is not a collective kind, mesh axis or phase; .*axes \['dp'\]"):
+        assert_distributed(step, collectives={"all_reduce/tp": 1})
+    with pytest.raises(ValueError, match="expected None, a least count >= 1"):
+        assert_distributed(step, collectives=0)
+    with pytest.raises(ValueError, match="expected a count >= 0"):
+        assert_distributed(step, collectives={"all_reduce": -1})
+
+
+@settings(max_examples=40)
+@given(st.data())
+def test_local_shape_is_what_the_simulator_feeds(data):
+    """The expected local shape is the shape of the shard the simulator gives each rank."""
+    mesh_shape = data.draw(sst.mesh_shapes(max_ranks=8))
+    shape = data.draw(sst.shapes(1, 3, 1, 9))
+    pl = data.draw(sst.placements(shape, mesh_shape))
+    x = torch.empty(shape)
+    for c in rank_coordinates(mesh_shape):
+        assert local_shape(shape, pl, mesh_shape, c) == tuple(shard_tensor(x, pl, mesh_shape, c).shape)
