@@ -182,10 +182,11 @@ def _pair_worker(rank: int, world: int, kind: str, args: Any, dim: int, profile:
     torch.manual_seed(0)
     torch.set_num_threads(1)
     model = GPT(_cfg(args, dim))
-    models = {"ours": copy.deepcopy(model), "floor": copy.deepcopy(model), "peer": _peer(kind, copy.deepcopy(model), world)}
+    models = {"ours": copy.deepcopy(model), "floor": copy.deepcopy(model), "peer": _peer(kind, copy.deepcopy(model), world),
+              "unguarded": copy.deepcopy(model)}
     opts = {side: torch.optim.AdamW(m.parameters(), lr=1e-3) for side, m in models.items()}
     plan, mesh = _plan(kind, world)
-    steps = {"ours": sc.compile(train_step, mesh=mesh, plan=plan), "floor": sc.compile(train_step, mesh=mesh, plan=plan)}
+    steps = {side: sc.compile(train_step, mesh=mesh, plan=plan) for side in ("ours", "floor", "unguarded")}
 
     def run(side: str, i: int) -> float:
         ids, tg = _local_batch(kind, *_batch(i, args), world, rank)
@@ -200,11 +201,13 @@ def _pair_worker(rank: int, world: int, kind: str, args: Any, dim: int, profile:
 
     for i in range(2):  # compile the floor's step (first and steady AdamW state), then drop its collectives
         run("floor", i)
-    steps["floor"].last.runner = compile_runner(_without_collectives(steps["floor"].last.gm))
-    times: dict[str, list[float]] = {"ours": [], "peer": [], "floor": []}
-    sides = ["ours", "peer", "floor"]
+        run("unguarded", i)
+    steps["floor"].last.runner = compile_runner(_without_collectives(steps["floor"].last.gm), guard=True)
+    steps["unguarded"]._guard.group = None  # the same program without the per-step agreement check
+    times: dict[str, list[float]] = {"ours": [], "peer": [], "floor": [], "unguarded": []}
+    sides = ["ours", "peer", "floor", "unguarded"]
     for i in range(args.warmup + args.steps):
-        order = sides[i % 3:] + sides[: i % 3]  # rotate which side goes first
+        order = sides[i % 4:] + sides[: i % 4]  # rotate which side goes first
         got = {side: run(side, i) for side in order}
         if i >= args.warmup:
             for side in sides:
@@ -212,6 +215,7 @@ def _pair_worker(rank: int, world: int, kind: str, args: Any, dim: int, profile:
     out: dict[str, Any] = {side: statistics.median(t) for side, t in times.items()}
     out["ratio"] = statistics.median(a / b for a, b in zip(times["ours"], times["peer"]))
     out["floor_ratio"] = statistics.median(a / b for a, b in zip(times["floor"], times["peer"]))
+    out["guard_ratio"] = statistics.median(a / b for a, b in zip(times["ours"], times["unguarded"]))
     out["compiles"] = steps["ours"].compiles
     if profile:
         out["profile"] = _profile(rank, lambda i: run("ours", i), args)
@@ -302,6 +306,7 @@ def main() -> None:
     p.add_argument("--kinds", nargs="+", default=["dp", "fsdp", "tp", "2d"])
     p.add_argument("--tp-dims", nargs="*", type=int, default=[32, 64, 128, 256])
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--out", default=str(RESULTS), help="where to write the table (default: %(default)s)")
     args = p.parse_args()
 
     rows, profiles = [], {}
@@ -325,12 +330,13 @@ def main() -> None:
               f"ceiling {1 / got['floor_ratio']:.2f}x", flush=True)
 
     head = ("| plan | peer | world (timing) | compiled ms | peer ms | compiled / peer (paired median) | "
-            "compute floor ms | floor / peer | collectives (world 4) | bytes/rank/step (world 4) | analytic minimum | bytes / minimum |")
+            "compute floor ms | floor / peer | with / without the step guard | collectives (world 4) | bytes/rank/step (world 4) | "
+            "analytic minimum | bytes / minimum |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for kind, world, got, count, nbytes, minimum in rows:
         lines.append(
             f"| {kind} | {PEERS[kind]} | {world} | {got['ours'] * 1e3:.1f} | {got['peer'] * 1e3:.1f} | {got['ratio']:.2f} | "
-            f"{got['floor'] * 1e3:.1f} | {got['floor_ratio']:.2f} | "
+            f"{got['floor'] * 1e3:.1f} | {got['floor_ratio']:.2f} | {got['guard_ratio']:.3f} | "
             f"{count} | {nbytes:,} | {minimum:,} | {nbytes / minimum:.2f} |"
         )
     sweep_lines = ["| dim | compiled TP ms | eager DTensor TP ms | speedup (eager / compiled, paired median) | "
@@ -350,6 +356,8 @@ def main() -> None:
         "Compute floor: the same compiled per-rank program with every collective replaced by a local op of the same shape,",
         "timed in the same rotation: what the plan's computation costs if communication were free. floor / peer bounds",
         "the ratio any implementation of the plan with these kernels can reach here.",
+        "Step guard: the same compiled step with the per-step check that every rank runs the same program switched off,",
+        "also in the rotation (with / without: what the check costs; its all_reduce overlaps the forward).",
         "",
         "\n".join(lines),
         "",
@@ -365,10 +373,11 @@ def main() -> None:
         for kind, prof in profiles.items():
             text.append(f"| {kind} | " + " | ".join(f"{prof[c]:.1f}" for c in cols) + " |")
         text.append("")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text("\n".join(text))
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(text))
     print("\n".join(text))
-    print(f"wrote {RESULTS}")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

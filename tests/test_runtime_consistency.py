@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 import spmd_compiler as sc
 from spmd_compiler.runtime.launch import WorkerError, run_processes
+from spmd_compiler.testing import assert_distributed
 from spmd_compiler.testing.models import MLP
 
 pytestmark = pytest.mark.gloo
@@ -71,6 +72,7 @@ def _cases(rank: int, world: int, tmp: str) -> dict:
         x, y = _rows(i, sum(split))
         mine = slice(sum(split[:rank]), sum(split[: rank + 1]))
         loss = step(model, opt, x[mine], y[mine])
+        assert_distributed(step, sharded=["batch[0]", "batch[1]"], collectives=1)
         errs.append(abs(loss.item() - mse_step(ref, ref_opt, x, y).item()))
     errs.append(max((p.full_tensor() - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters())))
     out["uneven_error"], out["compiles"] = max(errs), step.compiles

@@ -70,3 +70,30 @@ def test_compiled_step_uses_the_runner(mesh4):
     ids = torch.randint(0, 32, (2, 8))
     step(model, opt, ids, ids)
     assert callable(step.last.runner) and "def run(" in step.last.runner.source
+
+
+def test_guarded_runner_checks_before_the_first_effect():
+    """The step guard's check runs right before the first collective / write / random op,
+    and a Resync raised there leaves the inputs untouched."""
+    from spmd_compiler.driver.guard import Resync, first_effect
+
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    y = g.call_function(torch.ops.aten.mul.Tensor, (x, 2.0))
+    w = g.call_function(torch.ops.aten.add_.Tensor, (x, y))
+    g.output([w])
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    assert first_effect(gm) is w
+    run = compile_runner(gm, guard=True, check_before=first_effect(gm))
+    lines = run.source.splitlines()
+    assert lines.index("    _check()") == next(i for i, line in enumerate(lines) if "add_" in line) - 1, run.source
+    t = torch.ones(3)
+
+    def resync() -> None:
+        raise Resync()
+
+    with pytest.raises(Resync):
+        run(t, _check=resync)
+    assert torch.equal(t, torch.ones(3))  # nothing was written
+    run(t, _check=lambda: None)
+    assert torch.equal(t, torch.full((3,), 3.0))
