@@ -9,6 +9,7 @@ against torch 2.13. Nothing else in the package imports a ``torch.*._private`` n
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -62,6 +63,8 @@ __all__ = [
     "random_ops",
     "group_name",
     "is_view_op",
+    "written_args",
+    "writes_first_arg",
 ]
 
 StridedShard = _StridedShard
@@ -234,6 +237,25 @@ def random_ops() -> frozenset:
 def is_view_op(op: Any) -> bool:
     schema = getattr(op, "_schema", None)
     return bool(schema is not None and schema._is_view_op())
+
+
+@functools.lru_cache(maxsize=None)
+def written_args(op: Any) -> tuple[tuple[int, str], ...]:
+    """``(position, name)`` of every argument ``op``'s schema marks as written in place
+    (``Tensor(a!) self``, ``Tensor(a!)[] exp_avgs``, ``Tensor(a!) out``); empty for
+    anything that is not an OpOverload."""
+    if not isinstance(op, torch._ops.OpOverload):
+        return ()
+    return tuple(
+        (i, a.name) for i, a in enumerate(op._schema.arguments) if a.alias_info is not None and a.alias_info.is_write
+    )
+
+
+def writes_first_arg(op: Any) -> bool:
+    """Whether ``op`` writes its first, positional argument in place and returns it
+    (``add_``, ``copy_``, ``lerp_``): the in-place ops whose result aliases ``args[0]``."""
+    written = written_args(op)
+    return bool(written and written[0][0] == 0 and not op._schema.arguments[0].kwarg_only)
 
 
 # ----------------------------------------------------------------------------- tracing

@@ -22,6 +22,7 @@ __all__ = [
     "RankMismatchError",
     "user_source_line",
     "describe_node",
+    "add_context",
 ]
 
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>\S+)\n\s*(?P<code>[^\n]*)')
@@ -68,6 +69,36 @@ def describe_node(node: fx.Node | None) -> str:
     if line:
         out += f"\n  user code:  {line}"
     return out
+
+
+def add_context(exc: BaseException, node: fx.Node | None, *, inputs: str = "", fix: str = "") -> BaseException:
+    """Append to ``exc``'s message, once, what it lacks of: the graph node, the user's
+    source line, the placements of the node's inputs (``inputs``) and a way out (``fix``).
+
+    The exception keeps its type, attributes and traceback (its ``args`` are rewritten);
+    the first call wins, so an error raised deep inside names the innermost node. The
+    node is recorded as ``exc.spmd_node`` (and ``exc.node`` for our own errors without one).
+    """
+    if getattr(exc, "spmd_node", None) is not None or node is None:
+        return exc
+    msg = str(exc.args[0]) if exc.args else ""
+    extra = ""
+    if f"graph node: %{node.name} " not in msg:
+        extra += describe_node(node)
+    if inputs and "input placements:" not in msg:
+        extra += f"\n  input placements: {inputs}"
+    at = msg.rfind("\n  fix:")  # the context goes before a fix on its own line
+    if at >= 0:
+        msg = msg[:at] + extra + msg[at:]
+    else:
+        msg += extra
+        if fix and "fix:" not in msg:
+            msg += f"\n  fix: {fix}"
+    exc.args = (msg,) + tuple(exc.args[1:])
+    exc.spmd_node = node  # type: ignore[attr-defined]
+    if isinstance(exc, SpmdError) and getattr(exc, "node", None) is None:
+        exc.node = node  # type: ignore[attr-defined]
+    return exc
 
 
 class SpmdError(RuntimeError):

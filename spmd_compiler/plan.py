@@ -33,21 +33,27 @@ def normalize_placements(value: PlacementsLike, ndim: int, what: str) -> tuple[P
     if isinstance(value, Placement):
         if ndim != 1:
             raise ValueError(
-                f"{what}: got a single placement {value} for a {ndim}-D mesh; expected a list of {ndim} "
-                f"placements, one per mesh axis (e.g. [Shard(0), Replicate()])"
+                f"{what}: got a single placement {value!r} for a {ndim}-D mesh; expected a list of {ndim} "
+                f"placements, one per mesh axis. fix: write a list, e.g. {[value] + [Replicate()] * (ndim - 1)!r}"
             )
         return (value,)
     if not isinstance(value, Sequence) or isinstance(value, str):
-        raise TypeError(f"{what}: expected a Placement or a list of {ndim} placements, got {type(value).__name__}")
+        raise TypeError(
+            f"{what}: expected a Placement or a list of {ndim} placements, got {type(value).__name__} {value!r}. "
+            f"fix: use torch.distributed.tensor placements, e.g. {[Shard(0)] + [Replicate()] * (ndim - 1)!r}"
+        )
     out = tuple(value)
     if len(out) != ndim:
         raise ValueError(
             f"{what}: got {len(out)} placements {list(out)} for a mesh with {ndim} axes; expected exactly "
-            f"one placement per mesh axis"
+            f"one placement per mesh axis. fix: give {ndim} placements (Replicate() on the axes that do not split it)"
         )
     for p in out:
         if not isinstance(p, Placement):
-            raise TypeError(f"{what}: {p!r} is not a Placement (Shard(d), Replicate() or Partial())")
+            raise TypeError(
+                f"{what}: {p!r} in {list(out)} is not a Placement; expected Shard(d), Replicate() or Partial(). "
+                f"fix: use the objects from torch.distributed.tensor (Shard(0), not the string 'Shard(0)')"
+            )
     return out
 
 
@@ -114,12 +120,15 @@ class Plan:
         for a in self.fsdp_axes:
             if isinstance(a, int):
                 if not 0 <= a < mesh.ndim:
-                    raise ValueError(f"fsdp axis {a} is out of range for a {mesh.ndim}-D mesh")
+                    raise ValueError(
+                        f"fsdp axis {a} is out of range for a {mesh.ndim}-D mesh. fix: use an index in "
+                        f"[0, {mesh.ndim - 1}] or a mesh axis name {names}"
+                    )
                 out.append(a)
             elif a in names:
                 out.append(names.index(a))
             else:
-                raise ValueError(f"fsdp axis {a!r} is not a mesh axis name; mesh axes are {names}")
+                raise ValueError(f"fsdp axis {a!r} is not a mesh axis name; mesh axes are {names}. fix: name one of them")
         return tuple(out)
 
     def resolve(self, traced: Any, mesh: Any) -> "ResolvedPlan":
@@ -229,14 +238,21 @@ def _resolve(plan: Plan, traced: Any, mesh: Any) -> ResolvedPlan:
         else:
             if key not in canonical and plan.strict:
                 raise ValueError(
-                    f"plan entry {key!r} names no parameter or buffer of the model." + _near(key, named)
-                    + " fix: use the FQN from model.named_parameters() / named_buffers(), or a glob pattern."
+                    f"plan entry {key!r} names no parameter or buffer of the model (it gives {list(pl)!r})."
+                    + _near(key, named)
+                    + " fix: use the FQN from model.named_parameters() / named_buffers(), or a glob pattern, "
+                    "or pass Plan(strict=False) to ignore it."
                 )
             exact[canonical.get(key, key)] = pl
     if plan.strict:
-        for pat, _ in patterns:
+        for pat, pl in patterns:
             if not any(fnmatch.fnmatchcase(n, pat) for n in named):
-                raise ValueError(f"plan pattern {pat!r} matches no parameter or buffer of the model." + _near(pat, named))
+                raise ValueError(
+                    f"plan pattern {pat!r} matches no parameter or buffer of the model (it gives {list(pl)!r})."
+                    + _near(pat, named)
+                    + " fix: match the names of model.named_parameters() / named_buffers() ('*' also matches dots), "
+                    "or pass Plan(strict=False) to allow patterns that match nothing."
+                )
 
     def for_fqn(fqn: str) -> tuple[tuple[Placement, ...], str]:
         if fqn in exact:
@@ -266,7 +282,7 @@ def _resolve(plan: Plan, traced: Any, mesh: Any) -> ResolvedPlan:
             pl, src = replicate, "replicated (optimizer hyperparameter)"
         else:
             pl, src = next(batch)
-        placements.append(_check_dims(inp, tuple(pl)))
+        placements.append(_check_dims(inp, tuple(pl), src))
         sources.append(src)
     return ResolvedPlan(tuple(placements), tuple(sources))
 
@@ -297,23 +313,36 @@ def _batch_placements(plan: Plan, batch_inputs: list[Any], ndim: int) -> list[tu
             pl, src = default_input, "default_input"
         if len(inp.shape) == 0:
             pl, src = replicate, "replicated (0-d tensor)"
-        out.append((_check_dims(inp, tuple(pl)), src))
+        out.append((_check_dims(inp, tuple(pl), src), src))
     return out
 
 
-def _check_dims(inp: Any, placements: tuple[Placement, ...]) -> tuple[Placement, ...]:
-    """Validate shard dims against the tensor's rank and make them non-negative."""
+def _check_dims(inp: Any, placements: tuple[Placement, ...], source: str = "the plan") -> tuple[Placement, ...]:
+    """Validate shard dims against the tensor's rank and make them non-negative.
+
+    ``source`` says where the placements came from (``plan['l1.*']``), for the message.
+    """
     ndim = len(inp.shape)
+    what = f"{inp.label} (shape {list(inp.shape)}) gets placements {list(placements)!r} from {source}"
     out = []
     for axis, p in enumerate(placements):
         if isinstance(p, Shard):
             if not -ndim <= p.dim < ndim:
+                dims = f"a dim in [0, {ndim - 1}] (or [{-ndim}, -1])" if ndim else "none (a 0-d tensor has no dim to split)"
+                where = (
+                    f"Plan(inputs={{{inp.name!r}: ...}}) sets it" if inp.kind == "batch"
+                    else f"an entry for {inp.name!r} overrides a pattern"
+                )
                 raise ValueError(
-                    f"{inp.label} (shape {list(inp.shape)}): Shard({p.dim}) on mesh axis {axis} is out of range "
-                    f"for a {ndim}-d tensor; expected a dim in [0, {ndim - 1}]"
+                    f"{what}: Shard({p.dim}) on mesh axis {axis} is out of range for a {ndim}-d tensor; expected "
+                    f"{dims}. fix: shard a dim the tensor has, or use Replicate() on mesh axis {axis} ({where})"
                 )
             p = Shard(p.dim % ndim)
         elif isinstance(p, Partial) and inp.kind != "batch":
-            raise ValueError(f"{inp.label}: Partial placement is only meaningful for batch inputs, not for {inp.kind}s")
+            raise ValueError(
+                f"{what}: {p!r} on mesh axis {axis} is only meaningful for batch inputs, not for a {inp.kind} "
+                f"(its one value would be split into per-rank terms of a sum). fix: use Shard(d) or Replicate() "
+                f"for {inp.kind}s; gradients become Partial by themselves where the program needs it"
+            )
         out.append(p)
     return tuple(out)

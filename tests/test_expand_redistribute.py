@@ -44,3 +44,19 @@ def test_partial_to_replicate_is_one_all_reduce(mesh4):
     run = assert_spmd_matches(lambda a: torch.tanh(a), [x], mesh4, [[Partial()]], atol=1e-12)
     assert _collectives(run) == ["all_reduce@dp"]
     assert_distributed(run, collectives={"all_reduce/dp": 1})
+
+
+@pytest.mark.parametrize("rows", [8, 6, 5])  # even, uneven on the inner axis, uneven on both
+@pytest.mark.parametrize("reduce", ["all", "tp only"])
+def test_embedding_rows_split_over_both_axes(mesh2x2, rows, reduce):
+    # weight S(0),S(0): the ids are masked on each axis (one mask for both); the first
+    # reduction applies it, the second one is a plain sum (it used to lose the mask)
+    ids = torch.tensor([[0, rows - 1, 2], [3, 1, rows - 2]])
+    weight = torch.randn(rows, 4, dtype=torch.float64)
+
+    def fn(i, w):
+        out = torch.nn.functional.embedding(i, w)
+        return out * 2 if reduce == "all" else out.sum(-1)
+
+    run = assert_spmd_matches(fn, [ids, weight], mesh2x2, [[Replicate(), Replicate()], [Shard(0), Shard(0)]], atol=1e-12)
+    assert_distributed(run, collectives=1)

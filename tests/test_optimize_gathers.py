@@ -83,3 +83,21 @@ def test_fused_gathers_keep_training_numerics(mesh4, vocab):
     assert_distributed(res, sharded=["tok.weight", "blocks.0.fc.weight", "batch[0]"])
     gm = next(iter(res.sim.expansions.values())).gm
     assert sorted(n.meta["spmd_param_gather"] for n in _gathers(gm)) == ["", "blocks.0", "blocks.1"]
+
+
+def test_gathers_of_views_made_late_are_left_alone(mesh2x2):
+    # no fsdp_axes: DTensor gathers what each op needs, e.g. t(weight) in backward, made
+    # long after the unit's first gather is needed; fusing it there read it before it
+    # existed (the pass failed its lint: "used before it has been defined")
+    from torch.distributed.tensor import Shard
+
+    model = GPT(vocab=32, seq=8, dim=16, heads=2, layers=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    ids = torch.randint(0, 32, (4, 8))
+    step = sc.expand(sc.trace(train_step, model, opt, ids, ids), mesh2x2, sc.Plan(params={"*": [Shard(0), Shard(0)]}))
+    gm = bucket_parameter_gathers_pass(sc.optimize.remove_redundant_collectives_pass(step.gm))
+    gm.graph.lint()
+    pos = positions(gm)
+    for fused in _gathers(gm):
+        for member in fused.meta.get("spmd_copy_in", []):
+            assert all(pos[a] < pos[fused] for a in member.all_input_nodes)

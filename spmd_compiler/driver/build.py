@@ -138,7 +138,7 @@ def expand(
     t0 = time.perf_counter()
     expansion = expand_graph(
         traced, mctx, resolved.placements, fallback=fallback, cache=cache, fsdp_axes=plan.fsdp_axis_indices(mesh),
-        activation_sharding=plan.activation_sharding,
+        activation_sharding=plan.activation_sharding, sources=resolved.sources,
     )
     t1 = time.perf_counter()
     step = finalize(expansion, reduce_partial_outputs=reduce_partial_outputs)

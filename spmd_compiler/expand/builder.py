@@ -9,6 +9,7 @@ every local tensor are known without running anything.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +17,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from .chunks import chunk_size, local_size, strided_local_size
 from .values import MeshContext
 
 __all__ = ["Recipe", "OutTensor", "OutScalar", "SubgraphBuilder"]
@@ -92,9 +94,16 @@ class SubgraphBuilder:
         n = self.mctx.shape[axis]
         if size % n:
             self.coord_dependent = True
-        full = -(-size // n) if size else 0
-        j = self.mctx.coordinate[axis]
-        return max(0, min(size, (j + 1) * full) - j * full)
+        return local_size(size, n, self.mctx.coordinate[axis])
+
+    def shard_offset(self, size: int, axis: int, uneven: bool) -> Any:
+        """Where this rank's chunk of a dim of ``size`` split over ``axis`` starts: a
+        run-time int of the recipe, ``coord * chunk``, clamped to ``size`` when ``uneven``
+        (decided by the caller from global sizes, so every rank emits the same ops)."""
+        start = self.call(operator.mul, self.coords[axis], chunk_size(size, self.mctx.shape[axis]))
+        if uneven:
+            start = self.call(min, start, size)
+        return start
 
     def local_strided(self, size: int, split_factor: int, axis: int) -> int:
         """This rank's share of a dim of ``size`` under ``_StridedShard(split_factor)``:
@@ -102,14 +111,7 @@ class SubgraphBuilder:
         n = self.mctx.shape[axis]
         if size % (split_factor * n):
             self.coord_dependent = True
-        j = self.mctx.coordinate[axis]
-        total = 0
-        full_b = -(-size // split_factor) if size else 0
-        for k in range(split_factor):
-            block = max(0, min(size, (k + 1) * full_b) - k * full_b)
-            full = -(-block // n) if block else 0
-            total += max(0, min(block, (j + 1) * full) - j * full)
-        return total
+        return strided_local_size(size, split_factor, n, self.mctx.coordinate[axis])
 
     def local_shape(self, global_shape: Any, placements: Any) -> tuple[int, ...]:
         """Local shape of a tensor with ``placements`` on this rank (shards left to right)."""
@@ -157,8 +159,6 @@ class SubgraphBuilder:
 
     def getitems(self, node: fx.Node) -> list[fx.Node]:
         """Split a tuple-valued node into one ``getitem`` node per element."""
-        import operator
-
         out = []
         for i, v in enumerate(node.meta["val"]):
             item = self.graph.call_function(operator.getitem, (node, i))

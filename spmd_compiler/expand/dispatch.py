@@ -19,9 +19,10 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from .. import _private_torch as pt
-from ..errors import UnsupportedOpError
+from ..errors import SpmdError, UnsupportedOpError
 from .builder import OutTensor, SubgraphBuilder
-from .redistribute import chunk_sizes, emit_redistribute, logical_shape
+from .chunks import chunk_sizes
+from .redistribute import emit_redistribute, logical_shape
 from .registry import get_rule
 from .values import DSymInt, MeshContext, placements_text
 
@@ -279,7 +280,7 @@ def generic_expand(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple,
         rs_flat = rs_tree = None
     locals_: list[fx.Node] = []
     masks_by_buffer: dict[int, fx.Node] = {}
-    mutated = is_inplace(op)
+    mutated = pt.writes_first_arg(op)
     for i, (t, dst) in enumerate(zip(tensors, dst_specs)):
         reason = f"input {i} of {_op_name(op)}"  # i counts this op's tensor arguments
         node, mask = emit_redistribute(b, t.node, t.spec, dst, mask=t.mask, reason=reason, input_index=t.index, value_label=t.label)
@@ -345,7 +346,9 @@ def _out_tensor(b: SubgraphBuilder, node: fx.Node, spec: Any, masks: dict[int, f
         if isinstance(p, pt.MaskPartial):
             mask = masks.get(id(p.mask_buffer))
             if mask is None:
-                raise UnsupportedOpError(None, [], None, "a MaskPartial output has no mask")
+                # every MaskPartial is made by redistribute with its mask (or a zero mask
+                # once applied), so no plan reaches this
+                raise SpmdError(f"a {placements_text(spec.placements)} output has no mask among its inputs' masks; this is a bug in spmd-compiler")
             mask_index = b.slot(mask)
     node.meta["spmd_spec"] = spec
     return OutTensor(b.slot(node), spec, mask_index)
@@ -455,7 +458,7 @@ def reduce_partial_axes(ctx: ExpandContext, b: SubgraphBuilder, args: Any, kwarg
             return x
         dst = pt.DTensorSpec(x.spec.mesh, tuple(pl), tensor_meta=x.spec.tensor_meta)
         node, mask = emit_redistribute(b, x.node, x.spec, dst, mask=x.mask, reason=why, input_index=x.index, value_label=x.label)
-        return x.moved(node, dst, None)
+        return x.moved(node, dst, mask)  # a MaskPartial left on another axis keeps its mask
 
     return pytree.tree_map(fix, (args, kwargs), is_leaf=_is_tensor_arg)
 
@@ -521,15 +524,6 @@ def replicate_axes(ctx: ExpandContext, b: SubgraphBuilder, args: Any, kwargs: An
     return pytree.tree_map(fix, (args, kwargs), is_leaf=_is_tensor_arg)
 
 
-def is_inplace(op: Any) -> bool:
-    """True for ops that write their first argument (``add_``, ``lerp_``...)."""
-    schema = getattr(op, "_schema", None)
-    if schema is None or not schema.arguments:
-        return False
-    alias = schema.arguments[0].alias_info
-    return bool(alias is not None and alias.is_write and not schema.arguments[0].kwarg_only)
-
-
 def laid_out_like(target: Any, spec: Any) -> Any:
     """``spec``'s tensor laid out like ``target``'s: each shard of ``target`` on a dim that
     lines up with one of ``spec``'s (trailing dims, broadcast rules, equal size) shards that
@@ -577,13 +571,14 @@ def inplace_follow_self(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: t
 def expand_op(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: dict) -> Any:
     """Emit the local program of ``op`` into ``b``; returns the result pytree."""
     rule = get_rule(op)
-    if rule is not None:
-        return rule(ctx, b, op, args, kwargs)
-    if op in pt.custom_handled_ops():
+    if rule is None and op in pt.custom_handled_ops():
         return _custom_handled(ctx, b, op, args, kwargs)
+    expand = rule if rule is not None else generic_expand
+    # a rule that hands the op to DTensor (generic_expand) meets the same guards: it is
+    # retried on the adjusted inputs, or the op falls back, with the op's own inputs
     for _ in range(ctx.mctx.ndim + 1):
         try:
-            return generic_expand(ctx, b, op, args, kwargs)
+            return expand(ctx, b, op, args, kwargs)
         except _UnevenAvg as e:
             args, kwargs = replicate_axes(
                 ctx, b, args, kwargs, e.axes, f"uneven shards under a mean in {op}: replicated first"
@@ -593,7 +588,7 @@ def expand_op(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwar
                 ctx, b, args, kwargs, e.axes, f"input of {op} (Partial reduced before combining with a replicated input)"
             )
         except NoStrategy as e:
-            if is_inplace(op) and torch.Tag.pointwise in op.tags:
+            if pt.writes_first_arg(op) and torch.Tag.pointwise in op.tags:
                 try:
                     return inplace_follow_self(ctx, b, op, args, kwargs)
                 except NoStrategy:

@@ -21,7 +21,7 @@ import torch.fx as fx
 from .tree import leaves, tree_map
 
 from .. import _private_torch as pt
-from ..errors import SpmdError, describe_node
+from ..errors import SpmdError, add_context, describe_node
 from . import dispatch
 from .builder import Recipe, SubgraphBuilder, local_fake
 from .cache import ExpansionCache, abstract_key
@@ -54,6 +54,18 @@ class ExpansionStats:
     cache: dict = field(default_factory=dict)
     coord_dependent: bool = False
     fallbacks: list = field(default_factory=list)
+
+
+_FIX = (
+    "change the placements the plan gives the values above (Plan(params=..., inputs=...)), e.g. Replicate() on "
+    "the mesh axis involved, or compile with fallback='replicate'; if the plan is valid, please report it "
+    "with this message"
+)
+
+
+def _input_key(inp: Any) -> tuple:
+    """How a traced input is named: (kind, name, key)."""
+    return (inp.kind, inp.name, inp.key)
 
 
 def inputs_by_leaf(args: Any, kwargs: Any) -> list[fx.Node]:
@@ -91,10 +103,19 @@ class Expansion:
         cache: ExpansionCache,
         fsdp_axes: tuple[int, ...] = (),
         activation_sharding: str = "follow",
+        sources: Any = None,
     ) -> None:
         self.traced = traced
         self.mctx = mctx
-        self.placements = list(placements)
+        placements = list(placements)
+        if len(placements) != len(traced.inputs):
+            raise ValueError(
+                f"got {len(placements)} placements for the {len(traced.inputs)} inputs of the traced step; "
+                f"expected one per input. fix: pass plan.resolve(traced, mesh).placements"
+            )
+        # placements (and the plan entry that gave them) by input name, never by position
+        sources = list(sources) if sources is not None else [None] * len(placements)
+        self.planned = {_input_key(i): (tuple(p), s) for i, p, s in zip(traced.inputs, placements, sources)}
         self.fallback = fallback
         self.activation_sharding = activation_sharding
         self.cache = cache
@@ -106,8 +127,10 @@ class Expansion:
         self.warned: set = set()
         self.fsdp_axes = tuple(fsdp_axes)
         self._gathered: dict[tuple[fx.Node, str], DValue] = {}
-        # each traced input as planned (env entries may later point at reduced copies)
+        # each traced input as planned (env entries may later point at reduced copies),
+        # in the order of traced.inputs; input_value() finds one by name
         self.input_values: list[DValue] = []
+        self._inputs_by_key: dict[tuple, DValue] = {}
         self.coords = []
         for name, c in zip(mctx.axis_names, mctx.coordinate):
             node = self.graph.placeholder(f"coord_{name}")
@@ -120,7 +143,6 @@ class Expansion:
         from .progress import Progress
 
         start = time.perf_counter()
-        inputs = iter(zip(self.traced.inputs, self.placements))
         nodes = list(self.traced.gm.graph.nodes)
         progress = Progress("expanding", len(nodes), log)
         for node in nodes:
@@ -128,9 +150,11 @@ class Expansion:
             progress.update(self.stats.nodes)
             try:
                 if node.op == "placeholder":
-                    inp, pl = next(inputs)
-                    self.env[node] = self._placeholder(node, inp, pl)
-                    self.input_values.append(self.env[node])
+                    inp = node.meta.get("spmd_input")
+                    key = _input_key(inp) if inp is not None else None
+                    assert key in self.planned, f"placeholder {node.name} is no input of the traced step ({inp})"
+                    self.env[node] = self._placeholder(node, inp, self.planned[key][0])
+                    self._inputs_by_key[key] = self.env[node]
                 elif node.op == "get_attr":
                     self.env[node] = self._constant(node)
                 elif node.op == "call_function":
@@ -139,16 +163,44 @@ class Expansion:
                     self.output_values = tree_map(self._lookup, node.args[0])
                 else:
                     raise SpmdError(f"unexpected node kind {node.op}" + describe_node(node))
-            except (SpmdError, ValueError, TypeError):
+            except (SpmdError, ValueError, TypeError) as e:
+                add_context(e, node, inputs=self._inputs_text(node), fix=_FIX)
                 raise
             except Exception as e:
-                raise SpmdError(f"expanding {node.name} failed: {type(e).__name__}: {e}" + describe_node(node)) from e
+                raise add_context(
+                    SpmdError(f"expanding {node.name} failed: {type(e).__name__}: {e}"), node, inputs=self._inputs_text(node), fix=_FIX
+                ) from e
         progress.done()
+        missing = [i.label for i in self.traced.inputs if _input_key(i) not in self._inputs_by_key]
+        assert not missing, f"traced inputs without a placeholder: {missing}"
+        self.input_values = [self._inputs_by_key[_input_key(i)] for i in self.traced.inputs]
         self.stats.seconds = time.perf_counter() - start
         self.stats.cache = self.cache.stats()
 
     def _lookup(self, x: Any) -> Any:
         return self.env[x] if isinstance(x, fx.Node) else x
+
+    def input_value(self, kind: str, name: str, key: str | None = None) -> DValue:
+        """The value of traced input ``(kind, name, key)`` as planned (not a reduced copy)."""
+        if (kind, name, key) not in self._inputs_by_key:
+            raise KeyError(f"no traced input {kind} {name!r}" + (f"[{key!r}]" if key else ""))
+        return self._inputs_by_key[(kind, name, key)]
+
+    def _inputs_text(self, node: fx.Node) -> str:
+        """The placements and global shapes of ``node``'s inputs (for error messages); for
+        a placeholder, its planned placements and where the plan gave them."""
+        if node.op == "placeholder":
+            inp = node.meta.get("spmd_input")
+            pl, src = self.planned.get(_input_key(inp), (None, None)) if inp is not None else (None, None)
+            if pl is None:
+                return ""
+            return f"{inp.label} {list(inp.shape)}: {placements_text(pl)}" + (f" from {src}" if src else "")
+        parts = []
+        for a in node.all_input_nodes:
+            v = self.env.get(a)
+            if isinstance(v, DValue):
+                parts.append(f"{a.name}: {placements_text(v.spec.placements)} {list(v.spec.shape)}")
+        return ", ".join(parts)
 
     def _placeholder(self, node: fx.Node, inp: Any, placements: tuple) -> DValue:
         spec = pt.make_spec(self.mctx.mesh, placements, inp.shape, inp.stride, inp.dtype)
@@ -337,13 +389,17 @@ def expand_graph(
     cache: ExpansionCache | None = None,
     fsdp_axes: tuple[int, ...] = (),
     activation_sharding: str = "follow",
+    sources: Any = None,
 ) -> "Expansion":
-    """Run the expander; returns it (graph, env, constants, stats) for :mod:`rebuild`."""
+    """Run the expander; returns it (graph, env, constants, stats) for :mod:`rebuild`.
+
+    ``placements`` has one entry per ``traced.inputs`` (``sources``, optional, says where
+    the plan gave each; error messages quote it)."""
     if fallback not in ("replicate", "error"):
         raise ValueError(f"fallback must be 'replicate' or 'error', got {fallback!r}")
     ex = Expansion(
         traced, mctx, placements, fallback=fallback, cache=cache if cache is not None else ExpansionCache(),
-        fsdp_axes=fsdp_axes, activation_sharding=activation_sharding,
+        fsdp_axes=fsdp_axes, activation_sharding=activation_sharding, sources=sources,
     )
     ex.run()
     return ex

@@ -29,9 +29,10 @@ import torch.fx as fx
 from .. import _private_torch as pt
 from ..errors import UnsupportedPlacementError
 from .builder import SubgraphBuilder
+from .chunks import chunk_sizes, strided_layout
 from .values import placements_text
 
-__all__ = ["emit_redistribute", "chunk_sizes", "logical_shape", "COLLECTIVE_OPS"]
+__all__ = ["emit_redistribute", "logical_shape", "COLLECTIVE_OPS"]
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -42,12 +43,6 @@ COLLECTIVE_OPS = {
     c10d.reduce_scatter_tensor.default: "reduce_scatter",
     c10d.all_to_all_single.default: "all_to_all",
 }
-
-
-def chunk_sizes(size: int, n: int) -> list[int]:
-    """Sizes of ``torch.chunk(size, n)`` padded with zeros to n entries (DTensor's split)."""
-    full = -(-size // n) if size else 0
-    return [max(0, min(size, (j + 1) * full) - j * full) for j in range(n)]
 
 
 def logical_shape(b: SubgraphBuilder, global_shape: tuple[int, ...], placements: list, axis: int) -> list[int]:
@@ -108,7 +103,10 @@ def _contiguous(b: SubgraphBuilder, x: fx.Node) -> fx.Node:
 def _reduce_op(p: Any) -> str:
     op = p.reduce_op
     if op not in ("sum", "avg", "max", "min", "product"):
-        raise UnsupportedPlacementError(f"Partial reduce op {op!r} is not supported")
+        raise UnsupportedPlacementError(
+            f"Partial reduce op {op!r} is not supported; expected one of sum, avg, max, min, product. "
+            f"fix: give this value a Partial('sum') or a Shard/Replicate placement"
+        )
     return op
 
 
@@ -119,16 +117,6 @@ def _apply_mask(b: SubgraphBuilder, x: fx.Node, mask: fx.Node | None) -> fx.Node
     if x.meta["val"].dim() > mask.meta["val"].dim():
         m = b.call(aten.unsqueeze.default, mask, -1)
     return b.call(aten.masked_fill.Scalar, x, m, 0)
-
-
-def _shard_start(b: SubgraphBuilder, axis: int, size: int, uneven: bool) -> Any:
-    """Start of this rank's chunk of a dim of ``size`` over ``axis``: a runtime int."""
-    n = b.mctx.shape[axis]
-    full = -(-size // n) if size else 0
-    start = b.call(operator.mul, b.coords[axis], full)
-    if uneven:
-        start = b.call(min, start, size)
-    return start
 
 
 def emit_redistribute(
@@ -155,6 +143,7 @@ def emit_redistribute(
     current = list(src.placements)
     global_shape = tuple(src.shape)
     steps = _conservative_steps(src, dst) if _needs_conservative(src, dst) else pt.transform_steps(src, dst)
+    applied = None  # the mask once a MaskPartial reduction has zeroed the masked rows
     for step in steps:
         axis, s, t = step.axis, step.src, step.dst
         n = mctx.shape[axis]
@@ -163,6 +152,10 @@ def emit_redistribute(
         if n == 1:
             current[axis] = t
             continue
+        if isinstance(s, pt.MaskPartial) and applied is not None:
+            # an index split over several axes has one mask for all of them (the OR of
+            # each axis's); once applied, the other axes' terms are plain sums
+            s = pt.Partial(s.reduce_op)
         logical = logical_shape(b, global_shape, current, axis)
         b.uneven = {d: _globally_uneven(global_shape, current, axis, d, mctx.shape) for d in range(len(global_shape))}
         transition = f"{placements_text([s])}->{placements_text([t])}"
@@ -175,9 +168,32 @@ def emit_redistribute(
             "why": reason,
             **({"value_label": value_label} if value_label else {}),
         }
-        x, mask = _emit_step(b, x, axis, s, t, logical, mask, why)
+        if s.is_replicate() and isinstance(t, pt.MaskPartial):
+            x, mask = _mask_ids(b, x, axis, *_mask_size(b, t, current, axis), mask)
+        else:
+            before = mask
+            x, mask = _emit_step(b, x, axis, s, t, logical, mask, why)
+            if before is not None and mask is None and isinstance(s, pt.MaskPartial):
+                applied = before
         current[axis] = t
+    if applied is not None and mask is None and any(isinstance(p, pt.MaskPartial) for p in dst.placements):
+        mask = b.call(aten.zeros_like.default, applied)  # nothing left to mask on the remaining axes
     return x, mask
+
+
+def _mask_size(b: SubgraphBuilder, t: Any, current: list, axis: int) -> tuple[int, bool]:
+    """The size of the embedding dim that mesh ``axis`` splits for MaskPartial ``t``: the
+    full dim, or this rank's chunk of it when earlier axes already split it (a weight
+    ``[Shard(0), Shard(0)]`` gives indices ``MaskPartial`` on both axes); and whether
+    some rank's split is uneven (from the global size, so every rank emits the same ops)."""
+    size = global_size = int(t.offset_shape[t.offset_dim])
+    ways = b.mctx.shape[axis]
+    for i in range(axis):
+        p = current[i]
+        if isinstance(p, pt.MaskPartial) and p.offset_dim == t.offset_dim and p.offset_shape == t.offset_shape:
+            size = b.local_chunk(size, i)
+            ways *= b.mctx.shape[i]
+    return size, global_size % ways != 0
 
 
 def _needs_conservative(src: Any, dst: Any) -> bool:
@@ -185,6 +201,9 @@ def _needs_conservative(src: Any, dst: Any) -> bool:
     steps decides which shape each step sees, so we use a fixed, always-valid order."""
     for spec in (src, dst):
         dims = [getattr(p, "dim", None) for p in spec.placements if p.is_shard() or isinstance(p, pt.StridedShard)]
+        masks = [p.offset_dim for p in spec.placements if isinstance(p, pt.MaskPartial)]
+        if len(masks) != len(set(masks)):  # an index split over several axes: first axis first
+            return True
         if any(isinstance(p, pt.StridedShard) for p in spec.placements) or len(dims) != len(set(dims)):
             return True
     return False
@@ -270,14 +289,19 @@ def _emit_step(b: SubgraphBuilder, x: fx.Node, axis: int, s: Any, t: Any, logica
         return _narrow_shard(b, x, axis, t.dim, logical[t.dim]), mask
     if s.is_replicate() and t.is_partial():
         if isinstance(t, pt.MaskPartial):
-            return _mask_ids(b, x, axis, t)
+            size = int(t.offset_shape[t.offset_dim])
+            return _mask_ids(b, x, axis, size, size % n != 0, mask)
         if isinstance(t, pt.NormPartial) and t.reduce_op == "sum":
             return b.call(aten.div.Scalar, x, float(n) ** (1.0 / t.norm_type)), None
         if t.reduce_op == "sum":
             return b.call(aten.div.Scalar, x, n), None
         if t.reduce_op in ("avg", "max", "min"):
             return x, None
-    raise UnsupportedPlacementError(f"cannot redistribute {placements_text([s])} -> {placements_text([t])} ({why})")
+    raise UnsupportedPlacementError(
+        f"cannot redistribute {placements_text([s])} -> {placements_text([t])} ({why}); expected a transition between "
+        f"Shard, Replicate and Partial that has a collective. fix: plan Replicate() on mesh axis "
+        f"'{b.mctx.axis_names[axis]}' for the values this op reads"
+    )
 
 
 def _norm_pre(b: SubgraphBuilder, x: fx.Node, p: Any) -> fx.Node:
@@ -295,7 +319,7 @@ def _norm_post(b: SubgraphBuilder, x: fx.Node, p: Any) -> fx.Node:
 
 def _narrow_shard(b: SubgraphBuilder, x: fx.Node, axis: int, dim: int, size: int) -> fx.Node:
     local = b.local_chunk(size, axis)
-    start = _shard_start(b, axis, size, b.uneven[dim])
+    start = b.shard_offset(size, axis, b.uneven[dim])
     piece = b.call(aten.narrow.default, x, dim, start, local)
     return b.call(aten.clone.default, piece, memory_format=torch.contiguous_format)
 
@@ -303,8 +327,11 @@ def _narrow_shard(b: SubgraphBuilder, x: fx.Node, axis: int, dim: int, size: int
 def _all_gather(b: SubgraphBuilder, x: fx.Node, axis: int, dim: int, size: int, why: str) -> fx.Node:
     n = b.mctx.shape[axis]
     sizes = chunk_sizes(size, n)
-    full = max(sizes)
     uneven = b.uneven[dim]
+    # uneven: every piece padded to the longest; at least one row, so a rank whose part
+    # of the dim is empty (1 row over 2x2) still cuts n distinct pieces below (n equal
+    # narrows would be merged by a pass on that rank only: other nodes than its peers)
+    full = max(1, max(sizes)) if uneven else max(sizes)
     local = x.meta["val"]
     if uneven:
         pad = full - local.shape[dim]
@@ -360,15 +387,16 @@ def _all_to_all(b: SubgraphBuilder, x: fx.Node, axis: int, src_dim: int, dst_dim
     return b.call(aten.reshape.default, y, merged)
 
 
-def _mask_ids(b: SubgraphBuilder, x: fx.Node, axis: int, t: Any) -> tuple[fx.Node, fx.Node]:
-    """Replicate -> MaskPartial: shift ids into this rank's vocab shard, mask the rest."""
-    size = t.offset_shape[t.offset_dim]
+def _mask_ids(b: SubgraphBuilder, x: fx.Node, axis: int, size: int, uneven: bool, mask: fx.Node | None) -> tuple[fx.Node, fx.Node]:
+    """Replicate -> MaskPartial: shift ids into this rank's chunk of a vocab of ``size``,
+    mask the rest (together with what ``mask`` already masks on earlier axes)."""
     local = b.local_chunk(size, axis)
-    start = _shard_start(b, axis, size, size % b.mctx.shape[axis] != 0)
+    start = b.shard_offset(size, axis, uneven)
     end = b.call(operator.add, start, local)
     below = b.call(aten.lt.Scalar, x, start)
     above = b.call(aten.ge.Scalar, x, end)
-    mask = b.call(aten.bitwise_or.Tensor, below, above)
+    new = b.call(aten.bitwise_or.Tensor, below, above)
+    mask = new if mask is None else b.call(aten.bitwise_or.Tensor, mask, new)
     shifted = b.call(aten.sub.Scalar, x, start)
     masked = b.call(aten.masked_fill.Scalar, shifted, mask, 0)
     return masked, mask
@@ -400,20 +428,6 @@ def _even_strided(size: int, sf: int, n: int) -> bool:
     return size % (sf * n) == 0
 
 
-def _strided_layout(size: int, sf: int, n: int) -> list[list[tuple[int, int]]]:
-    """``layout[k][j] = (global start, length)`` of rank j's chunk of block k."""
-    blocks = chunk_sizes(size, sf)
-    out, start = [], 0
-    for bsize in blocks:
-        full = -(-bsize // n) if bsize else 0
-        row = []
-        for j, c in enumerate(chunk_sizes(bsize, n)):
-            row.append((start + min(j * full, bsize), c))
-        out.append(row)
-        start += bsize
-    return out
-
-
 def _strided_to_replicate(b: SubgraphBuilder, x: fx.Node, axis: int, s: Any, size: int, why: str) -> fx.Node:
     n, sf, d = b.mctx.shape[axis], int(s.split_factor), s.dim
     if _even_strided(size, sf, n):
@@ -424,9 +438,9 @@ def _strided_to_replicate(b: SubgraphBuilder, x: fx.Node, axis: int, s: Any, siz
         g = b.call(aten.transpose.int, g, d, d + 1)
         return b.call(aten.reshape.default, g, shape)
     # uneven: pad every rank's piece to the longest, gather, and put each chunk back
-    layout = _strided_layout(size, sf, n)
+    layout = strided_layout(size, sf, n)
     lengths = [sum(layout[k][j][1] for k in range(sf)) for j in range(n)]
-    longest = max(lengths)
+    longest = max(1, max(lengths))  # at least one row: n distinct pieces on every rank (see _all_gather)
     local = x.meta["val"]
     pad = longest - local.shape[d]
     x = b.call(aten.constant_pad_nd.default, x, [0, 0] * (local.dim() - 1 - d) + [0, pad], 0)
@@ -454,13 +468,12 @@ def _replicate_to_strided(b: SubgraphBuilder, x: fx.Node, axis: int, t: Any, siz
         return b.call(aten.clone.default, y, memory_format=torch.contiguous_format)
     # uneven: this rank's chunk of every block, at run-time offsets
     b.coord_dependent = True
-    layout = _strided_layout(size, sf, n)
+    layout = strided_layout(size, sf, n)
     j = b.mctx.coordinate[axis]
     pieces = []
     start = 0
     for k, bsize in enumerate(chunk_sizes(size, sf)):
-        full = -(-bsize // n) if bsize else 0
-        off = b.call(min, b.call(operator.mul, b.coords[axis], full), bsize)
+        off = b.shard_offset(bsize, axis, uneven=True)
         at = b.call(operator.add, off, start)
         pieces.append(b.call(aten.narrow.default, x, d, at, layout[k][j][1]))
         start += bsize

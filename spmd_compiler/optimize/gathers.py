@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .graph_utils import WAIT, alias_root, fused_comm, is_collective, is_wait, new_node, positions, prep_chain
+from .graph_utils import WAIT, alias_root, fused_comm, is_collective, is_wait, new_node, positions, prep_chain, written_inputs
 
 __all__ = ["bucket_parameter_gathers_pass", "unit_of"]
 
@@ -55,37 +55,39 @@ def _param_of(n: fx.Node) -> str | None:
     return None
 
 
-def _first_use(m: fx.Node, pos: dict[fx.Node, float]) -> float:
-    """Position of the first use of ``m``'s result (its wait's first user)."""
-    waits = [u for u in m.users if is_wait(u)]
-    uses = [u for w in waits for u in w.users] or waits
-    return min((pos[u] for u in uses), default=float("inf"))
-
-
-def _ready(m: fx.Node, pos: dict[fx.Node, float]) -> float:
-    """Position after which ``m``'s input (before its preparation chain) exists."""
+def _ready(m: fx.Node, pos: dict[fx.Node, float], writes: dict[Any, list[fx.Node]]) -> float:
+    """Where gather ``m`` could start at the earliest: after every input of its prep chain
+    and after every write to their storage that precedes it."""
     chain = prep_chain(m)
-    inside = set(chain)
-    sources = [a for c in chain for a in c.all_input_nodes if a not in inside] if chain else list(m.all_input_nodes)
-    return max((pos[a] for a in sources), default=float("-inf"))
+    inside = set(chain) | {m}
+    sources = {a for x in inside for a in x.all_input_nodes if a not in inside}
+    ready = max((pos[a] for a in sources), default=-1.0)
+    for a in sources:
+        for w in writes.get(alias_root(a), ()):
+            if pos[w] < pos[m]:
+                ready = max(ready, pos[w])
+    return ready
 
 
-def _fusable(members: list[fx.Node], pos: dict[fx.Node, float]) -> list[fx.Node]:
-    """The members whose inputs exist before the earliest first use among them (the
-    fused gather goes there); a gather of a value made later (a parameter view computed
-    in backward) stays on its own."""
-    members = list(members)
-    while len(members) > 1:
-        anchor = min(_first_use(m, pos) for m in members)
-        late = [m for m in members if _ready(m, pos) >= anchor]
-        if not late:
-            break
-        members = [m for m in members if m not in late]
+def _need(m: fx.Node, pos: dict[fx.Node, float]) -> float:
+    wait = next(u for u in m.users if is_wait(u))
+    return min((pos[u] for u in wait.users), default=pos[wait])
+
+
+def _fusable(members: list[fx.Node], pos: dict[fx.Node, float], writes: dict[Any, list[fx.Node]]) -> list[fx.Node]:
+    """The members one fused gather can serve: its inputs must all be ready before the
+    first use of any member's result. A gather of a view made late (``t(weight)`` in
+    backward, under a plan without ``fsdp_axes``) or of a parameter already updated is
+    left out, latest first."""
+    members = sorted(members, key=lambda m: _ready(m, pos, writes))
+    while len(members) > 1 and _ready(members[-1], pos, writes) >= min(_need(m, pos) for m in members):
+        members.pop()
     return members
 
 
 def _fuse(gm: fx.GraphModule, members: list[fx.Node], unit: str, pos: dict[fx.Node, float]) -> None:
     g = gm.graph
+    members = sorted(members, key=lambda m: pos[m])
     first = members[0].meta["spmd_comm"]
     n = first["group_size"]
     group = members[0].args[-1]
@@ -143,8 +145,12 @@ def bucket_parameter_gathers_pass(gm: fx.GraphModule, *, by: str = "unit") -> fx
             continue
         c = n.meta["spmd_comm"]
         groups[(unit_of(fqn), n.args[-1], c["dtype"], c["group_size"])].append(n)
+    writes: dict[Any, list[fx.Node]] = defaultdict(list)
+    for n in gm.graph.nodes:
+        for x in written_inputs(n):
+            writes[alias_root(x)].append(n)
     for (unit, *_), members in groups.items():
-        members = _fusable(members, pos)
+        members = _fusable(members, pos, writes)
         if len(members) > 1:
             _fuse(gm, members, unit, pos)
             pos = positions(gm)

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from .. import _private_torch as pt
 from ..expand.redistribute import COLLECTIVE_OPS
 
 __all__ = [
@@ -31,11 +32,8 @@ _PY_PURE = {operator.mul, operator.add, operator.sub, operator.floordiv, operato
 
 
 def is_inplace(node: fx.Node) -> bool:
-    t = node.target
-    if node.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
-        return False
-    args = t._schema.arguments
-    return bool(args and args[0].alias_info is not None and args[0].alias_info.is_write)
+    """The node writes its first argument in place and returns it (``add_``, ``copy_``)."""
+    return node.op == "call_function" and pt.writes_first_arg(node.target)
 
 
 def is_view(node: fx.Node) -> bool:
@@ -145,14 +143,11 @@ def prep_chain(collective: fx.Node) -> list[fx.Node]:
 def written_inputs(node: fx.Node) -> list[fx.Node]:
     """The nodes whose storage ``node`` writes: every argument its schema marks as
     written (``Tensor(a!)``, lists of them included)."""
-    t = node.target
-    if node.op != "call_function" or not isinstance(t, torch._ops.OpOverload) or not t._schema.is_mutable:
+    if node.op != "call_function":
         return []
     out = []
-    for i, a in enumerate(t._schema.arguments):
-        if a.alias_info is None or not a.alias_info.is_write:
-            continue
-        v = node.args[i] if i < len(node.args) else node.kwargs.get(a.name)
+    for i, name in pt.written_args(node.target):
+        v = node.args[i] if i < len(node.args) else node.kwargs.get(name)
         for x in v if isinstance(v, (list, tuple)) else [v]:
             if isinstance(x, fx.Node):
                 out.append(x)

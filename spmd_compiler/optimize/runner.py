@@ -9,6 +9,7 @@ callback (dumps write one file per pass), and re-raises a failure naming the pas
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -16,7 +17,8 @@ from typing import Any
 
 import torch.fx as fx
 
-from ..errors import SpmdError
+from ..errors import SpmdError, describe_node
+from ..expand.values import placements_text
 
 __all__ = ["PassSpec", "PassRecord", "run_passes", "DEFAULT_PASSES", "default_passes"]
 
@@ -47,6 +49,30 @@ def _count(gm: fx.GraphModule) -> tuple[int, int]:
     return len(nodes), sum(1 for n in nodes if "spmd_comm" in n.meta)
 
 
+def _named_node(gm: fx.GraphModule, e: BaseException, text: str) -> fx.Node | None:
+    """The node a pass failure is about: the one the exception carries, else the first
+    node of ``gm`` the message names (``Node 'add_3'``, ``Argument 't_1'``)."""
+    node = getattr(e, "spmd_node", None) or getattr(e, "node", None)
+    if isinstance(node, fx.Node):
+        return node
+    names = {n.name: n for n in gm.graph.nodes}
+    return next((names[m] for m in re.findall(r"'([A-Za-z_][\w.]*)'", text) if m in names), None)
+
+
+def _node_context(node: fx.Node | None) -> str:
+    """The node, its placements and where it came from, for a pass failure."""
+    if node is None:
+        return ""
+    out = describe_node(node)
+    spec = node.meta.get("spmd_spec")
+    if spec is not None:
+        out += f"\n  placements: {placements_text(spec.placements)} {list(spec.shape)}"
+    origin = node.meta.get("spmd_origin")
+    if isinstance(origin, dict) and origin.get("node"):
+        out += f"\n  expanded from: {origin['node']} ({origin.get('op')})"
+    return out
+
+
 def run_passes(
     gm: fx.GraphModule,
     passes: Sequence[PassSpec],
@@ -73,9 +99,12 @@ def run_passes(
         except Exception as e:
             first = (str(e).strip().splitlines() or [""])[0]
             first = first if len(first) <= 300 else first[:297] + "..."  # lint errors embed the whole graph
+            node = _named_node(gm, e, first)
+            # passes take any graph expansion makes: whatever the plan, a failure is ours
             raise SpmdError(
                 f"optimization pass {spec.name!r} failed: {type(e).__name__}: {first}; this is a bug in spmd-compiler, "
                 f"please report it; fix for now: passes_disabled=[{spec.name!r}] compiles without this pass"
+                + _node_context(node)
             ) from e
         elapsed = time.perf_counter() - start
         n1, c1 = _count(gm)

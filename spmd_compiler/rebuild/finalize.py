@@ -18,9 +18,9 @@ import torch
 import torch.fx as fx
 
 from .. import _private_torch as pt
-from ..errors import SpmdError
+from ..errors import SpmdError, add_context
 from ..expand.splice import redistribute_value
-from ..expand.values import DValue, MeshContext
+from ..expand.values import DValue, MeshContext, placements_text
 
 __all__ = ["OutputSlot", "ExpandedStep", "finalize"]
 
@@ -75,13 +75,8 @@ class ExpandedStep:
 
 def _storage_root(node: fx.Node) -> fx.Node:
     """Follow in-place ops (``add_`` returns its mutated self) back to the tensor they write."""
-    while node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
-        schema = node.target._schema
-        args = schema.arguments
-        if args and args[0].alias_info is not None and args[0].alias_info.is_write and node.args:
-            node = node.args[0]
-        else:
-            break
+    while node.op == "call_function" and pt.writes_first_arg(node.target) and node.args:
+        node = node.args[0]
     return node
 
 
@@ -89,46 +84,26 @@ def finalize(ex: Any, *, reduce_partial_outputs: bool = True) -> ExpandedStep:
     """Turn a finished expander run into an :class:`ExpandedStep`."""
     traced = ex.traced
     g: fx.Graph = ex.graph
-    input_values: list[DValue] = list(ex.input_values)  # as planned, not as later reduced
     output_node = next(n for n in traced.gm.graph.nodes if n.op == "output")
     out_nodes: list[fx.Node] = []
     slots: list[OutputSlot] = []
     new_keys = set(traced.new_optim_keys)
     out_args = list(output_node.args[0])
-    for desc, value, traced_out in zip(traced.outputs, ex.output_values, out_args):
-        tname = traced_out.name if isinstance(traced_out, fx.Node) else None
-        if desc.kind == "user":
-            if not isinstance(value, DValue):
-                raise SpmdError(f"step output {desc.index} is not a tensor after expansion: {value!r}")
-            if reduce_partial_outputs and any(p.is_partial() for p in value.spec.placements):
-                dst = pt.DTensorSpec(
-                    value.spec.mesh,
-                    tuple(pt.Replicate() if p.is_partial() else p for p in value.spec.placements),
-                    tensor_meta=value.spec.tensor_meta,
-                )
-                value = redistribute_value(ex, value, dst, f"step output {desc.index} is Partial", output_node, tname)
-            out_nodes.append(value.node)
-            slots.append(OutputSlot("user", value.spec, index=desc.index))
-            continue
-        if desc.kind == "optim" and (desc.name, desc.key) in new_keys:
-            dst = _new_state_spec(traced, ex, desc, value)
-            value = redistribute_value(ex, value, dst, f"new optimizer state {desc.name}[{desc.key!r}]", output_node, tname)
-            out_nodes.append(value.node)
-            slots.append(OutputSlot("optim", value.spec, name=desc.name, key=desc.key))
-            continue
-        idx = traced.input_by_name(desc.kind, desc.name, desc.key)
-        target = input_values[idx]
-        if not isinstance(value, DValue):
-            raise SpmdError(f"updated {desc.kind} {desc.name} is not a tensor after expansion")
-        if _storage_root(value.node) is target.node and tuple(value.spec.placements) == tuple(target.spec.placements):
-            continue
-        value = redistribute_value(ex, value, target.spec, f"write back {desc.kind} {desc.name}", output_node, tname)
-        if _storage_root(value.node) is target.node:
-            continue
-        copy = g.call_function(aten.copy_.default, (target.node, value.node))
-        copy.meta["val"] = target.local
-        copy.meta["spmd_writeback"] = f"{desc.kind} {desc.name}" + (f"[{desc.key!r}]" if desc.key else "")
-        copy.meta["spmd_phase"] = "optimizer"
+    # the trace describes its output node's arguments in order (GraphOutput i is argument i);
+    # each value is then looked up by its traced node, not by position in another list
+    assert len(out_args) == len(traced.outputs), (len(out_args), len(traced.outputs))
+    for desc, traced_out in zip(traced.outputs, out_args):
+        try:
+            _finish_output(ex, desc, traced_out, output_node, out_nodes, slots, new_keys, reduce_partial_outputs)
+        except (SpmdError, ValueError, TypeError) as e:
+            value = ex.env.get(traced_out) if isinstance(traced_out, fx.Node) else None
+            what = f"step output {desc.index}" if desc.kind == "user" else f"{desc.kind} {desc.name}" + (f"[{desc.key!r}]" if desc.key else "")
+            have = f"{traced_out.name}: {placements_text(value.spec.placements)} {list(value.spec.shape)}" if isinstance(value, DValue) else ""
+            add_context(
+                e, traced_out if isinstance(traced_out, fx.Node) else output_node, inputs=f"{have} (becomes {what})",
+                fix=f"give {what} placements the step's result can be brought to (Replicate() always can)",
+            )
+            raise
     g.output(out_nodes)
     g.eliminate_dead_code()
     g.lint()
@@ -140,18 +115,58 @@ def finalize(ex: Any, *, reduce_partial_outputs: bool = True) -> ExpandedStep:
         gm=gm,
         traced=traced,
         mctx=ex.mctx,
-        input_specs=[v.spec for v in input_values],
+        input_specs=[ex.input_value(i.kind, i.name, i.key).spec for i in traced.inputs],
         outputs=slots,
         rank_independent=not ex.stats.coord_dependent,
         stats=ex.stats,
     )
 
 
-def _new_state_spec(traced: Any, ex: Any, desc: Any, value: DValue) -> Any:
+def _finish_output(
+    ex: Any, desc: Any, traced_out: Any, output_node: fx.Node, out_nodes: list, slots: list, new_keys: set, reduce_partial: bool
+) -> None:
+    """One output of the traced step: a user output (Partial reduced), new optimizer
+    state (an output of the graph), or updated state written back into its input."""
+    g: fx.Graph = ex.graph
+    tname = traced_out.name if isinstance(traced_out, fx.Node) else None
+    value = ex.env[traced_out] if isinstance(traced_out, fx.Node) else traced_out
+    if desc.kind == "user":
+        if not isinstance(value, DValue):
+            raise SpmdError(f"step output {desc.index} is not a tensor after expansion: {value!r}")
+        if reduce_partial and any(p.is_partial() for p in value.spec.placements):
+            dst = pt.DTensorSpec(
+                value.spec.mesh,
+                tuple(pt.Replicate() if p.is_partial() else p for p in value.spec.placements),
+                tensor_meta=value.spec.tensor_meta,
+            )
+            value = redistribute_value(ex, value, dst, f"step output {desc.index} is Partial", output_node, tname)
+        out_nodes.append(value.node)
+        slots.append(OutputSlot("user", value.spec, index=desc.index))
+        return
+    if desc.kind == "optim" and (desc.name, desc.key) in new_keys:
+        dst = _new_state_spec(ex, desc, value)
+        value = redistribute_value(ex, value, dst, f"new optimizer state {desc.name}[{desc.key!r}]", output_node, tname)
+        out_nodes.append(value.node)
+        slots.append(OutputSlot("optim", value.spec, name=desc.name, key=desc.key))
+        return
+    target = ex.input_value(desc.kind, desc.name, desc.key)  # as planned, not as later reduced
+    if not isinstance(value, DValue):
+        raise SpmdError(f"updated {desc.kind} {desc.name} is not a tensor after expansion")
+    if _storage_root(value.node) is target.node and tuple(value.spec.placements) == tuple(target.spec.placements):
+        return
+    value = redistribute_value(ex, value, target.spec, f"write back {desc.kind} {desc.name}", output_node, tname)
+    if _storage_root(value.node) is target.node:
+        return
+    copy = g.call_function(aten.copy_.default, (target.node, value.node))
+    copy.meta["val"] = target.local
+    copy.meta["spmd_writeback"] = f"{desc.kind} {desc.name}" + (f"[{desc.key!r}]" if desc.key else "")
+    copy.meta["spmd_phase"] = "optimizer"
+
+
+def _new_state_spec(ex: Any, desc: Any, value: DValue) -> Any:
     """Placement for optimizer state created during the step: that of its parameter
     when shapes match (exp_avg), else Replicate (the scalar ``step``)."""
-    idx = traced.input_by_name("param", desc.name)
-    pspec = ex.env[[n for n in traced.gm.graph.nodes if n.op == "placeholder"][idx]].spec
+    pspec = ex.input_value("param", desc.name).spec
     if tuple(pspec.shape) == tuple(value.spec.shape):
         placements = pspec.placements
     else:

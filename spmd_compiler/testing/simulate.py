@@ -35,6 +35,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from .. import _private_torch as pt
+from ..expand.chunks import local_offset, local_size
 
 __all__ = [
     "rank_coordinates",
@@ -71,14 +72,16 @@ def index_lists(shape: Sequence[int], placements: Sequence[Any], mesh_shape: Seq
 
 
 def _chunks(items: list[int], n: int) -> list[list[int]]:
-    full = -(-len(items) // n) if items else 0
-    return [items[j * full : (j + 1) * full] for j in range(n)]
+    starts = [local_offset(len(items), n, j) for j in range(n)]
+    return [items[s : s + local_size(len(items), n, j)] for j, s in enumerate(starts)]
 
 
 def shard_tensor(t: torch.Tensor, placements: Sequence[Any], mesh_shape: Sequence[int], coord: Sequence[int]) -> torch.Tensor:
     """The local tensor of the rank at ``coord`` for global ``t`` laid out as ``placements``.
 
-    Partial placements put the whole value on coordinate 0 of that axis and zeros elsewhere.
+    A Partial placement puts the whole value on coordinate 0 of that axis and the identity
+    of its reduction elsewhere (zeros for a sum, ones for a product); avg, max and min
+    keep the value on every coordinate (which they reduce back to it).
     """
     out = t
     for d, ix in enumerate(index_lists(tuple(t.shape), placements, mesh_shape, coord)):
@@ -87,7 +90,11 @@ def shard_tensor(t: torch.Tensor, placements: Sequence[Any], mesh_shape: Sequenc
     out = out.clone()
     for axis, p in enumerate(placements):
         if p.is_partial() and coord[axis] != 0:
-            out.zero_()
+            op = getattr(p, "reduce_op", "sum")
+            if op == "sum":
+                out.zero_()
+            elif op == "product":
+                out.fill_(1)
     return out
 
 

@@ -306,7 +306,11 @@ def trace(
 
     tag_phases(gm)
     _cleanup(gm)
-    for node, inp in zip([n for n in gm.graph.nodes if n.op == "placeholder"], inputs):
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    # make_fx makes one placeholder per argument of functional_step, in order; from here
+    # on every stage finds an input by its name (node.meta["spmd_input"])
+    assert len(placeholders) == len(inputs), (len(placeholders), len(inputs))
+    for node, inp in zip(placeholders, inputs):
         prefix = {"param": "p", "buffer": "b", "optim": "o", "hparam": "h", "batch": "in"}[inp.kind]
         pt.rename_node(node, f"{prefix}_{_safe_name(inp.label)}")
         node.meta["spmd_input"] = inp

@@ -108,11 +108,7 @@ def _arange(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs
     axis = end.axes[0]
     total = end.global_value
     local = b.local_chunk(total, axis)
-    n = ctx.mctx.shape[axis]
-    full = -(-total // n)
-    offset = b.call(operator.mul, b.coords[axis], full)
-    if total % n:
-        offset = b.call(min, offset, total)
+    offset = b.shard_offset(total, axis, total % ctx.mctx.shape[axis] != 0)
     stop = b.call(operator.add, offset, local)
     node = b.call(aten.arange.start_step, offset, stop, 1, **kwargs)
     placements = [pt.Replicate()] * ctx.mctx.ndim

@@ -66,9 +66,10 @@ def _fused_optimizer(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tupl
         return node
 
     schema = op._schema.arguments
+    written_at = {i for i, _ in pt.written_args(op)}
     local_args = [[p.node for p in params]]
     for i, a in enumerate(args[1:], start=1):
-        written = bool(schema[i].alias_info is not None and schema[i].alias_info.is_write)
+        written = i in written_at
         if isinstance(a, (list, tuple)) and len(a) == len(params):
             local_args.append([place(x, params[j], f"list argument {schema[i].name}[{j}]", written) for j, x in enumerate(a)])
         else:

@@ -70,7 +70,8 @@ def _fill(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: 
         raise UnsupportedPlacementError(
             f"{op} on a value placed {[str(p) for p in x.spec.placements]} at node {ctx.node.name}: a fill of a "
             f"partial value is supported for Partial(sum/avg/max/min) with a Python number only. fix: give the "
-            f"filled tensor a Replicate placement (e.g. build it with torch.full instead of empty_like(x).fill_)"
+            f"filled tensor a Replicate placement (e.g. build it with torch.full instead of empty_like(x).fill_)",
+            ctx.node,
         )
     n = 1
     for a in axes:
