@@ -197,5 +197,5 @@ def test_returned_lr_through_compile(mesh4):
 
 def test_number_computed_from_lr_is_refused_with_a_fix():
     model = MLP()
-    with pytest.raises(TypeError, match=r"(?s)computed inside the step.*fix:"):
+    with pytest.raises(TypeError, match=r"(?s)computed from tensor sizes or values.*lr \* 2.*fix:"):
         sc.trace(scaled_lr_step, model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(4, 16), torch.randn(4, 16))

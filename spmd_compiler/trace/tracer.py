@@ -328,8 +328,9 @@ def trace(
     for c in layout["constants"].values():
         if isinstance(c, (torch.SymInt, torch.SymFloat, torch.SymBool)):
             raise TypeError(
-                "train_step returned a Python number computed inside the step (from a tensor's value "
-                "with .item() / float(), from a tensor size, or from a scheduled hyperparameter); "
+                "train_step returned a Python number computed from tensor sizes or values inside the "
+                "step (.item() / float() of a tensor, x.size(0), or arithmetic on a scheduled "
+                "hyperparameter such as lr * 2); "
                 f"expected tensors, constants or optimizer.param_groups[i]['lr'] as it is, got {c!r}. "
                 "fix: return the tensor itself (e.g. the loss, or x.new_tensor(x.size(0))) and call "
                 ".item() on what the compiled step returns."
