@@ -8,6 +8,8 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from .errors import (
     CollectiveError,
+    DataDependentError,
+    HostValueError,
     RankMismatchError,
     SpmdError,
     UnevenShardingError,
@@ -47,4 +49,6 @@ __all__ = [
     "UnevenShardingError",
     "RankMismatchError",
     "CollectiveError",
+    "DataDependentError",
+    "HostValueError",
 ]

@@ -476,3 +476,41 @@ def default_store() -> Any:
 
 
 __all__ += ["set_group_timeout", "default_store"]
+
+
+def data_dependent_exceptions() -> tuple[type[BaseException], ...]:
+    """What fake tracing raises when the step's Python code or an op's output shape
+    depends on tensor values (a branch on a tensor, a boolean-mask index)."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    return (GuardOnDataDependentSymNode, DynamicOutputShapeException, DataDependentOutputException)
+
+
+def unbacked_symbols(value: Any) -> set:
+    """The data-dependent ("unbacked") symbols in a traced value's sizes (a tensor's
+    shape, or a SymInt/SymFloat/SymBool itself); empty for anything else."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    try:
+        return set(free_unbacked_symbols(value))
+    except Exception:  # values free_unbacked_symbols does not walk (None, strings...)
+        return set()
+
+
+def sym_free_symbols(value: Any) -> set:
+    """The sympy symbols a SymInt / SymFloat / SymBool is made of (empty otherwise)."""
+    node = getattr(value, "node", None)
+    expr = getattr(node, "expr", None)
+    return set(getattr(expr, "free_symbols", ()))
+
+
+def record_stack_traces_of(fn: Any) -> None:
+    """Make make_fx record ``fn``'s frames in ``node.meta["stack_trace"]`` (by default it
+    keeps only frames of ``forward`` methods, so the training step's own lines, its loss
+    and ``if`` on tensors, would have no user line)."""
+    from torch.fx.proxy import _register_stack_trace_anchor
+
+    import inspect
+
+    _register_stack_trace_anchor(inspect.unwrap(fn))

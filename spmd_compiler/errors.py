@@ -10,6 +10,7 @@ line when a node is involved, and ends with a way out.
 from __future__ import annotations
 
 import re
+import traceback
 from typing import Any
 
 import torch.fx as fx
@@ -20,7 +21,10 @@ __all__ = [
     "UnsupportedPlacementError",
     "UnevenShardingError",
     "RankMismatchError",
+    "DataDependentError",
+    "HostValueError",
     "user_source_line",
+    "user_frame_of",
     "describe_node",
     "add_context",
 ]
@@ -29,6 +33,22 @@ _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>\S+)
 _INTERNAL = ("/torch/", "<frozen", "/contextlib.py", "/functools.py")
 _OURS = "/spmd_compiler/"
 _OURS_USER = ("/spmd_compiler/testing/models.py",)  # our example models count as user code
+
+
+def _is_user_path(path: str) -> bool:
+    if any(s in path for s in _INTERNAL):
+        return False
+    return _OURS not in path or any(path.endswith(u) for u in _OURS_USER)
+
+
+def user_frame_of(exc: BaseException) -> str | None:
+    """The innermost frame of ``exc``'s traceback that is user code (outside torch and
+    spmd_compiler, our example models excepted), as ``"path.py:42 in step: if loss > 0:"``."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if _is_user_path(f.filename.replace("\\", "/"))]
+    if not frames:
+        return None
+    f = frames[-1]
+    return f"{f.filename}:{f.lineno} in {f.name}: {(f.line or '').strip()}"
 
 
 def user_source_line(node: fx.Node | None) -> str | None:
@@ -44,12 +64,7 @@ def user_source_line(node: fx.Node | None) -> str | None:
         origin = node.meta.get("spmd_origin")
         return origin.get("source") if isinstance(origin, dict) else None
     frames = list(_FRAME.finditer(trace))
-    def is_user(path: str) -> bool:
-        if any(s in path for s in _INTERNAL):
-            return False
-        return _OURS not in path or any(path.endswith(u) for u in _OURS_USER)
-
-    user = [f for f in frames if is_user(f.group("file"))]
+    user = [f for f in frames if _is_user_path(f.group("file"))]
     chosen = user[-1] if user else (frames[-1] if frames else None)
     if chosen is None:
         return None
@@ -161,3 +176,36 @@ class CollectiveError(SpmdError):
 
 
 __all__ += ["CollectiveError"]
+
+
+class DataDependentError(SpmdError):
+    """The step's Python control flow or an op's output shape depends on tensor values
+    (``if loss > 0:``, ``x[mask]``, ``.item()`` used as a size), which one compiled
+    program cannot express. Attributes: ``source`` (the user's line, or None), ``what``."""
+
+    def __init__(self, what: str, source: str | None, fix: str, node: fx.Node | None = None) -> None:
+        self.what, self.source, self.node = what, source, node
+        msg = f"the training step depends on tensor values, which a compiled step cannot: {what}"
+        if node is not None:
+            msg += describe_node(node)
+        elif source:
+            msg += f"\n  user code:  {source}"
+        super().__init__(msg + f"\n  fix: {fix}")
+
+
+class HostValueError(SpmdError):
+    """The step stored a Python number read from a tensor (``.item()``, ``.tolist()``)
+    on the model or optimizer; inside a compiled step it is a symbol, not a number.
+    The attribute is restored before this is raised. Attributes: ``attributes``."""
+
+    def __init__(self, attributes: list[str], sources: list[str]) -> None:
+        self.attributes = attributes
+        lines = "".join(f"\n  user code:  {s}" for s in sources)
+        super().__init__(
+            f"the training step stored a value read from a tensor (.item() / .tolist()) in "
+            f"{', '.join(attributes)}; expected only tensors or unchanged Python values on the "
+            f"model and optimizer, got a symbolic number (the compiled step never runs this "
+            f"Python code again, so the attribute would never be updated){lines}"
+            "\n  fix: return the value from the step instead (e.g. return {'loss': loss, ...}); "
+            "the compiled step returns it after each call, and you can store it outside the step."
+        )

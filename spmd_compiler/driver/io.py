@@ -16,6 +16,7 @@ from typing import Any
 
 from torch.utils import _pytree as pytree
 
+from ..trace.host_values import resolve_constant
 from ..trace.state import input_value
 
 __all__ = ["program_inputs", "store_outputs"]
@@ -45,7 +46,9 @@ def store_outputs(
     values (user outputs another rank holds) are skipped by ``wrap``'s caller.
     """
     traced = step.traced
-    user: dict[int, Any] = dict(traced.user_constants)
+    # constants of the return value; a returned hyperparameter (lr) is read now, as the
+    # optimizer holds it for this call (an LR scheduler changes it between calls)
+    user: dict[int, Any] = {i: resolve_constant(c, optimizer) for i, c in traced.user_constants.items()}
     for slot, value in zip(step.outputs, values):
         if slot.kind == "user":
             user[slot.index] = wrap(slot, value)

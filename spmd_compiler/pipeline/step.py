@@ -23,6 +23,7 @@ from torch.utils import _pytree as pytree
 from .. import _private_torch as pt
 from ..driver import StepDriver, exchange, expand, gc_paused, global_batch, is_host_scalar, store_outputs
 from ..trace import trace
+from ..trace.host_values import resolve_constant
 from ..trace.state import collect_state, input_value
 from ..trace.tracer import flatten_batch
 from .api import Pipeline, check_split_points, pipeline_plan
@@ -280,7 +281,7 @@ class PipelinedStep(StepDriver):
         check()  # every rank on this program (a pipeline's first action may already be a send)
         if self.explain:  # python -m spmd_compiler explain: compiled and dumped, never run
             out_nodes = next(n for n in step.gm.graph.nodes if n.op == "output").args[0]
-            user_out: dict[int, Any] = dict(traced.user_constants)
+            user_out: dict[int, Any] = {i: resolve_constant(c, optimizer) for i, c in traced.user_constants.items()}
             for slot, node in zip(step.outputs, out_nodes):
                 if slot.kind == "user":
                     v = node.meta["val"]

@@ -24,6 +24,7 @@ from torch.utils import _pytree as pytree
 
 from .. import _private_torch as pt
 from .decompositions import decomposition_table
+from .host_values import HostSnapshot, HparamValue, as_data_dependent_error, check_data_dependent_shapes
 from .markers import phase_markers, split_point_hooks, tag_phases
 from .state import ModelState, collect_state, swapped_state
 
@@ -243,6 +244,7 @@ def trace(
     if multi_tensor:
         log.info("tracing the optimizer's per-parameter implementation instead of %s", ", ".join(f"param_groups[{g}][{k!r}]=True" for g, k in multi_tensor))
     layout: dict[str, Any] = {}
+    read_values: dict[tuple[int, str], Any] = {}  # what the optimizer read for each lifted hparam
 
     def functional_step(*flat: torch.Tensor) -> list[Any]:
         params = dict(zip(state.params, flat[:n_params]))
@@ -256,6 +258,7 @@ def trace(
             key: (lambda t=t: t) if isinstance(state.hparams[key], torch.Tensor) or key[0] in fused_groups else (lambda t=t: t.item())
             for key, t in zip(lifted, flat[start : start + n_hparams])
         }
+        hparams = {key: _recording(key, make, read_values) for key, make in hparams.items()}
         hparams.update({key: (lambda: False) for key in multi_tensor})
         batch_leaves = list(leaves)
         it = iter(flat[start + n_hparams :])
@@ -277,7 +280,7 @@ def trace(
                 outs.append(leaf)
                 descr.append(GraphOutput("user", index=i))
             else:
-                constants[i] = leaf
+                constants[i] = _hparam_leaf(leaf, read_values, state.hparams)
         for n, p in params.items():
             outs.append(p)
             descr.append(GraphOutput("param", n))
@@ -295,14 +298,25 @@ def trace(
         return outs
 
     start = time.perf_counter()
-    with phase_markers(optimizer), pt.preserve_node_meta(), split_point_hooks(model, split_points):
-        gm = make_fx(
-            functional_step,
-            decomposition_table=decomposition_table(),
-            tracing_mode="symbolic",
-            record_stack_traces=True,
-        )(*fakes)
+    host = HostSnapshot(model, optimizer)
+    pt.record_stack_traces_of(step_fn)  # the step's own lines (loss, `if`, .item()) get a user line
+    try:
+        with phase_markers(optimizer), pt.preserve_node_meta(), split_point_hooks(model, split_points):
+            gm = make_fx(
+                functional_step,
+                decomposition_table=decomposition_table(),
+                tracing_mode="symbolic",
+                record_stack_traces=True,
+            )(*fakes)
+    except pt.data_dependent_exceptions() as e:
+        host.restore_symbols()
+        raise as_data_dependent_error(e) from e
+    except BaseException:
+        host.restore_symbols()
+        raise
     elapsed = time.perf_counter() - start
+    host.check(gm)
+    check_data_dependent_shapes(gm)
 
     tag_phases(gm)
     _cleanup(gm)
@@ -318,8 +332,12 @@ def trace(
     for c in layout["constants"].values():
         if isinstance(c, (torch.SymInt, torch.SymFloat, torch.SymBool)):
             raise TypeError(
-                "train_step returned a Python number computed from tensor sizes; expected tensors or "
-                "constants. fix: return the tensor itself (e.g. the loss), not loss.item() or x.size(0)."
+                "train_step returned a Python number computed from tensor sizes or values inside the "
+                "step (.item() / float() of a tensor, x.size(0), or arithmetic on a scheduled "
+                "hyperparameter such as lr * 2); "
+                f"expected tensors, constants or optimizer.param_groups[i]['lr'] as it is, got {c!r}. "
+                "fix: return the tensor itself (e.g. the loss, or x.new_tensor(x.size(0))) and call "
+                ".item() on what the compiled step returns."
             )
     log.info("traced step: %d nodes in %.2fs", len(gm.graph.nodes), elapsed)
     return TracedStep(
@@ -335,6 +353,28 @@ def trace(
         trace_seconds=elapsed,
         model=model,
     )
+
+
+def _recording(key: tuple[int, str], make: Callable[[], Any], read: dict) -> Callable[[], Any]:
+    def install() -> Any:
+        read[key] = value = make()
+        return value
+
+    return install
+
+
+def _hparam_leaf(leaf: Any, read: dict[tuple[int, str], Any], hparams: dict[tuple[int, str], Any]) -> Any:
+    """A returned constant that is a lifted hyperparameter as the optimizer read it (or
+    as it was before ``optimizer.step()``) becomes an :class:`HparamValue`, read again
+    after every call; anything else stays a constant."""
+    for key, value in read.items():
+        if leaf is value:
+            return HparamValue(*key)
+    if isinstance(leaf, (int, float)) and not isinstance(leaf, bool):
+        for key in read:
+            if leaf is hparams.get(key):
+                return HparamValue(*key)
+    return leaf
 
 
 def _module_tensor(model: torch.nn.Module, fqn: str) -> torch.Tensor:

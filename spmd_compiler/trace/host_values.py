@@ -1,0 +1,193 @@
+"""Values that cross between tensors and Python during the traced step.
+
+A compiled step is one graph; Python code of the step runs once, while tracing. Three
+things follow, each handled here:
+
+* **data-dependent code** (``if loss > 0:``, ``x[mask]``): Python control flow or an
+  op's output shape that depends on tensor values cannot be one graph. Tracing raises
+  torch's raw errors, or leaves ops whose output size is a data-dependent ("unbacked")
+  symbol; both become one :class:`~spmd_compiler.errors.DataDependentError` naming the
+  user's line and what to write instead.
+* **host values stored on the model** (``self.last_loss = loss.item()``): during the
+  trace the number is a symbol. :class:`HostSnapshot` records the model's and the
+  optimizer's plain attributes before the trace, restores any that now hold a symbol
+  and raises :class:`~spmd_compiler.errors.HostValueError`.
+* **a hyperparameter returned by the step** (``return {"lr": opt.param_groups[0]["lr"]}``):
+  the returned leaf is recorded as :class:`HparamValue` and read from the optimizer
+  after every call, so an LR scheduler's value comes back as on one device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from .. import _private_torch as pt
+from ..errors import DataDependentError, HostValueError, user_frame_of, user_source_line
+
+__all__ = ["HparamValue", "HostSnapshot", "as_data_dependent_error", "check_data_dependent_shapes", "resolve_constant"]
+
+SYM_TYPES = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+_BRANCH_FIX = (
+    "compute both sides and select with torch.where(cond, a, b) (or multiply by a 0/1 mask) "
+    "instead of `if` on a tensor; read .item() / float() / bool() only outside the step, on "
+    "what the compiled step returns."
+)
+_SHAPE_FIX = (
+    "keep shapes fixed: instead of a boolean-mask index x[mask] (or nonzero / masked_select), "
+    "use ignore_index (F.cross_entropy(..., ignore_index=-100)), per-element weights "
+    "((loss * mask).sum() / mask.sum()) or torch.where(mask, x, 0); sizes may come from "
+    "tensor shapes, never from tensor values (.item())."
+)
+
+
+def as_data_dependent_error(exc: BaseException) -> DataDependentError:
+    """The DataDependentError for one of torch's data-dependent tracing errors."""
+    source = user_frame_of(exc)
+    func = getattr(exc, "func", None)
+    if func is not None:  # DynamicOutputShapeException / DataDependentOutputException
+        return DataDependentError(f"{func} has an output shape (or value) that depends on tensor values", source, _SHAPE_FIX)
+    expr = str(exc).split("(unhinted")[0].strip().split("\n")[0]
+    what = (
+        "a Python bool/int/float was read from a tensor's value "
+        f"({expr.removeprefix('Could not guard on data-dependent expression ')}) to decide what the step does"
+    )
+    return DataDependentError(what, source, _BRANCH_FIX)
+
+
+def check_data_dependent_shapes(gm: fx.GraphModule) -> None:
+    """Raise DataDependentError at the first op whose output tensor has a size that
+    depends on tensor values (``x[mask]``, ``nonzero``); numbers read with ``.item()``
+    are fine as long as no size is made of them."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        val = node.meta.get("val")
+        tensors = [v for v in (val if isinstance(val, (tuple, list)) else [val]) if isinstance(v, torch.Tensor)]
+        if any(pt.unbacked_symbols(t) for t in tensors):
+            what = f"{node.target} returns a tensor whose size depends on tensor values"
+            raise DataDependentError(what, user_source_line(node), _SHAPE_FIX, node=node)
+
+
+@dataclass(frozen=True)
+class HparamValue:
+    """A leaf of the step's return value that is optimizer hyperparameter ``key`` of
+    param group ``group`` (``optimizer.param_groups[0]["lr"]``): read after every call."""
+
+    group: int
+    key: str
+
+    def resolve(self, optimizer: Any) -> Any:
+        value = optimizer.param_groups[self.group][self.key]
+        return value.item() if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.requires_grad else value
+
+
+def resolve_constant(value: Any, optimizer: Any) -> Any:
+    """A constant leaf of the step's return value as the user sees it this call."""
+    return value.resolve(optimizer) if isinstance(value, HparamValue) else value
+
+
+# -------------------------------------------------------------- host values on the model
+_MODULE_INTERNALS = frozenset({"_parameters", "_buffers", "_modules", "training"})
+_OPTIM_INTERNALS = frozenset({"state", "param_groups", "defaults"})
+
+
+def _holds_symbol(value: Any, depth: int = 0) -> bool:
+    if isinstance(value, SYM_TYPES):
+        return True
+    if depth < 3 and isinstance(value, (list, tuple)):
+        return any(_holds_symbol(v, depth + 1) for v in value)
+    if depth < 3 and isinstance(value, dict):
+        return any(_holds_symbol(v, depth + 1) for v in value.values())
+    return False
+
+
+def _symbols_of(value: Any, depth: int = 0) -> list[Any]:
+    if isinstance(value, SYM_TYPES):
+        return [value]
+    if depth < 3 and isinstance(value, (list, tuple, dict)):
+        items = value.values() if isinstance(value, dict) else value
+        return [s for v in items for s in _symbols_of(v, depth + 1)]
+    return []
+
+
+class HostSnapshot:
+    """The plain attributes of a model's modules and of an optimizer (its own, its param
+    groups' settings, its per-parameter state), recorded before a trace.
+
+    :meth:`restore_symbols` puts back every attribute that now holds a SymInt /
+    SymFloat / SymBool (or a list, tuple or dict holding one) as it was and returns their
+    names; lists and dicts mutated in place get their old contents back.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: Any) -> None:
+        self._owners: list[tuple[str, Any, frozenset]] = [
+            (f"model.{name}" if name else "model", m.__dict__, _MODULE_INTERNALS) for name, m in model.named_modules()
+        ]
+        if optimizer is not None:
+            self._owners.append(("optimizer", optimizer.__dict__, _OPTIM_INTERNALS))
+            for g, group in enumerate(optimizer.param_groups):
+                self._owners.append((f"optimizer.param_groups[{g}]", group, frozenset({"params"})))
+        self._optimizer = optimizer
+        self._saved = [{k: (v, _copy(v)) for k, v in d.items() if k not in skip} for _, d, skip in self._owners]
+
+    def restore_symbols(self) -> list[tuple[str, list[Any]]]:
+        """Restore attributes holding symbols; return ``(attribute, symbols)`` for each."""
+        found: list[tuple[str, list[Any]]] = []
+        for (label, d, skip), saved in zip(self._owners, self._saved):
+            for key in [k for k in list(d) if k not in skip and _holds_symbol(d[k])]:
+                found.append((f"{label}.{key}" if not label.startswith("optimizer.param_groups") else f"{label}[{key!r}]", _symbols_of(d[key])))
+                if key not in saved:
+                    del d[key]
+                    continue
+                obj, contents = saved[key]
+                if isinstance(obj, list) and contents is not None:
+                    obj[:] = contents
+                elif isinstance(obj, dict) and contents is not None:
+                    obj.clear()
+                    obj.update(contents)
+                d[key] = obj
+        if self._optimizer is not None:  # per-parameter state of the real optimizer
+            for p, entry in list(self._optimizer.state.items()):
+                for key in [k for k, v in list(entry.items()) if _holds_symbol(v)]:
+                    found.append((f"optimizer.state[<param>][{key!r}]", _symbols_of(entry.pop(key))))
+        return found
+
+    def check(self, gm: fx.GraphModule | None) -> None:
+        """Restore, then raise HostValueError if anything held a symbol."""
+        found = self.restore_symbols()
+        if not found:
+            return
+        sources = []
+        for _, symbols in found:
+            for node in _nodes_defining(gm, symbols):
+                line = user_source_line(node)
+                if line and line not in sources:
+                    sources.append(line)
+        raise HostValueError([name for name, _ in found], sources)
+
+
+def _copy(value: Any) -> Any:
+    if isinstance(value, list):
+        return list(value)
+    if isinstance(value, dict):
+        return dict(value)
+    return None
+
+
+def _nodes_defining(gm: fx.GraphModule | None, symbols: list[Any]) -> list[fx.Node]:
+    """Graph nodes (``.item()`` reads) whose value is one of ``symbols`` or shares its
+    data-dependent symbols."""
+    if gm is None:
+        return []
+    wanted = set().union(*(pt.sym_free_symbols(s) for s in symbols)) if symbols else set()
+    out = []
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if isinstance(val, SYM_TYPES) and (any(val is s for s in symbols) or pt.sym_free_symbols(val) & wanted):
+            out.append(node)
+    return out

@@ -1,0 +1,201 @@
+"""Values crossing between tensors and Python in the step (trace/host_values.py):
+data-dependent code is one clear error, numbers stored on the model are refused and
+restored, a returned learning rate is the current one at every call (as on one device)."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import spmd_compiler as sc
+from spmd_compiler.testing import SimulatedTraining, assert_training_matches, fake_mesh
+from spmd_compiler.testing.models import MLP
+
+
+def _line(fn, text: str) -> str:
+    """``file:line`` of the first line of ``fn`` containing ``text``."""
+    lines, start = inspect.getsourcelines(fn)
+    offset = next(i for i, line in enumerate(lines) if text in line)
+    return f"{inspect.getsourcefile(fn)}:{start + offset}"
+
+
+def _batches(n=2, rows=4):
+    return [(torch.randn(rows, 16, dtype=torch.float64), torch.randn(rows, 16, dtype=torch.float64)) for _ in range(n)]
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.1)
+
+
+@pytest.fixture
+def dp2():
+    return fake_mesh((2,), ("dp",))
+
+
+# ------------------------------------------------------------ data-dependent code
+def branch_step(model, optimizer, x, y):
+    loss = F.mse_loss(model(x), y)
+    if loss.isfinite():  # a Python branch on a tensor's value
+        loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def mask_step(model, optimizer, x, y):
+    out = model(x)
+    mask = y > 0
+    loss = (out[mask] - y[mask]).pow(2).mean()  # boolean-mask index: data-dependent shape
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def weighted_mask_step(model, optimizer, x, y):
+    """What the error suggests instead of ``x[mask]``: fixed shapes, a 0/1 weight."""
+    out = model(x)
+    mask = (y > 0).to(out.dtype)
+    loss = ((out - y).pow(2) * mask).sum() / mask.sum()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def test_branch_on_tensor_is_one_clear_error(dp2):
+    with pytest.raises(sc.DataDependentError) as info:
+        assert_training_matches(branch_step, MLP().double(), _sgd, _batches(1), dp2)
+    msg = str(info.value)
+    assert _line(branch_step, "if loss.isfinite()") in msg
+    assert "if loss.isfinite():" in msg and "torch.where" in msg and "fix:" in msg
+    assert "GuardOnDataDependentSymNode" not in msg
+    assert isinstance(info.value, sc.SpmdError) and info.value.source is not None
+
+
+def test_boolean_mask_loss_is_one_clear_error(dp2):
+    m = MLP()
+    for run in (
+        lambda: sc.trace(mask_step, m, torch.optim.SGD(m.parameters(), lr=0.1), torch.randn(4, 16), torch.randn(4, 16)),
+        lambda: assert_training_matches(mask_step, MLP().double(), _sgd, _batches(1), dp2),
+    ):
+        with pytest.raises(sc.DataDependentError) as info:
+            run()
+        msg = str(info.value)
+        assert _line(mask_step, "out[mask]") in msg
+        assert "aten.index.Tensor" in msg and "ignore_index" in msg and "fix:" in msg
+        assert "DynamicOutputShapeException" not in msg
+
+
+def test_suggested_mask_fix_matches_one_device(dp2):
+    assert_training_matches(weighted_mask_step, MLP().double(), _sgd, _batches(3), dp2)
+
+
+# ------------------------------------------------------------ host values on the model
+def item_step(model, optimizer, x, y):
+    loss = F.mse_loss(model(x), y)
+    model.last_loss = loss.item()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def history_step(model, optimizer, x, y):
+    loss = F.mse_loss(model(x), y)
+    model.l1.history.append(loss.item())
+    optimizer.param_groups[0]["seen"] = x.sum().item()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def test_item_stored_on_model_is_refused_and_restored(dp2):
+    model = MLP().double()
+    model.last_loss = 1.5
+    with pytest.raises(sc.HostValueError) as info:
+        SimulatedTraining(item_step, model, _sgd(model.parameters()), dp2).step(*_batches(1)[0])
+    msg = str(info.value)
+    assert "model.last_loss" in msg and _line(item_step, "model.last_loss =") in msg
+    assert "return the value from the step" in msg and "fix:" in msg
+    assert model.last_loss == 1.5 and type(model.last_loss) is float  # restored, no symbol left
+
+    fresh = MLP()  # an attribute the step created is removed again
+    with pytest.raises(sc.HostValueError):
+        sc.trace(item_step, fresh, torch.optim.SGD(fresh.parameters(), lr=0.1), torch.randn(4, 16), torch.randn(4, 16))
+    assert not hasattr(fresh, "last_loss")
+
+
+def test_values_appended_in_place_and_param_group_entries_are_restored():
+    model = MLP()
+    model.l1.history = [0.25]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(sc.HostValueError) as info:
+        sc.trace(history_step, model, opt, torch.randn(4, 16), torch.randn(4, 16))
+    assert info.value.attributes == ["model.l1.history", "optimizer.param_groups[0]['seen']"]
+    assert model.l1.history == [0.25]
+    assert "seen" not in opt.param_groups[0]
+    assert opt.param_groups[0]["lr"] == 0.1 and type(opt.param_groups[0]["lr"]) is float
+
+
+# ------------------------------------------------------------ returned learning rate
+def lr_step(model, optimizer, x, y):
+    loss = F.mse_loss(model(x), y)
+    before = optimizer.param_groups[0]["lr"]  # a plain float before optimizer.step()
+    loss.backward()
+    optimizer.step()  # from here on the lifted lr, read with .item() in the graph
+    optimizer.zero_grad()
+    return {"loss": loss, "lr": optimizer.param_groups[0]["lr"], "lr_before": before, "steps": 1}
+
+
+def scaled_lr_step(model, optimizer, x, y):
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return {"loss": loss, "lr": optimizer.param_groups[0]["lr"] * 2}
+
+
+def test_returned_lr_follows_scheduler_like_one_device(dp2):
+    model = MLP().double()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = _sgd(model.parameters()), _sgd(ref.parameters())
+    scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in (opt, ref_opt)]
+    sim = SimulatedTraining(lr_step, model, opt, dp2)
+    seen = []
+    for x, y in _batches(3):
+        out, ref_out = sim.step(x, y), lr_step(ref, ref_opt, x, y)
+        for s in scheds:
+            s.step()
+        torch.testing.assert_close(out["loss"], ref_out["loss"].detach())
+        assert {k: out[k] for k in ("lr", "lr_before", "steps")} == {k: ref_out[k] for k in ("lr", "lr_before", "steps")}
+        seen.append(out["lr"])
+    assert seen == [0.1, 0.05, 0.025]
+    assert sim.compiles == 1  # the lr is an input: no recompile when the scheduler changes it
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q)
+
+
+def test_returned_lr_through_compile(mesh4):
+    step = sc.compile(lr_step, mesh=mesh4)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    got = []
+    for _ in range(3):
+        out = step(model, opt, torch.randn(2, 16), torch.randn(2, 16))
+        got.append((out["lr"], out["lr_before"]))
+        sched.step()
+    assert got == [(0.1, 0.1), (0.05, 0.05), (0.025, 0.025)]
+    assert step.compiles == 1
+
+
+def test_number_computed_from_lr_is_refused_with_a_fix():
+    model = MLP()
+    with pytest.raises(TypeError, match=r"(?s)computed from tensor sizes or values.*lr \* 2.*fix:"):
+        sc.trace(scaled_lr_step, model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(4, 16), torch.randn(4, 16))
