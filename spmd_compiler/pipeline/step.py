@@ -22,6 +22,8 @@ from torch.utils import _pytree as pytree
 
 from .. import _private_torch as pt
 from ..driver import StepDriver, exchange, expand, gc_paused, global_batch, is_host_scalar, store_outputs
+from ..driver.failure import collective_failure
+from ..errors import SpmdError
 from ..trace import trace
 from ..trace.host_values import resolve_constant
 from ..trace.state import collect_state, input_value
@@ -306,7 +308,14 @@ class PipelinedStep(StepDriver):
                 return chunked[inp.index][mb if mb is not None else 0]
             return pt.local_tensor(input_value(inp, state, leaves))
 
-        values = runner.run(feed)
+        try:
+            values = runner.run(feed)
+        except RuntimeError as e:  # a peer stage died or timed out: say so on every survivor
+            if isinstance(e, SpmdError):
+                raise
+            raise collective_failure(e, where=f"the pipeline schedule ({self.pipeline.schedule}: sends, receives and "
+                                     f"stage collectives)", step_name=getattr(self.fn, "__name__", "step"), call=self.calls,
+                                     timeout=self.options.timeout) from e
         pt.mark_optimizer_stepped(optimizer)
         out_nodes = next(n for n in step.gm.graph.nodes if n.op == "output").args[0]
         mesh = self.mesh
