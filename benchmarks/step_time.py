@@ -347,7 +347,7 @@ def main() -> None:
     text = [
         "# Step time",
         "",
-        f"`python benchmarks/step_time.py{' --profile' if args.profile else ''}` on {platform.machine()}, {os.cpu_count()} cores, "
+        f"`python benchmarks/step_time.py{''.join(' ' + a for a in sys.argv[1:])}` on {platform.machine()}, {os.cpu_count()} cores, "
         f"torch {torch.__version__}, gloo, one thread per process.",
         f"GPT: {args.layers} layers, dim {args.dim}, {args.heads} heads, seq {args.seq}, vocab {args.vocab}, global batch {args.batch}, AdamW.",
         f"Compiled and peer alternate step by step in the same processes ({args.warmup} warm-up steps, then {args.steps} pairs);",
