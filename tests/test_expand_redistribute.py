@@ -60,3 +60,26 @@ def test_embedding_rows_split_over_both_axes(mesh2x2, rows, reduce):
 
     run = assert_spmd_matches(fn, [ids, weight], mesh2x2, [[Replicate(), Replicate()], [Shard(0), Shard(0)]], atol=1e-12)
     assert_distributed(run, collectives=1)
+
+
+def test_moving_a_shard_to_another_axis_narrows_by_that_axis(mesh2x2):
+    # S(0) on dp -> S(0) on tp (the same chunk size on both axes): gather over dp, then
+    # this rank's tp chunk. The narrow starts at coord_tp * 4, so it must not be folded
+    # into the gather's input, which is the dp chunk.
+    a, b = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
+    run = assert_spmd_matches(
+        lambda a, b: a + b, [a, b], mesh2x2, [[Replicate(), Shard(0)], [Shard(0), Replicate()]], atol=1e-12
+    )
+    assert _collectives(run) == ["all_gather@dp"]
+
+
+@pytest.mark.parametrize("vocab", [8, 10])  # 10 rows over 4 ranks: uneven, the last shard shorter
+def test_vocab_parallel_embedding_masks_ids_of_other_ranks(mesh4, vocab):
+    # every id, each rank's first and last rows included: an id at a shard boundary
+    # belongs to exactly one rank
+    weight = torch.randn(vocab, 3, dtype=torch.float64)
+    ids = torch.arange(vocab).repeat(2).view(4, -1)
+    run = assert_spmd_matches(
+        lambda i, w: torch.nn.functional.embedding(i, w), [ids, weight], mesh4, [[Replicate()], [Shard(0)]], atol=1e-12
+    )
+    assert _collectives(run) == ["all_reduce@dp"]  # MaskPartial -> Replicate

@@ -72,3 +72,10 @@ def test_dsymint_validates_itself():
 
     assert sym_apply(operator.mul, s, 3) == sc.DSymInt(24, 6, axes=(0,))
     assert sym_apply(operator.add, s, 1) == sc.DSymInt(9, 9)
+
+
+def test_arange_of_an_uneven_batch(mesh4):
+    # 10 rows over 4 ranks (3, 3, 3, 1): each rank's positions start at coord * 3
+    model = SizeModel().double()
+    batches = [(torch.randn(10, 2, 3, dtype=torch.float64),) for _ in range(2)]
+    assert_training_matches(size_step, model, lambda p: torch.optim.SGD(p, lr=0.1), batches, mesh4)

@@ -93,6 +93,39 @@ def test_never_merges_values_written_in_place(mesh4):
     assert [n for n in step.gm.graph.nodes if n.target is torch.ops.aten.zeros_like.default] == zeros
 
 
+def test_never_merges_reads_across_a_write_through_a_view(mesh4):
+    """The second x.sum() reads x itself, not the write's result: only the order of the
+    write (through a view of x) between the two reads keeps them apart."""
+    from spmd_compiler.testing import assert_spmd_matches
+
+    def f(x):
+        before = x.sum()
+        x[:, :1].mul_(2)
+        after = x.sum()
+        return before, after
+
+    run = assert_spmd_matches(f, [torch.randn(8, 3, dtype=torch.float64)], mesh4, [[sc.Shard(0)]], atol=1e-12)
+    gm = next(iter(run.steps.values())).gm
+    assert len([n for n in gm.graph.nodes if n.target is torch.ops.aten.sum.default]) == 2
+
+
+def test_a_collective_is_not_hoisted_above_a_write_to_its_storage(mesh4):
+    """The gather reads a view of x made before x is written: issued early, it would
+    gather the old values."""
+    from spmd_compiler.testing import assert_spmd_matches
+
+    def f(x):
+        v = x[:, :2]
+        x.mul_(2)
+        return torch.cumsum(v, 0)  # gathers the sharded dim
+
+    run = assert_spmd_matches(f, [torch.randn(8, 3, dtype=torch.float64)], mesh4, [[sc.Shard(0)]], atol=1e-12)
+    gm = next(iter(run.steps.values())).gm
+    pos = positions(gm)
+    write = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.mul_.Tensor)
+    assert all(pos[n] > pos[write] for n in gm.graph.nodes if is_collective(n))
+
+
 def train_step_mse(model, opt, x, y):
     loss = torch.nn.functional.mse_loss(model(x), y)
     loss.backward()

@@ -123,6 +123,24 @@ def test_nothing_moves_across_a_random_op(mesh4):
         assert (before[n] < before[r]) == (after[n] < after[r]) or n is r
 
 
+def test_work_a_collective_needs_through_a_write_is_not_sunk(mesh4):
+    """x @ w reads w itself, not the write's result: the write through a view of w is
+    needed by the all_reduce of the matmul through mutation order alone."""
+    from spmd_compiler.testing import assert_spmd_matches
+    from torch.distributed.tensor import Shard
+
+    def f(x, w):
+        w[:, :1].add_(1)
+        return x @ w  # Partial over the sharded inner dim: all_reduce
+
+    x, w = torch.randn(4, 8, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+    run = assert_spmd_matches(f, [x, w], mesh4, [[Shard(1)], [Shard(0)]], atol=1e-12)
+    gm = next(iter(run.steps.values())).gm
+    pos = positions(gm)
+    write = next(n for n in gm.graph.nodes if n.target is aten.add_.Tensor)
+    assert all(pos[write] < pos[c] for c in gm.graph.nodes if is_collective(c))
+
+
 def test_tp_updates_run_inside_backward_waits():
     """Megatron's backward all_reduces are waited at once; the AdamW updates of layers
     whose gradients are already final run inside those waits, not after backward."""

@@ -29,6 +29,17 @@ def test_1f1b_order_limits_live_microbatches():
         assert peak == min(4 - r, 8)
 
 
+def test_1f1b_order_on_four_stages():
+    """Written out by hand: rank r warms up with 3 - r forwards, alternates one forward and
+    one backward, then drains the backwards oldest first."""
+    assert format_schedule(build_schedule("1F1B", 4, 4)) == "\n".join([
+        "rank 0: 0F0 0F1 0F2 0F3 0B0 0B1 0B2 0B3",
+        "rank 1: 1F0 1F1 1F2 1B0 1F3 1B1 1B2 1B3",
+        "rank 2: 2F0 2F1 2B0 2F2 2B1 2F3 2B2 2B3",
+        "rank 3: 3F0 3B0 3F1 3B1 3F2 3B2 3F3 3B3",
+    ])
+
+
 def test_interleaved_uses_torch_order_and_validates():
     order = build_schedule("Interleaved1F1B", 2, 4, stages_per_rank=2)
     assert {a.stage for a in order[0]} == {0, 2} and {a.stage for a in order[1]} == {1, 3}

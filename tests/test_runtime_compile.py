@@ -51,6 +51,23 @@ def test_decorator_and_cache(mesh4, caplog):
     assert tuple(train_step.last.gm.graph.find_nodes(op="placeholder")[-1].meta["val"].shape) == (2, 16)
 
 
+def test_compile_cache_evicts_the_least_recently_used_program(mesh4):
+    step = sc.compile(mse_step, mesh=mesh4, cache_size=2)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)  # no optimizer state: one program per batch size
+
+    def call(rows):
+        step(model, opt, torch.randn(rows, 16), torch.randn(rows, 16))
+
+    for rows in (2, 3, 2, 4):  # 2 was reused after 3: when 4 arrives, 3 is the least recently used
+        call(rows)
+    assert step.compiles == 3
+    call(2)  # kept
+    assert step.compiles == 3
+    call(3)  # evicted: compiles again
+    assert step.compiles == 4
+
+
 def test_lr_is_an_input_other_hyperparameters_recompile(mesh4, caplog):
     step = sc.compile(mse_step, mesh=mesh4)
     model = MLP()
