@@ -121,16 +121,16 @@ MUTANTS: list[Mutant] = [
         "a partial p-norm is reduced as if it were a 2-norm (x^2 before the sum, whatever p)",
     ),
     Mutant(
-        "expand-local-chunk-floor", "spmd_compiler/expand/builder.py",
-        "full = -(-size // n) if size else 0",
-        "full = size // n if size else 0",
+        "expand-local-chunk-floor", "spmd_compiler/expand/chunks.py",
+        "return -(-size // n) if size else 0",
+        "return size // n if size else 0",
         ("tests/test_uneven.py::test_uneven_mse",),
         "local chunk size with floor instead of ceil division: uneven shards lose their last rows",
     ),
     Mutant(
-        "expand-arange-offset", "spmd_compiler/expand/rules/factory.py",
-        "full = -(-total // n)",
-        "full = total // n",
+        "expand-arange-offset", "spmd_compiler/expand/builder.py",
+        "self.coords[axis], chunk_size(size, self.mctx.shape[axis]))",
+        "self.coords[axis], size // self.mctx.shape[axis])",
         ("tests/test_expand_sizes.py",),
         "arange over an unevenly sharded size starts each rank at coord * floor(total / n): off by one chunk row",
     ),
@@ -231,8 +231,8 @@ MUTANTS: list[Mutant] = [
     # ------------------------------------------------------------------ driver (runtime side)
     Mutant(
         "driver-fingerprint-no-sizes", "spmd_compiler/driver/agreement.py",
-        'sizes = with_sizes or (isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == "_c10d_functional")',
-        "sizes = with_sizes",
+        'return with_sizes or (isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == "_c10d_functional")',
+        "return with_sizes",
         ("tests/test_runtime_agreement.py",),
         "uneven programs' fingerprints drop collective sizes too: two ranks gathering different sizes agree",
     ),

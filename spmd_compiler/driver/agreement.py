@@ -42,11 +42,17 @@ def _canon(x: Any, index: dict[fx.Node, int], groups: dict[str, str], with_sizes
     return repr(x)
 
 
+def _keeps_sizes(node: fx.Node, with_sizes: bool) -> bool:
+    """Whether ``node``'s numbers enter its fingerprint: always for a collective (its
+    group size and split sizes must agree even where shards are uneven)."""
+    return with_sizes or (isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == "_c10d_functional")
+
+
 def _node_text(gm: fx.GraphModule, i: int, group_axes: dict[str, str], with_sizes: bool) -> str:
     """The whole canonical text of node ``i`` (what its fingerprint digests)."""
     index = {n: k for k, n in enumerate(gm.graph.nodes)}
     node = list(gm.graph.nodes)[i]
-    sizes = with_sizes or (isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == "_c10d_functional")
+    sizes = _keeps_sizes(node, with_sizes)
     return f"%{node.name} = {_canon(node.args, index, group_axes, sizes)} {_canon(node.kwargs, index, group_axes, sizes)}"
 
 
@@ -60,7 +66,7 @@ def fingerprint(gm: fx.GraphModule, group_axes: dict[str, str], *, with_sizes: b
         if isinstance(node.target, torch._ops.OpOverload):
             target = str(node.target)
         # a collective's sizes (group_size, split sizes) must agree even where shards are uneven
-        sizes = with_sizes or (isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == "_c10d_functional")
+        sizes = _keeps_sizes(node, with_sizes)
         text = f"{node.op} {target} {_canon(node.args, index, group_axes, sizes)} {_canon(node.kwargs, index, group_axes, sizes)}"
         shown = text if len(text) <= 160 else text[:157] + "..."
         out.append((f"%{node.name} = {shown}", hashlib.sha1(text.encode()).hexdigest()[:12]))
