@@ -21,7 +21,7 @@ from spmd_compiler.optimize import (
 from spmd_compiler.optimize.bucketing import gradient_reductions
 from spmd_compiler.optimize.graph_utils import is_collective, is_wait, positions
 from spmd_compiler.testing import assert_distributed, assert_training_matches
-from spmd_compiler.testing.models import GPT, MLP, gpt_2d_plan, gpt_fsdp_plan, train_step
+from spmd_compiler.testing.models import GPT, MLP, gpt_2d_plan, gpt_fsdp_plan, mse_train_step, train_step
 
 
 def adam_gpt(layers=1):
@@ -271,14 +271,6 @@ def test_a_pass_that_breaks_the_graph_is_named_in_a_short_error():
     assert len(str(info.value)) < 800 and len(str(info.value).splitlines()) < 40
 
 
-def _mse_step(model, optimizer, x, y):
-    loss = torch.nn.functional.mse_loss(model(x), y)
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss
-
-
 # plans where the default passes once broke a program: sizes 1 over 2 ranks (uneven, some
 # shards empty) made CSE and the gather fold rank-specific, so the simulated ranks ended
 # with different programs (RankMismatchError); a parameter gathered as a view computed in
@@ -298,7 +290,7 @@ def test_default_passes_keep_every_rank_on_one_program(case):
     mesh = fake_mesh(shape, [f"a{i}" for i in range(len(shape))])
     torch.manual_seed(0)
     batches = [(torch.randn(1, 1, dtype=torch.float64), torch.randn(1, 1, dtype=torch.float64)) for _ in range(2)]
-    res = assert_training_matches(_mse_step, MLP(1, 1).double(), make_opt, batches, mesh, sc.Plan(params=params, default_input=batch_pl),
+    res = assert_training_matches(mse_train_step, MLP(1, 1).double(), make_opt, batches, mesh, sc.Plan(params=params, default_input=batch_pl),
                                   atol=1e-8, rtol=1e-6)
     programs = res.sim.expansions
     assert_distributed(res, collectives=1)

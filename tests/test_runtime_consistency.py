@@ -19,16 +19,9 @@ import spmd_compiler as sc
 from spmd_compiler.runtime.launch import WorkerError, run_processes
 from spmd_compiler.testing import assert_distributed
 from spmd_compiler.testing.models import MLP
+from spmd_compiler.testing.models import mse_train_step as mse_step
 
 pytestmark = pytest.mark.gloo
-
-
-def mse_step(model, optimizer, x, y):
-    loss = torch.nn.functional.mse_loss(model(x), y)
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss
 
 
 def extra_step(model, optimizer, x, y, extra):
@@ -160,4 +153,4 @@ def test_killed_peer_is_named_on_the_survivor(tmp_path):
     seconds, text = report.read_text().split("\n", 1)
     assert float(seconds) < 60, seconds
     assert text.startswith("CollectiveError"), text
-    assert "mse_step" in text and "rank(s) [1] did not report" in text and "fix:" in text, text
+    assert "'mse_train_step'" in text and "rank(s) [1] did not report" in text and "fix:" in text, text
