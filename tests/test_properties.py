@@ -26,6 +26,7 @@ from spmd_compiler.testing import (
     shard_tensor,
 )
 from spmd_compiler.testing import strategies as sst
+from spmd_compiler.testing.checks import local_shape
 from spmd_compiler.testing.models import MLP
 
 SCALE = float(os.environ.get("SPMD_HYPOTHESIS_SCALE", "1.0"))
@@ -91,6 +92,8 @@ def test_shard_and_assemble_round_trip(data):
     pl = data.draw(sst.placements(shape, mesh_shape))
     x = torch.randn(shape)
     locals_ = {c: shard_tensor(x, pl, mesh_shape, c) for c in rank_coordinates(mesh_shape)}
+    for c, t in locals_.items():  # the local shape assert_distributed expects is the shard the simulator feeds
+        assert local_shape(shape, pl, mesh_shape, c) == tuple(t.shape)
     assert torch.equal(assemble(pl, shape, locals_, mesh_shape), x)
     # every element lives on exactly the ranks that do not shard it
     total = sum(t.numel() for t in locals_.values())

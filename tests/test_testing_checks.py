@@ -8,8 +8,6 @@ import copy
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 import spmd_compiler as sc
@@ -20,19 +18,9 @@ from spmd_compiler.testing import (
     assert_training_matches,
     distribution_of,
     rank_coordinates,
-    shard_tensor,
 )
-from spmd_compiler.testing import strategies as sst
-from spmd_compiler.testing.checks import local_shape
 from spmd_compiler.testing.models import MLP, megatron_mlp_plan
-
-
-def mse_step(model, optimizer, x, y):
-    loss = torch.nn.functional.mse_loss(model(x), y)
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss
+from spmd_compiler.testing.models import mse_train_step as mse_step
 
 
 def _expand(mesh, plan=None, rows=8):
@@ -162,15 +150,3 @@ def test_bad_expectations_are_rejected(mesh4):
         assert_distributed(step, collectives=0)
     with pytest.raises(ValueError, match="expected a count >= 0"):
         assert_distributed(step, collectives={"all_reduce": -1})
-
-
-@settings(max_examples=40)
-@given(st.data())
-def test_local_shape_is_what_the_simulator_feeds(data):
-    """The expected local shape is the shape of the shard the simulator gives each rank."""
-    mesh_shape = data.draw(sst.mesh_shapes(max_ranks=8))
-    shape = data.draw(sst.shapes(1, 3, 1, 9))
-    pl = data.draw(sst.placements(shape, mesh_shape))
-    x = torch.empty(shape)
-    for c in rank_coordinates(mesh_shape):
-        assert local_shape(shape, pl, mesh_shape, c) == tuple(shard_tensor(x, pl, mesh_shape, c).shape)

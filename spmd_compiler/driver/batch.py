@@ -10,6 +10,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .. import _private_torch as pt
+from ..expand.chunks import chunk_sizes
 from ..plan import Plan
 from ..trace.tracer import CONSTANT_LEAF_TYPES, GraphInput, flatten_batch
 
@@ -86,8 +87,7 @@ def _check_chunk_layout(path: str, dim: int, total: int, axes: list[int], mesh: 
     if len(axes) != 1:
         return
     n = mesh.shape[axes[0]]
-    chunk = -(-total // n) if total else 0
-    want = {j: max(0, min(chunk, total - j * chunk)) for j in range(n)}
+    want = dict(enumerate(chunk_sizes(total, n)))
     got = {c[axes[0]]: size for c, size in peers}
     if any(got[j] != want[j] for j in got):
         have = ", ".join(f"coordinate {j}: {got[j]}" for j in sorted(got))

@@ -22,6 +22,7 @@ import torch.fx as fx
 
 from .. import _private_torch as pt
 from ..errors import CollectiveError, user_source_line
+from ..optimize.graph_utils import is_collective, is_wait
 
 __all__ = ["collective_failure", "failed_node", "is_collective_node"]
 
@@ -42,8 +43,7 @@ def failed_node(error: BaseException, runner: Any) -> fx.Node | None:
 
 def is_collective_node(node: fx.Node | None) -> bool:
     """A functional collective or its wait."""
-    t = getattr(node, "target", None)
-    return getattr(t, "namespace", None) == "_c10d_functional"
+    return node is not None and (is_collective(node) or is_wait(node))
 
 
 def _provenance(node: fx.Node) -> str:
