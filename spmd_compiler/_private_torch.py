@@ -61,6 +61,7 @@ __all__ = [
     "local_tensor",
     "custom_handled_ops",
     "random_ops",
+    "tracing_graph",
     "group_name",
     "is_view_op",
     "written_args",
@@ -227,6 +228,14 @@ def group_name(mesh: DeviceMesh, axis: int) -> str:
 def custom_handled_ops() -> frozenset:
     """Ops DTensor dispatches through a Python handler instead of sharding propagation."""
     return frozenset(DTensor._op_dispatcher._custom_op_handlers)
+
+
+def tracing_graph() -> Any:
+    """The fx graph make_fx is building right now (None outside a trace)."""
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    mode = get_proxy_mode()
+    return None if mode is None else mode.tracer.graph
 
 
 def random_ops() -> frozenset:

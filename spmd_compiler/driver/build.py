@@ -24,6 +24,7 @@ __all__ = ["Options", "expand", "build_program", "optimize_program", "gc_paused"
 
 FALLBACKS = ("replicate", "error")
 SYMBOLIC = ("batch", "all", "none")
+RNG = ("exact", "fast")
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,10 @@ class Options:
         cache_size: compiled programs kept (least recently used evicted, logged at INFO).
         timeout: seconds a collective may wait for the other ranks before every rank
             raises CollectiveError (None: the process group's own timeout).
+        rng: how random ops draw (docs/randomness.md): "exact" gives every element the
+            number the single-device step draws (each rank draws the global tensor and
+            keeps its slice); "fast" draws only local elements from per-shard seeds
+            (Replicate values still agree across ranks; not the single-device numbers).
     """
 
     fallback: str = "replicate"
@@ -55,6 +60,7 @@ class Options:
     dump_dir: str | None = None
     cache_size: int = 8
     timeout: float | None = 300.0
+    rng: str = "exact"
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -62,6 +68,8 @@ class Options:
             raise ValueError(f"fallback={self.fallback!r}: expected one of {list(FALLBACKS)}")
         if self.symbolic not in SYMBOLIC:
             raise ValueError(f"symbolic={self.symbolic!r}: expected one of {list(SYMBOLIC)}")
+        if self.rng not in RNG:
+            raise ValueError(f"rng={self.rng!r}: expected one of {list(RNG)} (see docs/randomness.md)")
         object.__setattr__(self, "passes_disabled", tuple(self.passes_disabled))
         if not isinstance(self.cache_size, int) or self.cache_size < 1:
             raise ValueError(f"cache_size={self.cache_size!r}: expected an int >= 1 (compiled programs to keep)")
@@ -112,6 +120,7 @@ def expand(
     fallback: str = "replicate",
     cache: ExpansionCache | None = None,
     reduce_partial_outputs: bool = True,
+    rng: str = "exact",
 ) -> ExpandedStep:
     """Expand ``traced`` (from :func:`spmd_compiler.trace`) into the per-rank program.
 
@@ -126,6 +135,7 @@ def expand(
             inputs (with a warning); ``"error"`` raises UnsupportedOpError instead.
         cache: an ExpansionCache to share recipes across expansions.
         reduce_partial_outputs: reduce Partial step outputs to Replicate.
+        rng: how random ops draw, ``"exact"`` or ``"fast"`` (see :class:`Options`).
 
     Returns an :class:`~spmd_compiler.rebuild.ExpandedStep`.
     """
@@ -138,7 +148,7 @@ def expand(
     t0 = time.perf_counter()
     expansion = expand_graph(
         traced, mctx, resolved.placements, fallback=fallback, cache=cache, fsdp_axes=plan.fsdp_axis_indices(mesh),
-        activation_sharding=plan.activation_sharding, sources=resolved.sources,
+        activation_sharding=plan.activation_sharding, sources=resolved.sources, rng=rng,
     )
     t1 = time.perf_counter()
     step = finalize(expansion, reduce_partial_outputs=reduce_partial_outputs)
@@ -203,5 +213,5 @@ def build_program(
                 symbolic_dims=sharded_batch_dims(plan, args, kwargs, len(tuple(mesh.shape))), **kwargs,
             )
     with gc_paused():
-        step = expand(traced, mesh, plan, coordinate=coordinate, fallback=options.fallback, cache=cache)
+        step = expand(traced, mesh, plan, coordinate=coordinate, fallback=options.fallback, cache=cache, rng=options.rng)
     return optimize_program(step, options.pass_list(), disabled=options.passes_disabled, texts=texts)

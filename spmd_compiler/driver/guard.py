@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
+from ..expand.rules.random import is_random
+
 __all__ = ["Resync", "GuardError", "StepGuard", "first_effect"]
 
 log = logging.getLogger(__name__)
@@ -40,12 +42,12 @@ class GuardError(RuntimeError):
 
 
 def _is_effect(node: fx.Node) -> bool:
+    if is_random(node):
+        return True  # advances the RNG
     t = node.target
     if node.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
         return False
-    if t.namespace == "_c10d_functional" or t._schema.is_mutable:
-        return True  # a collective, or a write (in-place update, state write-back)
-    return torch.Tag.nondeterministic_seeded in t.tags  # advances the RNG
+    return t.namespace == "_c10d_functional" or t._schema.is_mutable  # a collective, or a write
 
 
 def first_effect(gm: fx.GraphModule) -> fx.Node | None:

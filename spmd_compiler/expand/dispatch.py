@@ -76,7 +76,8 @@ class ExpandContext:
     """What a rule may use while building a recipe.
 
     ``activation_sharding`` is the plan's rule for choosing among DTensor's strategies
-    (see :func:`follow_inputs`): ``"follow"`` or ``"greedy"``.
+    (see :func:`follow_inputs`): ``"follow"`` or ``"greedy"``. ``rng`` is how random ops
+    draw (:mod:`.rules.random`): ``"exact"`` or ``"fast"``.
     """
 
     mctx: MeshContext
@@ -85,6 +86,7 @@ class ExpandContext:
     node: fx.Node | None = None
     warned: set | None = None
     activation_sharding: str = "follow"
+    rng: str = "exact"
 
     def warn_once(self, key: Any, msg: str, *args: Any) -> None:
         if self.warned is None:

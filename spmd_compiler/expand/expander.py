@@ -104,6 +104,7 @@ class Expansion:
         fsdp_axes: tuple[int, ...] = (),
         activation_sharding: str = "follow",
         sources: Any = None,
+        rng: str = "exact",
     ) -> None:
         self.traced = traced
         self.mctx = mctx
@@ -118,6 +119,7 @@ class Expansion:
         self.planned = {_input_key(i): (tuple(p), s) for i, p, s in zip(traced.inputs, placements, sources)}
         self.fallback = fallback
         self.activation_sharding = activation_sharding
+        self.rng = rng
         self.cache = cache
         self.fake_mode = pt.static_fake_mode()
         self.graph = fx.Graph()
@@ -322,7 +324,7 @@ class Expansion:
 
     # ------------------------------------------------------------------ ops
     def _expand(self, node: fx.Node, op: Any, args: tuple, kwargs: dict) -> Any:
-        key = (op, abstract_key(args), abstract_key(kwargs), self.fallback, self.activation_sharding)
+        key = (op, abstract_key(args), abstract_key(kwargs), self.fallback, self.activation_sharding, self.rng)
         recipe = self.cache.lookup(key, self.mctx.coordinate)
         hit = recipe is not None
         if recipe is None:
@@ -358,7 +360,7 @@ class Expansion:
 
     def _build(self, node: fx.Node, op: Any, args: tuple, kwargs: dict) -> Recipe:
         b = SubgraphBuilder(self.mctx, self.fake_mode)
-        ctx = ExpandContext(self.mctx, self.fake_mode, self.fallback, node, self.warned, self.activation_sharding)
+        ctx = ExpandContext(self.mctx, self.fake_mode, self.fallback, node, self.warned, self.activation_sharding, self.rng)
 
         counter = iter(range(1 << 30))
 
@@ -390,6 +392,7 @@ def expand_graph(
     fsdp_axes: tuple[int, ...] = (),
     activation_sharding: str = "follow",
     sources: Any = None,
+    rng: str = "exact",
 ) -> "Expansion":
     """Run the expander; returns it (graph, env, constants, stats) for :mod:`rebuild`.
 
@@ -399,7 +402,7 @@ def expand_graph(
         raise ValueError(f"fallback must be 'replicate' or 'error', got {fallback!r}")
     ex = Expansion(
         traced, mctx, placements, fallback=fallback, cache=cache if cache is not None else ExpansionCache(),
-        fsdp_axes=fsdp_axes, activation_sharding=activation_sharding, sources=sources,
+        fsdp_axes=fsdp_axes, activation_sharding=activation_sharding, sources=sources, rng=rng,
     )
     ex.run()
     return ex

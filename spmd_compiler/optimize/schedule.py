@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from ..expand.rules.random import is_random
 from ..trace.markers import MARKER
 from .graph_utils import alias_root, is_collective, is_wait, move_before, mutation_edges, positions, written_inputs
 from .overlap import is_param_gather
@@ -40,8 +41,7 @@ def _pinned(n: fx.Node) -> bool:
     """Nodes that keep their place and that nothing moves across."""
     if n.op != "call_function" or n.target is MARKER:
         return True
-    t = n.target
-    if isinstance(t, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in t.tags:
+    if is_random(n):
         return True  # random ops draw from the generator in program order
     return is_collective(n) and is_param_gather(n)
 

@@ -23,7 +23,7 @@ from ..expand import ExpansionCache
 from ..plan import Plan
 from ..trace.state import StateCache
 from ..trace.tracer import flatten_batch
-from .simulate import assemble, group_axes_of, rank_coordinates, run_lockstep, shard_tensor
+from .simulate import assemble, check_replicas, group_axes_of, rank_coordinates, run_lockstep, shard_tensor
 
 __all__ = ["SimulatedTraining"]
 
@@ -94,6 +94,8 @@ class SimulatedTraining:
         }
         outs = run_lockstep({c: e.gm for c, e in self.expansions.items()}, inputs, self.mesh_shape, group_axes=group_axes_of(first))
         pt.mark_optimizer_stepped(self.optimizer)
+        for j, slot in enumerate(first.outputs):  # what the plan calls Replicate is the same on every rank
+            check_replicas(f"output {j}", slot.spec.placements, {c: outs[c][j] for c in self.coords}, self.mesh_shape)
         # write the updated state back, assembled, into the single-device objects
         with torch.no_grad():
             for i, (inp, spec) in enumerate(zip(first.traced.inputs, first.input_specs)):

@@ -36,6 +36,7 @@ from torch.utils import _pytree as pytree
 
 from .. import _private_torch as pt
 from ..expand.chunks import local_offset, local_size
+from ..expand.rules.random import is_random
 
 __all__ = [
     "rank_coordinates",
@@ -43,6 +44,7 @@ __all__ = [
     "assemble",
     "run_lockstep",
     "group_axes_of",
+    "check_replicas",
 ]
 
 c10d = torch.ops._c10d_functional
@@ -263,8 +265,53 @@ def run_lockstep(
                     args[c][0][0].copy_(done[c])
             for c in coords:
                 envs[c][nodes[c]] = args[c][0][0]
+        elif is_random(ref):
+            _draw_on_every_rank(nodes, args, envs)
         else:
             for c in coords:
                 a, k = args[c]
                 envs[c][nodes[c]] = nodes[c].target(*a, **k)
     return results
+
+
+def _draw_on_every_rank(nodes: dict[tuple, fx.Node], args: dict[tuple, Any], envs: dict[tuple, dict]) -> None:
+    """A random node: every simulated rank draws from the same generator state (as real
+    ranks do from their agreed generators), which then advances once. A program whose
+    ranks draw different amounts would leave real ranks' generators apart: an error."""
+    devices = {a.device for c in nodes for a in pytree.tree_leaves(args[c]) if isinstance(a, torch.Tensor)}
+    cuda = [d for d in devices if d.type == "cuda"]
+    start = torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in cuda]
+    ends = []
+    for c, node in nodes.items():
+        torch.set_rng_state(start[0])
+        for d, st in zip(cuda, start[1]):
+            torch.cuda.set_rng_state(st, d)
+        a, k = args[c]
+        envs[c][node] = node.target(*a, **k)
+        ends.append((torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in cuda]))
+    first = ends[0]
+    for (cpu, gpu), c in zip(ends, nodes):
+        if not torch.equal(cpu, first[0]) or any(not torch.equal(x, y) for x, y in zip(gpu, first[1])):
+            raise RuntimeError(
+                f"random node {nodes[c].name} advances the generator of rank {c} by another amount than rank "
+                f"{next(iter(nodes))}'s: real ranks' generators would drift apart. This is a bug in spmd-compiler"
+            )
+
+
+def check_replicas(name: str, placements: Sequence[Any], values: dict[tuple[int, ...], Any], mesh_shape: Sequence[int]) -> None:
+    """Assert that a value laid out as ``placements`` is identical (bit for bit) on the
+    ranks that should hold the same copy: ranks that differ only in coordinates of mesh
+    axes where it is Replicate. Random draws that differ per rank show up here."""
+    axes = [a for a, p in enumerate(placements) if p.is_replicate() and mesh_shape[a] > 1]
+    for coord, v in values.items():
+        if not isinstance(v, torch.Tensor) or any(coord[a] != 0 for a in axes):
+            continue
+        for a in axes:
+            for j in range(1, mesh_shape[a]):
+                other = values[coord[:a] + (j,) + coord[a + 1 :]]
+                if not torch.equal(v, other) and not (v.is_floating_point() and torch.equal(v.isnan(), other.isnan())
+                                                      and torch.equal(v.nan_to_num(), other.nan_to_num())):
+                    raise AssertionError(
+                        f"{name} is Replicate on mesh axis {a} but rank {coord[:a] + (j,) + coord[a + 1 :]} holds another "
+                        f"value than rank {coord} (max difference {(v.double() - other.double()).abs().max().item():.3g})"
+                    )

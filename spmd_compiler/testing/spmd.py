@@ -56,10 +56,15 @@ def run_spmd(
     symbolic: str = "batch",
     cache: ExpansionCache | None = None,
     passes: Any = None,
+    rng: str = "exact",
 ) -> SpmdRun:
     """Trace ``fn(*args)``, expand it with ``placements`` (one per tensor argument, in
     order; default Replicate) and optimize it as ``compile()`` does (``passes``: default
-    the same passes), run all ranks and return assembled and reference outputs."""
+    the same passes), run all ranks and return assembled and reference outputs.
+
+    The reference (``fn(*args)`` on one device) starts from the generator state the
+    simulated ranks started from, so random ops draw the same numbers under
+    ``rng="exact"``."""
     args = list(args)
     mesh_shape = tuple(mesh.shape)
     tensor_args = [a for a in pytree.tree_leaves(args) if isinstance(a, torch.Tensor)]
@@ -72,7 +77,7 @@ def run_spmd(
         return fn(*a)
 
     plan = Plan(inputs=list(placements), default_param=None)
-    options = Options(fallback=fallback, symbolic=symbolic, passes=passes)
+    options = Options(fallback=fallback, symbolic=symbolic, passes=passes, rng=rng)
     cache = cache or ExpansionCache()
     coords = rank_coordinates(mesh_shape)
     first = build_program(step, _NoState(), None, tuple(args), {}, mesh, plan, options, coordinate=coords[0], cache=cache)
@@ -85,10 +90,12 @@ def run_spmd(
     leaves = [x for x in pytree.tree_leaves((tuple(args), {})) if isinstance(x, torch.Tensor)]
     inputs = {c: [shard_tensor(t, s.placements, mesh_shape, c) for t, s in zip(leaves, first.input_specs)] for c in coords}
     envs: dict[tuple[int, ...], dict[str, Any]] = {}
+    start = torch.get_rng_state()
     outs = run_lockstep({c: s.gm for c, s in steps.items()}, inputs, mesh_shape, group_axes=group_axes_of(first), record=envs)
     outputs = []
     for j, slot in enumerate(first.outputs):
         outputs.append(assemble(slot.spec.placements, slot.spec.shape, {c: outs[c][j] for c in coords}, mesh_shape))
+    torch.set_rng_state(start)
     with torch.no_grad():
         ref = fn(*args)
     reference = [x for x in pytree.tree_leaves(ref) if isinstance(x, torch.Tensor)]

@@ -26,6 +26,7 @@ from .. import _private_torch as pt
 from .decompositions import decomposition_table
 from .host_values import HostSnapshot, HparamValue, as_data_dependent_error, check_data_dependent_shapes
 from .markers import phase_markers, split_point_hooks, tag_phases
+from .rng import RngLedger, replay_recomputed_draws, rng_replay
 from .state import ModelState, collect_state, swapped_state
 
 __all__ = ["GraphInput", "GraphOutput", "TracedStep", "trace", "CONSTANT_LEAF_TYPES"]
@@ -299,9 +300,10 @@ def trace(
 
     start = time.perf_counter()
     host = HostSnapshot(model, optimizer)
+    ledger = RngLedger()
     pt.record_stack_traces_of(step_fn)  # the step's own lines (loss, `if`, .item()) get a user line
     try:
-        with phase_markers(optimizer), pt.preserve_node_meta(), split_point_hooks(model, split_points):
+        with phase_markers(optimizer), pt.preserve_node_meta(), split_point_hooks(model, split_points), rng_replay(ledger):
             gm = make_fx(
                 functional_step,
                 decomposition_table=decomposition_table(),
@@ -318,6 +320,7 @@ def trace(
     host.check(gm)
     check_data_dependent_shapes(gm)
 
+    replay_recomputed_draws(gm, ledger)
     tag_phases(gm)
     _cleanup(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
