@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from ..expand.rules.random import is_random
+from .rng import RngSync
 
 __all__ = ["Resync", "GuardError", "StepGuard", "first_effect"]
 
@@ -57,8 +58,12 @@ def first_effect(gm: fx.GraphModule) -> fx.Node | None:
 
 
 class _Pending:
-    def __init__(self, flag: torch.Tensor, work: Any) -> None:
-        self.flag, self.work = flag, work
+    """The check of one step: wait for the exchange, then resync or go on (drawing from
+    rank 0's generator if the ranks' generators differ); :meth:`finish` after the step."""
+
+    def __init__(self, flag: torch.Tensor, work: Any, rng: RngSync | None = None) -> None:
+        self.flag, self.work, self.rng = flag, work, rng
+        self.own: Any = None
 
     def __call__(self) -> None:
         """Wait for the flag; raise :class:`Resync` if any rank raised it."""
@@ -67,12 +72,40 @@ class _Pending:
                 self.work.wait()
             except RuntimeError as e:
                 raise GuardError(str(e)) from e
-        if int(self.flag.item()):
+        values = self.flag.tolist()
+        if values[0]:
             raise Resync()
+        if self.rng is not None and not self.rng.agree(values[1:]):
+            self.own = self.rng.adopt_rank0()
+
+    def finish(self) -> None:
+        if self.rng is not None:
+            self.rng.restore(self.own)
 
 
-def _no_check() -> None:
-    return None
+class _NoCheck:
+    def __call__(self) -> None:
+        return None
+
+    def finish(self) -> None:
+        return None
+
+
+_no_check = _NoCheck()
+
+
+class _CheckNow:
+    """The compile path's check: a synchronous generator agreement (no guard exchange
+    ran), for programs that draw."""
+
+    def __init__(self, rng: RngSync) -> None:
+        self.rng, self.own = rng, None
+
+    def __call__(self) -> None:
+        self.own = self.rng.check_now()
+
+    def finish(self) -> None:
+        self.rng.restore(self.own)
 
 
 class StepGuard:
@@ -81,6 +114,7 @@ class StepGuard:
 
     def __init__(self, mesh: Any, timeout: float | None = None) -> None:
         self.group: Any = None
+        self.rng: RngSync | None = None
         if not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() == "fake":
             return
         ranks = sorted(int(r) for r in mesh.mesh.flatten().tolist())
@@ -92,13 +126,22 @@ class StepGuard:
         else:  # made by every rank together: the guard is built on the first call, which every rank makes
             kw = {"timeout": timedelta(seconds=timeout)} if timeout else {}
             self.group = dist.new_group(backend="gloo", **kw)
+        self.rng = RngSync(self.group, cuda=mesh.device_type == "cuda")
 
-    def start(self, changed: bool) -> Any:
-        """Start the flag exchange; returns the check to call before the first effect."""
+    def start(self, changed: bool, draws: bool = False) -> Any:
+        """Start the flag exchange; returns the check to call before the first effect
+        (and whose ``finish()`` to call after the step). For a program that ``draws``
+        random numbers the exchange carries the generators' fingerprint too (:mod:`.rng`)."""
         if self.group is None:
             if changed:
                 raise Resync()
             return _no_check
-        flag = torch.tensor([1 if changed else 0], dtype=torch.int64)
+        rng = self.rng if draws else None
+        flag = torch.tensor([1 if changed else 0] + (rng.fingerprint() if rng else []), dtype=torch.int64)
         work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-        return _Pending(flag, work)
+        return _Pending(flag, work, rng)
+
+    def agreed(self, draws: bool) -> Any:
+        """The check of a step whose program every rank has just agreed on (no flag to
+        exchange); for a program that draws, the generators are agreed synchronously."""
+        return _CheckNow(self.rng) if draws and self.rng is not None else _no_check

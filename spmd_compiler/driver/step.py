@@ -40,12 +40,10 @@ from .build import Options
 from .distribute import distribute_state, is_distributed
 from .failure import collective_failure
 from .guard import GuardError, Resync, StepGuard
+from .rng import draws
 
 __all__ = ["StepDriver", "Program", "as_mesh"]
 
-
-def _agreed() -> None:
-    """The check of a step whose program every rank has just agreed on."""
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +57,7 @@ class Program:
     reason: str
     timings: dict[str, float] = field(default_factory=dict)
     local_key: Any = None  # this rank's call signature for it
+    draws: bool = False  # the program has random ops (the step check agrees the generators too)
 
 
 _LIVE: "weakref.WeakSet[StepDriver]" = weakref.WeakSet()
@@ -180,10 +179,10 @@ class StepDriver:
         name = getattr(self.fn, "__name__", "step")
         if current is not None:
             try:
-                check = self._guard.start(changed=current.local_key != key)
+                check = self._guard.start(changed=current.local_key != key, draws=current.draws)
                 if current.local_key == key:
                     self._last_key, self.last = key, current.step
-                    return self._run(current.step, model, optimizer, batch, kwargs, check)
+                    return self._run_checked(current, model, optimizer, batch, kwargs, check)
                 check()  # raises Resync: this rank's signature changed, the others learn it from the flag
             except Resync:
                 log.info("call %d: a rank's call signature changed; agreeing on the program anew", self.calls)
@@ -199,7 +198,13 @@ class StepDriver:
         program = self._agree_program(model, optimizer, batch, kwargs, key, everyone)
         self._current = program
         self._last_key, self.last = key, program.step
-        return self._run(program.step, model, optimizer, batch, kwargs, _agreed)
+        return self._run_checked(program, model, optimizer, batch, kwargs, self._guard.agreed(program.draws))
+
+    def _run_checked(self, program: Program, model: Any, optimizer: Any, batch: tuple, kwargs: dict, check: Any) -> Any:
+        try:
+            return self._run(program.step, model, optimizer, batch, kwargs, check)
+        finally:
+            check.finish()  # ranks other than 0 that drew from rank 0's generator get theirs back
 
     def _setup_groups(self) -> None:
         """The step guard's group, and the collective timeout on the mesh's groups."""
@@ -263,7 +268,7 @@ class StepDriver:
                 ", ".join(f"{k} {v:.2f}s" for k, v in step.timings.items() if not k.startswith("pass ") and k != "total"),
                 len(step.gm.graph.nodes), len(step.collectives()),
             )
-        return Program(step, elapsed, reason, dict(step.timings))
+        return Program(step, elapsed, reason, dict(step.timings), draws=self._draws(step))
 
     # ------------------------------------------------------------------ what subclasses provide
     def _build(self, model: Any, optimizer: Any, batch: tuple, kwargs: dict) -> tuple[Any, dict[str, Any]]:
@@ -272,6 +277,11 @@ class StepDriver:
 
     def _after_agreement(self, step: Any, model: Any, optimizer: Any) -> None:
         """Called once all ranks compiled the same program."""
+
+    def _draws(self, step: Any) -> bool:
+        """Whether the step's random draws need every rank's generator in one state (a
+        pipeline's stages draw on different ranks, so it says no)."""
+        return draws(step.gm)
 
     def _dump(self, step: Any, texts: dict[str, Any]) -> None:
         from ..dump.writer import dump_root, write_dump

@@ -18,9 +18,11 @@ returns the spans for the Chrome trace and the text timeline.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import SpmdError
+from ..expand.rules.random import is_random
 from .schedule import Action, build_schedule
 from .stages import StageProgram
 
@@ -114,6 +117,7 @@ class PipelineRunner:
         self.peak_activation_bytes = 0
         store: list[dict[str, Any]] = [dict() for _ in range(self.m)]
         inputs_cache: list[dict[str, Any]] = [dict() for _ in range(self.m)]  # checkpointing: stage inputs
+        drew: dict[tuple[int, int], Any] = {}  # checkpointing: generator state before a forward that draws
         acc: dict[str, torch.Tensor] = {}
         sends: list[Any] = []
         outputs: dict[str, list[Any]] = defaultdict(list)
@@ -167,7 +171,10 @@ class PipelineRunner:
                 elif r.dst == s and r.dst_kind == kind and r.src in self.my_stages and r.value not in values:
                     raise SpmdError(f"schedule runs {action} before stage {r.src} produced {r.value}")
             if kind == "B" and self.checkpoint_stage(s) and (s, "F") in program.pieces:
-                run_piece(s, "F", mb, values, label="R")  # recompute the stage's forward for its backward
+                with replaying_rng(drew.pop((s, mb), None)):  # the recompute draws the forward's numbers again
+                    run_piece(s, "F", mb, values, label="R")  # recompute the stage's forward for its backward
+            if kind == "F" and self.checkpoint_stage(s) and self._draws(s):
+                drew[(s, mb)] = rng_state()
             run_piece(s, kind, mb, values)
             for r in self.routes:  # outputs to other stages
                 if r.src == s and r.src_kind == kind and r.dst not in self.my_stages and r.dst_kind in ("F", "B"):
@@ -204,6 +211,11 @@ class PipelineRunner:
             if name in step_values:
                 result[name] = [step_values[name]]
         return result
+
+    def _draws(self, stage: int) -> bool:
+        """The stage's forward piece has random ops (dropout...)."""
+        piece = self.program.pieces.get((stage, "F"))
+        return piece is not None and any(is_random(n) for n in piece.gm.graph.nodes)
 
     # ------------------------------------------------------------------ memory
     def checkpoint_stage(self, stage: int) -> bool:
@@ -260,3 +272,28 @@ class PipelineRunner:
     # ------------------------------------------------------------------ timeline
     def timeline(self) -> list[Span]:
         return list(self.spans)
+
+
+def rng_state() -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The CPU generator's state, and the current CUDA device's when CUDA is in use."""
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+@contextlib.contextmanager
+def replaying_rng(saved: tuple[torch.Tensor, torch.Tensor | None] | None) -> Iterator[None]:
+    """Draw from ``saved`` inside the block, then put the generators back where they
+    were (as ``torch.utils.checkpoint`` does for its recompute); no-op for None."""
+    if saved is None:
+        yield
+        return
+    now = rng_state()
+    torch.set_rng_state(saved[0])
+    if saved[1] is not None:
+        torch.cuda.set_rng_state(saved[1])
+    try:
+        yield
+    finally:
+        torch.set_rng_state(now[0])
+        if now[1] is not None:
+            torch.cuda.set_rng_state(now[1])

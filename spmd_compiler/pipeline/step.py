@@ -168,6 +168,11 @@ class PipelinedStep(StepDriver):
         step.program = program
         return step, {}
 
+    def _draws(self, step: Any) -> bool:
+        """No generator agreement: each stage draws on its own ranks, so the pipeline
+        ranks' generators part ways by design (docs/randomness.md)."""
+        return False
+
     def _after_agreement(self, step: Any, model: Any, optimizer: Any) -> None:
         self._drop_other_stages(model, optimizer, step.assignment, step.pipeline.my_stages)
 
