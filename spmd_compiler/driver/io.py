@@ -52,10 +52,17 @@ def store_outputs(
     for slot, value in zip(step.outputs, values):
         if slot.kind == "user":
             user[slot.index] = wrap(slot, value)
+        elif slot.kind == "grad":
+            state.params[slot.name].grad = wrap(slot, value)
         elif slot.name in state.params:
             optimizer.state[state.params[slot.name]][slot.key] = wrap(slot, value)
         elif missing is not None:
             missing(slot)
         else:
             raise AssertionError(f"output for optimizer state of {slot.name!r}, which the optimizer does not hold")
+    if traced.grads_left or traced.grads_in:
+        kept = set(traced.grads_left)
+        for name, p in state.params.items():  # zero_grad(set_to_none=True) in the step, as on one device
+            if name not in kept:
+                p.grad = None
     return pytree.tree_unflatten([user[i] for i in range(len(user))], traced.user_spec)
