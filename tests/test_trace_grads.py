@@ -52,3 +52,95 @@ def test_two_backward_calls_in_one_step(mesh4, plan):
         # both backward's Partial gradients are summed locally and all-reduced once
         assert_distributed(res, sharded=["batch[0]", "batch[2]"], collectives={"optimizer/all_reduce/dp": 1})
         assert "all_gather" not in phases.get("forward", []), phases
+
+
+def accumulating_step(set_to_none: bool):
+    """The usual loop body with gradient accumulation over calls: backward() every call,
+    an optimizer step (and zero_grad) when ``do_step``, every 4th call."""
+
+    def step(model, optimizer, x, y, do_step):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        if do_step:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=set_to_none)
+        return loss
+
+    return step
+
+
+def _accumulation_batches(calls=6, every=4):
+    """Calls 1-3 accumulate, call 4 steps, calls 5-6 accumulate again (their gradients
+    are compared after the last call)."""
+    return [(torch.randn(8, 16, dtype=torch.float64), torch.randn(8, 16, dtype=torch.float64), i % every == every - 1) for i in range(calls)]
+
+
+def _mlp_plans():
+    from torch.distributed.tensor import Replicate, Shard
+
+    import spmd_compiler as sc
+    from spmd_compiler.testing.models import megatron_mlp_plan
+
+    return {
+        "dp": (None, ["batch[0]", "batch[1]"]),
+        "tp": (sc.Plan(params=megatron_mlp_plan().params, default_input=[Replicate()]), ["l1.weight", "l1.bias", "l2.weight"]),
+        "fsdp": (sc.Plan(params={"*": [Shard(0)]}, fsdp_axes=("dp",)), ["l1.weight", "l2.weight", "batch[0]"]),
+    }
+
+
+@pytest.mark.parametrize("set_to_none", [True, False], ids=["set_to_none", "zeroed"])
+@pytest.mark.parametrize("plan", ["dp", "tp", "fsdp"])
+def test_accumulation_over_calls(mesh4, plan, set_to_none):
+    from spmd_compiler.testing.models import MLP
+
+    the_plan, sharded = _mlp_plans()[plan]
+    # SGD with momentum: its update is proportional to the gradient, so a lost or doubled
+    # accumulation moves the parameters (Adam's would be nearly blind to the scale)
+    res = assert_training_matches(
+        accumulating_step(set_to_none), MLP().double(), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), _accumulation_batches(), mesh4, the_plan
+    )
+    assert_distributed(res, sharded=sharded, collectives=1)
+    assert any("gradients are set on 4 parameter(s)" in r for r in res.sim.reasons), res.sim.reasons
+    # the last program starts from the gradients of the call before and keeps them
+    step = res.sim.expansions[(0,)]
+    assert step.traced.grads_in == step.traced.grads_left == ("l1.weight", "l1.bias", "l2.weight", "l2.bias")
+    params = {i.name: s for i, s in zip(step.traced.inputs, step.input_specs) if i.kind == "param"}
+    for inp, spec in zip(step.traced.inputs, step.input_specs):
+        if inp.kind == "grad":  # stored like its parameter: sharded under FSDP (reduce-scattered), Replicate under DP
+            assert tuple(spec.placements) == tuple(params[inp.name].placements), (inp.label, spec.placements)
+    if plan == "fsdp":
+        kinds = {(n.meta["spmd_phase"], n.meta["spmd_comm"]["kind"]) for n in step.collectives()}
+        assert ("backward", "reduce_scatter") in kinds, kinds  # each call's gradient reduce-scattered into the stored shard
+        assert_distributed(res, sharded=["l1.weight.grad", "l2.weight.grad"])
+
+
+def test_accumulation_with_two_compiled_steps(mesh4):
+    """``accumulate`` (backward only) and ``apply`` (optimizer step) as two compiled steps
+    on one model: the gradients one leaves are the other's inputs."""
+    from spmd_compiler.testing import SimulatedTraining
+    from spmd_compiler.testing.models import MLP
+
+    def accumulate(model, optimizer, x, y):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+
+    def apply(model, optimizer):
+        optimizer.step()
+        optimizer.zero_grad()
+
+    model = MLP().double()
+    ref = MLP().double()
+    ref.load_state_dict(model.state_dict())
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
+    acc, app = (SimulatedTraining(f, model, opt, mesh4) for f in (accumulate, apply))
+    for i, (x, y, do_step) in enumerate(_accumulation_batches(calls=8)):
+        torch.testing.assert_close(acc.step(x, y), accumulate(ref, ref_opt, x, y), atol=1e-12, rtol=1e-10)
+        if do_step:
+            app.step()
+            apply(ref, ref_opt)
+            assert all(p.grad is None for p in model.parameters())
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-12, rtol=1e-10, msg=lambda m, n=n: f"{n}: {m}")
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-12, rtol=1e-10, msg=lambda m, n=n: f"{n}.grad: {m}")
+    assert_distributed(acc, sharded=["batch[0]", "batch[1]"], collectives=1)

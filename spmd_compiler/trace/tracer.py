@@ -63,6 +63,8 @@ class GraphInput:
 
     @property
     def label(self) -> str:
+        if self.kind == "grad":
+            return f"{self.name}.grad"
         return f"{self.name}[{self.key!r}]" if self.kind in ("optim", "hparam") else self.name
 
 
