@@ -144,3 +144,30 @@ def test_accumulation_with_two_compiled_steps(mesh4):
         torch.testing.assert_close(p, q, atol=1e-12, rtol=1e-10, msg=lambda m, n=n: f"{n}: {m}")
         torch.testing.assert_close(p.grad, q.grad, atol=1e-12, rtol=1e-10, msg=lambda m, n=n: f"{n}.grad: {m}")
     assert_distributed(acc, sharded=["batch[0]", "batch[1]"], collectives=1)
+
+
+def zero_grad_first_step(model, optimizer, x, y):
+    """zero_grad() at the start: the gradients outlive the call, as on one device."""
+    optimizer.zero_grad()
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+@pytest.mark.parametrize("plan", ["dp", "fsdp"])
+def test_zero_grad_first_keeps_gradients_without_extra_communication(mesh4, plan):
+    from spmd_compiler.testing.models import MLP
+
+    the_plan, sharded = _mlp_plans()[plan]
+    res = assert_training_matches(
+        zero_grad_first_step, MLP().double(), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), [b[:2] for b in _accumulation_batches(calls=3)], mesh4, the_plan
+    )
+    # the gradients kept are the ones reduced for the optimizer: no second reduction
+    kind = {"dp": "optimizer/all_reduce/dp", "fsdp": "optimizer/reduce_scatter/dp"}[plan]
+    assert_distributed(res, sharded=sharded, collectives={kind: 1})
+    step = res.sim.expansions[(0,)]
+    assert step.traced.grads_left == ("l1.weight", "l1.bias", "l2.weight", "l2.bias")
+    # zero_grad() dropped the gradients the call started with: the new ones are copied into their storage
+    written = sorted(n.meta["spmd_writeback"] for n in step.gm.graph.nodes if str(n.meta.get("spmd_writeback", "")).startswith("grad "))
+    assert written == ["grad l1.bias", "grad l1.weight", "grad l2.bias", "grad l2.weight"], written
