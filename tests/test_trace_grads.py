@@ -10,9 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import Replicate, Shard
 
-from spmd_compiler.testing import assert_distributed, assert_training_matches
-from spmd_compiler.testing.models import GPT, gpt_fsdp_plan, gpt_tp_plan
+import spmd_compiler as sc
+from spmd_compiler.testing import SimulatedTraining, assert_distributed, assert_training_matches
+from spmd_compiler.testing.models import GPT, MLP, gpt_fsdp_plan, megatron_mlp_plan
 
 
 def two_backward_step(model, optimizer, ids, targets, ids2, targets2):
@@ -76,11 +78,6 @@ def _accumulation_batches(calls=6, every=4):
 
 
 def _mlp_plans():
-    from torch.distributed.tensor import Replicate, Shard
-
-    import spmd_compiler as sc
-    from spmd_compiler.testing.models import megatron_mlp_plan
-
     return {
         "dp": (None, ["batch[0]", "batch[1]"]),
         "tp": (sc.Plan(params=megatron_mlp_plan().params, default_input=[Replicate()]), ["l1.weight", "l1.bias", "l2.weight"]),
@@ -91,8 +88,6 @@ def _mlp_plans():
 @pytest.mark.parametrize("set_to_none", [True, False], ids=["set_to_none", "zeroed"])
 @pytest.mark.parametrize("plan", ["dp", "tp", "fsdp"])
 def test_accumulation_over_calls(mesh4, plan, set_to_none):
-    from spmd_compiler.testing.models import MLP
-
     the_plan, sharded = _mlp_plans()[plan]
     # SGD with momentum: its update is proportional to the gradient, so a lost or doubled
     # accumulation moves the parameters (Adam's would be nearly blind to the scale)
@@ -117,9 +112,6 @@ def test_accumulation_over_calls(mesh4, plan, set_to_none):
 def test_accumulation_with_two_compiled_steps(mesh4):
     """``accumulate`` (backward only) and ``apply`` (optimizer step) as two compiled steps
     on one model: the gradients one leaves are the other's inputs."""
-    from spmd_compiler.testing import SimulatedTraining
-    from spmd_compiler.testing.models import MLP
-
     def accumulate(model, optimizer, x, y):
         loss = torch.nn.functional.mse_loss(model(x), y)
         loss.backward()
@@ -157,8 +149,6 @@ def zero_grad_first_step(model, optimizer, x, y):
 
 @pytest.mark.parametrize("plan", ["dp", "fsdp"])
 def test_zero_grad_first_keeps_gradients_without_extra_communication(mesh4, plan):
-    from spmd_compiler.testing.models import MLP
-
     the_plan, sharded = _mlp_plans()[plan]
     res = assert_training_matches(
         zero_grad_first_step, MLP().double(), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), [b[:2] for b in _accumulation_batches(calls=3)], mesh4, the_plan
