@@ -144,7 +144,7 @@ def tag_phases(gm: fx.GraphModule) -> None:
     """
     phase = "forward"
     tags = {"backward": "backward", "backward_end": "optimizer", "optimizer": "optimizer", "optimizer_end": "optimizer"}
-    since_backward: list[fx.Node] = []  # nodes after a backward's end, before any optimizer step
+    since_backward: list[fx.Node] = []  # optimizer-phase nodes since the last marker
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target is MARKER and node.args[0] in tags:
             tag = node.args[0]
