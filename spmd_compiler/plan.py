@@ -271,6 +271,9 @@ def _resolve(plan: Plan, traced: Any, mesh: Any) -> ResolvedPlan:
     for inp in traced.inputs:
         if inp.kind in ("param", "buffer"):
             pl, src = for_fqn(inp.name)
+        elif inp.kind == "grad":  # stored like its parameter (FSDP: sharded, as after a reduce-scatter)
+            pl, src = for_fqn(inp.name)
+            src = f"follows param {inp.name!r}"
         elif inp.kind == "optim":
             pl, src = for_fqn(inp.name)
             param_shape = next(i.shape for i in traced.inputs if i.kind == "param" and i.name == inp.name)

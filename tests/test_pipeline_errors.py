@@ -76,3 +76,39 @@ def test_cross_stage_optimizer_code_is_refused():
     ids = torch.randint(0, 32, (8, 8))
     with pytest.raises(sc.SpmdError, match=r"optimizer part of stage 0 to the optimizer part of stage 1.*clip_grad_norm_.*fix:"):
         step(model, opt, ids, ids)
+
+
+def _lm_step(zero_grad):
+    def step(model, optimizer, ids, targets):
+        loss = torch.nn.functional.cross_entropy(model(ids).flatten(0, 1), targets.flatten())
+        loss.backward()
+        optimizer.step()
+        if zero_grad is not None:
+            optimizer.zero_grad(set_to_none=zero_grad)
+        return loss
+
+    return step
+
+
+def test_gradients_kept_across_calls_are_refused(monkeypatch):
+    monkeypatch.setenv("SPMD_COMPILER_EXPLAIN", "1")  # compiled, not run
+    ids = torch.randint(0, 32, (8, 8))
+
+    def call(fn, grad=False):
+        torch.manual_seed(0)
+        model = GPT(vocab=32, seq=8, dim=16, heads=2, layers=2)
+        if grad:
+            model.tok.weight.grad = torch.zeros_like(model.tok.weight)
+        step = sc.compile(fn, mesh=fake_mesh((2,), ["pp"]), pipeline=sc.Pipeline(chunks=2, split={"blocks.1": S}))
+        step(model, torch.optim.SGD(model.parameters(), lr=0.1), ids, ids)
+        return step
+
+    # no zero_grad(): the gradients would be the next call's; refused, never dropped
+    with pytest.raises(sc.SpmdError, match=r"cannot keep gradients across calls: the step leaves gradients set.*fix: end the step"):
+        call(_lm_step(None))
+    # gradients from before the call
+    with pytest.raises(sc.SpmdError, match=r"parameters hold gradients when the step is called \(tok.weight\)"):
+        call(_lm_step(True), grad=True)
+    # zeroed but present: left out, as before gradients were state
+    step = call(_lm_step(False))
+    assert step.last.traced.grads_left == () and not any(o.kind == "grad" for o in step.last.outputs)

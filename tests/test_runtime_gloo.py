@@ -115,6 +115,64 @@ def test_2x2_dp_tp_matches_one_device():
         assert res["comms"] == {("forward", "all_reduce", "tp"), ("optimizer", "all_reduce", "dp"), ("output", "all_reduce", "dp")}, res["comms"]
 
 
+def _accumulate(model, optimizer, x, y):
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    return loss
+
+
+def _apply(model, optimizer):
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _accumulation_over_calls(rank: int, world: int) -> dict:
+    """Gradient accumulation over 4 calls of a compiled ``accumulate`` step, then a
+    compiled ``apply`` step, twice, under DP and FSDP-style, against one device."""
+    out = {}
+    for name, plan in [("dp", None), ("fsdp", sc.Plan(params={"*": [sc.Shard(0)]}, fsdp_axes=(0,)))]:
+        torch.manual_seed(0)
+        model = MLP().double()
+        ref = copy.deepcopy(model)
+        opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
+        acc, app = sc.compile(_accumulate, mesh=(world,), plan=plan), sc.compile(_apply, mesh=(world,), plan=plan)
+        errs, grads = [], []
+        for i in range(6):  # calls 1-4 accumulate then apply; calls 5-6 accumulate
+            x, y = _data(i)
+            errs.append(abs(acc(model, opt, x.chunk(world)[rank], y.chunk(world)[rank]).item() - _accumulate(ref, ref_opt, x, y).item()))
+            g = model.l1.weight.grad  # what the user sees: a DTensor laid out like its parameter
+            grads.append((type(g).__name__, str(g.placements), str(model.l1.weight.placements)))
+            if i == 3:
+                app(model, opt)
+                _apply(ref, ref_opt)
+                errs.append(float(any(p.grad is not None for p in model.parameters())))
+        for p, q in zip(model.parameters(), ref.parameters()):
+            errs.append((p.full_tensor() - q).abs().max().item())
+            errs.append((p.grad.full_tensor() - q.grad).abs().max().item())
+        out[name] = max(errs)
+        out[name + "_grads"] = grads
+        out[name + "_compiles"] = (acc.compiles, app.compiles)
+    # a gradient laid out otherwise than its parameter is refused before the program runs
+    model.l1.weight.grad = model.l1.weight.grad.redistribute(placements=[sc.Replicate()])
+    try:
+        acc(model, opt, *(t.chunk(world)[rank] for t in _data(0)))
+        out["refused"] = None
+    except ValueError as e:
+        out["refused"] = str(e)
+    return out
+
+
+def test_gradient_accumulation_over_calls():
+    for res in run_processes(_accumulation_over_calls, 2, timeout=240):
+        assert res["dp"] < 1e-10 and res["fsdp"] < 1e-10, res
+        # accumulate compiles without and with gradients at the call, before and after
+        # apply created the momentum buffers; apply once
+        assert res["dp_compiles"] == res["fsdp_compiles"] == (4, 1), res
+        assert set(res["dp_grads"]) == {("DTensor", "(Replicate(),)", "(Replicate(),)")}, res["dp_grads"]
+        assert set(res["fsdp_grads"]) == {("DTensor", "(Shard(dim=0),)", "(Shard(dim=0),)")}, res["fsdp_grads"]
+        assert "expected a DTensor laid out like the parameter, placements [Shard(dim=0)]" in (res["refused"] or ""), res["refused"]
+
+
 def _train(rank: int, world: int, steps: range, ckpt: str | None, load: bool) -> list[float]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict

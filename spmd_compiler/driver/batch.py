@@ -102,7 +102,8 @@ def _check_chunk_layout(path: str, dim: int, total: int, axes: list[int], mesh: 
 
 def signature(state: Any, batch: tuple, kwargs: dict) -> tuple:
     """What selects a compiled program: the batch's structure, shapes, dtypes, devices
-    and constants, and the structure of the model and optimizer state."""
+    and constants, the structure of the model and optimizer state, and which parameters
+    hold a gradient (``.grad`` not None: accumulated by an earlier call)."""
     leaves, spec, paths = flatten_batch(batch, kwargs)
     sig = []
     for path, leaf in zip(paths, leaves):
@@ -110,7 +111,8 @@ def signature(state: Any, batch: tuple, kwargs: dict) -> tuple:
             sig.append((path, tuple(leaf.shape), leaf.dtype, leaf.device.type, leaf.requires_grad))
         else:
             sig.append((path, type(leaf).__name__, leaf if isinstance(leaf, CONSTANT_LEAF_TYPES) else id(leaf)))
-    return (str(spec), tuple(sig), *state.signature())
+    grads = tuple(n for n, p in state.params.items() if p.grad is not None)
+    return (str(spec), tuple(sig), *state.signature(), grads)
 
 
 def why_recompile(old: tuple | None, key: tuple) -> str:
@@ -127,6 +129,10 @@ def why_recompile(old: tuple | None, key: tuple) -> str:
                 return f"{b[0]}: " + ", ".join(diffs)
     if old[3] != key[3]:
         return "model parameters changed"
+    if old[5] != key[5]:
+        if not key[5]:
+            return "no parameter holds a gradient any more (.grad is None)"
+        return f"gradients are set on {len(key[5])} parameter(s) (was {len(old[5])}): accumulated by the previous call"
     if old[4] != key[4]:
         for a, b in zip(old[4], key[4]):
             if a != b:

@@ -2,8 +2,8 @@
 
 After :func:`distribute_state`, every parameter and buffer of the model is a DTensor
 with the plan's placements (parameters stay ``nn.Parameter``), the optimizer holds the
-new parameters, and any existing optimizer state is a DTensor laid out like its
-parameter. ``model.state_dict()`` / ``optimizer.state_dict()`` then return DTensors, which
+new parameters, and any existing optimizer state and gradient (``.grad``) is a DTensor
+laid out like its parameter. ``model.state_dict()`` / ``optimizer.state_dict()`` then return DTensors, which
 ``torch.distributed.checkpoint`` saves and loads. Values come from rank 0 (``distribute_tensor``
 scatters/broadcasts), so all ranks start identical even if they initialized differently.
 """
@@ -83,6 +83,8 @@ def distribute_state(model: torch.nn.Module, optimizer: Any, mesh: Any, plan: Pl
                     continue
                 dt = distribute_tensor(p.detach(), mesh, list(pl))
                 new = torch.nn.Parameter(dt, requires_grad=p.requires_grad)
+                if p.grad is not None:  # a gradient accumulated before: laid out like its parameter
+                    new.grad = distribute_tensor(p.grad.detach(), mesh, list(pl))
                 new_params[id(p)] = new
                 _set(model, inp.name, new, buffer=False)
                 for alias, canonical in state.aliases.items():

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
 from ..trace.host_values import resolve_constant
@@ -24,8 +25,33 @@ __all__ = ["program_inputs", "store_outputs"]
 
 def program_inputs(step: Any, state: Any, batch_leaves: list[Any]) -> list[Any]:
     """The value of every traced input of ``step``, looked up by name in ``state``
-    (parameters, buffers, optimizer state, hyperparameters) or by index in the batch."""
-    return [input_value(inp, state, batch_leaves) for inp in step.traced.inputs]
+    (parameters, buffers, optimizer state, gradients, hyperparameters) or by index in
+    the batch.
+
+    A gradient of a distributed parameter must be laid out like it (a DTensor with the
+    placements the program reads, as the compiled step stores it); ValueError otherwise.
+    """
+    values = [input_value(inp, state, batch_leaves) for inp in step.traced.inputs]
+    if step.traced.grads_in:
+        for inp, value, spec in zip(step.traced.inputs, values, step.input_specs):
+            if inp.kind == "grad":
+                _check_grad(inp.name, state.params[inp.name], value, spec)
+    return values
+
+
+def _check_grad(name: str, param: Any, grad: Any, spec: Any) -> None:
+    if not isinstance(param, DTensor):
+        return  # one device, or the simulator's global tensors
+    want = tuple(spec.placements)
+    if isinstance(grad, DTensor) and tuple(grad.placements) == want and grad.device_mesh == param.device_mesh:
+        return
+    got = f"a DTensor with placements {list(grad.placements)}" if isinstance(grad, DTensor) else f"a {type(grad).__name__} (not a DTensor)"
+    raise ValueError(
+        f"the gradient of parameter {name!r} (its .grad, kept from before this call) is {got}; expected a DTensor laid "
+        f"out like the parameter, placements {list(want)}, as the compiled step stores gradients. fix: let the compiled "
+        f"step compute the gradients it accumulates, call optimizer.zero_grad() (set_to_none=True) before the call, or "
+        f"assign p.grad = g.redistribute(p.device_mesh, p.placements)"
+    )
 
 
 def store_outputs(
@@ -52,10 +78,17 @@ def store_outputs(
     for slot, value in zip(step.outputs, values):
         if slot.kind == "user":
             user[slot.index] = wrap(slot, value)
+        elif slot.kind == "grad":
+            state.params[slot.name].grad = wrap(slot, value)
         elif slot.name in state.params:
             optimizer.state[state.params[slot.name]][slot.key] = wrap(slot, value)
         elif missing is not None:
             missing(slot)
         else:
             raise AssertionError(f"output for optimizer state of {slot.name!r}, which the optimizer does not hold")
+    if traced.grads_left or traced.grads_in:
+        kept = set(traced.grads_left)
+        for name, p in state.params.items():  # zero_grad(set_to_none=True) in the step, as on one device
+            if name not in kept:
+                p.grad = None
     return pytree.tree_unflatten([user[i] for i in range(len(user))], traced.user_spec)

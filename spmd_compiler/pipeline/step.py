@@ -139,6 +139,7 @@ class PipelinedStep(StepDriver):
             traced = trace(
                 self.fn, model, optimizer, *g_args, symbolic=self.symbolic, split_points=split, fused_optimizer=False, **g_kwargs
             )
+        _refuse_kept_gradients(traced)
         defer_batchnorm_stats(traced.gm, cfg.chunks)
         assignment = assign_stages(traced.gm, traced.outputs)
         if assignment.num_stages != stages:
@@ -376,3 +377,37 @@ class PipelinedStep(StepDriver):
         if dist.get_rank() == 0:
             path.write_text(json.dumps(chrome_trace_events(everyone)))
         return path
+
+
+def _refuse_kept_gradients(traced: Any) -> None:
+    """A pipelined step accumulates its micro-batches' gradients inside the schedule and
+    must start and end without gradients: gradients across calls are refused, never
+    dropped. Gradients the step only zeroes (``zero_grad(set_to_none=False)``) are
+    left out of its outputs; ``.grad`` stays None after a pipelined call."""
+    out = next(n for n in traced.gm.graph.nodes if n.op == "output")
+    grads = [(d.name, a) for d, a in zip(traced.outputs, out.args[0]) if d.kind == "grad"]
+    if not traced.grads_in and all(_zeroed(a) for _, a in grads):
+        if grads:
+            kept = [(d, a) for d, a in zip(traced.outputs, out.args[0]) if d.kind != "grad"]
+            out.args = ([a for _, a in kept],)
+            traced.outputs = [d for d, _ in kept]
+            traced.grads_left = ()
+            traced.gm.recompile()
+        return
+    if traced.grads_in:
+        names = traced.grads_in
+        what = "parameters hold gradients when the step is called"
+    else:
+        names = tuple(n for n, a in grads if not _zeroed(a))
+        what = "the step leaves gradients set (no optimizer.zero_grad() at its end)"
+    raise SpmdError(
+        f"a pipelined step cannot keep gradients across calls: {what} ({', '.join(names[:3])}"
+        f"{', ...' if len(names) > 3 else ''}); expected every .grad to be None before and after the step. fix: end "
+        f"the step with optimizer.step() and optimizer.zero_grad(), and accumulate over more micro-batches within the "
+        f"step with Pipeline(chunks=...) instead of over calls"
+    )
+
+
+def _zeroed(node: Any) -> bool:
+    aten = torch.ops.aten
+    return node.target is aten.zero_.default or any(u.target is aten._foreach_zero_.default for u in node.users)

@@ -5,6 +5,10 @@
   placements and written into their input tensors (``copy_``) unless the update was
   already in place, so one call of the graph is one whole training step.
 * Optimizer state created by the step (first step of Adam) becomes graph outputs.
+* Gradients the step leaves set (no ``zero_grad()`` at its end) are state too: written
+  back into their ``grad`` input when the call started with one, else graph outputs, in
+  both cases laid out like their parameter (a Partial gradient is reduced: all_reduce to
+  Replicate, reduce_scatter to a shard).
 * Dead code is eliminated and the GraphModule recompiled.
 """
 
@@ -31,7 +35,9 @@ aten = torch.ops.aten
 @dataclass(frozen=True)
 class OutputSlot:
     """One output of the per-rank graph: a tensor leaf of the step's return value
-    (``kind="user"``, ``index`` into its leaves) or a newly created optimizer state."""
+    (``kind="user"``, ``index`` into its leaves), a newly created optimizer state
+    (``kind="optim"``) or the gradient of parameter ``name`` (``kind="grad"``) when the
+    call started without one."""
 
     kind: str
     spec: Any
@@ -149,6 +155,13 @@ def _finish_output(
         out_nodes.append(value.node)
         slots.append(OutputSlot("optim", value.spec, name=desc.name, key=desc.key))
         return
+    if desc.kind == "grad" and not _has_input(ex, "grad", desc.name):  # p.grad was None when the call started
+        pspec = ex.input_value("param", desc.name).spec
+        dst = pt.DTensorSpec(value.spec.mesh, tuple(pspec.placements), tensor_meta=value.spec.tensor_meta)
+        value = redistribute_value(ex, value, dst, f"gradient of {desc.name} kept for the next call", output_node, tname)
+        out_nodes.append(value.node)
+        slots.append(OutputSlot("grad", value.spec, name=desc.name))
+        return
     target = ex.input_value(desc.kind, desc.name, desc.key)  # as planned, not as later reduced
     if not isinstance(value, DValue):
         raise SpmdError(f"updated {desc.kind} {desc.name} is not a tensor after expansion")
@@ -161,6 +174,14 @@ def _finish_output(
     copy.meta["val"] = target.local
     copy.meta["spmd_writeback"] = f"{desc.kind} {desc.name}" + (f"[{desc.key!r}]" if desc.key else "")
     copy.meta["spmd_phase"] = "optimizer"
+
+
+def _has_input(ex: Any, kind: str, name: str) -> bool:
+    try:
+        ex.input_value(kind, name)
+    except KeyError:
+        return False
+    return True
 
 
 def _new_state_spec(ex: Any, desc: Any, value: DValue) -> Any:

@@ -43,7 +43,8 @@ def assert_training_matches(
     **options: Any,
 ) -> TrainingComparison:
     """Train a copy of ``model`` on one device and on all ranks of ``mesh`` (simulated in
-    this process) over ``batches``; assert losses and parameters agree within tolerance.
+    this process) over ``batches``; assert losses, parameters and the gradients the
+    steps leave (``.grad``, None on both or close) agree within tolerance.
 
     ``batches`` are global; each rank gets its shard as the plan says. ``passes`` and
     ``options`` are ``compile()``'s (default: the same passes compile() runs). ``make_scheduler``
@@ -92,6 +93,12 @@ def assert_training_matches(
         if err > worst:
             worst, worst_name = err, name
         torch.testing.assert_close(p.detach(), q.detach(), atol=atol, rtol=rtol, msg=lambda m, n=name: f"parameter {n} differs after {len(batches)} steps: {m}")
+        # gradients the step leaves (accumulation across calls) are state too
+        if (p.grad is None) != (q.grad is None):
+            raise AssertionError(f"parameter {name}: .grad is {'None' if p.grad is None else 'set'} after the distributed steps but "
+                                 f"{'None' if q.grad is None else 'set'} on one device")
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, atol=atol, rtol=rtol, msg=lambda m, n=name: f"gradient of {n} differs after {len(batches)} steps: {m}")
     for (name, b), rb in zip(dist_model.named_buffers(), ref.buffers()):
         torch.testing.assert_close(b, rb, atol=atol, rtol=rtol, msg=lambda m, n=name: f"buffer {n} differs: {m}")
     return TrainingComparison(losses, ref_losses, worst, worst_name, sim)

@@ -136,15 +136,25 @@ def tag_phases(gm: fx.GraphModule) -> None:
     ``backward`` holds what autograd computes inside ``loss.backward()``; user code on
     the gradients before the step (gradient clipping) and after it (``zero_grad``) counts
     as ``optimizer``: it runs once per step even when the batch is split into
-    micro-batches. The output node (and what rebuild adds for it, such as reducing a
-    Partial loss) is ``output``. Other markers (pipe_split) are left in place.
+    micro-batches. A step with several ``backward()`` calls (gradient accumulation
+    within the step) computes the next micro-batch's forward between them: what lies
+    between one backward's end and the next backward is ``forward``. The output node
+    (and what rebuild adds for it, such as reducing a Partial loss) is ``output``.
+    Other markers (pipe_split) are left in place.
     """
     phase = "forward"
     tags = {"backward": "backward", "backward_end": "optimizer", "optimizer": "optimizer", "optimizer_end": "optimizer"}
+    since_backward: list[fx.Node] = []  # optimizer-phase nodes since the last marker
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target is MARKER and node.args[0] in tags:
             tag = node.args[0]
+            if tag == "backward":
+                for n in since_backward:  # the next micro-batch's forward
+                    n.meta["spmd_phase"] = "forward"
+            since_backward = []
             phase = tags[tag]
             gm.graph.erase_node(node)
             continue
         node.meta["spmd_phase"] = "output" if node.op == "output" else phase
+        if phase == "optimizer":
+            since_backward.append(node)

@@ -80,8 +80,8 @@ class ModelState:
 
 def input_value(inp: Any, state: ModelState, batch_leaves: list[Any]) -> torch.Tensor:
     """The tensor a compiled step's input ``inp`` (a GraphInput) takes from ``state`` and
-    the flattened batch: parameters, buffers and optimizer state as they are (DTensors
-    included), hyperparameters as 0-d float64 tensors."""
+    the flattened batch: parameters, buffers, optimizer state and gradients as they are
+    (DTensors included), hyperparameters as 0-d float64 tensors."""
     kind = inp.kind
     if kind == "param":
         return state.params[inp.name]
@@ -89,6 +89,8 @@ def input_value(inp: Any, state: ModelState, batch_leaves: list[Any]) -> torch.T
         return state.buffers[inp.name]
     if kind == "optim":
         return state.optim[(inp.name, inp.key)]
+    if kind == "grad":
+        return state.params[inp.name].grad
     if kind == "hparam":
         v = state.hparams[(int(inp.name[len("param_groups[") : -1]), inp.key)]
         return v if isinstance(v, torch.Tensor) else torch.tensor(float(v), dtype=torch.float64)

@@ -46,7 +46,8 @@ class GraphInput:
     """What a placeholder of the traced graph holds.
 
     ``kind`` is ``"param"``, ``"buffer"``, ``"optim"`` (optimizer state of parameter
-    ``name`` under ``key``), ``"hparam"`` (setting ``key`` of optimizer param group
+    ``name`` under ``key``), ``"grad"`` (the ``.grad`` parameter ``name`` holds when the
+    step is called: gradients accumulated by earlier calls), ``"hparam"`` (setting ``key`` of optimizer param group
     ``name``, e.g. ``param_groups[0]`` / ``lr``) or ``"batch"`` (leaf ``index`` of the flattened batch,
     ``name`` is its path such as ``batch[0]`` or ``batch[1]['ids']``). Shapes are global.
     """
@@ -63,6 +64,8 @@ class GraphInput:
 
     @property
     def label(self) -> str:
+        if self.kind == "grad":
+            return f"{self.name}.grad"
         return f"{self.name}[{self.key!r}]" if self.kind in ("optim", "hparam") else self.name
 
 
@@ -91,6 +94,11 @@ class TracedStep:
             holds its non-tensor leaves by leaf index.
         state: names of parameters, buffers and optimizer state.
         new_optim_keys: optimizer state entries the step created (lazy init).
+        grads_in: parameters whose ``.grad`` was set when the step was traced (``grad``
+            inputs; a call with other gradients set is another program).
+        grads_left: parameters whose ``.grad`` the step leaves set (not None): their
+            gradients are outputs (or written back into the ``grad`` inputs), and every
+            other parameter's ``.grad`` is None after the call.
         trace_seconds: wall time of ``make_fx``.
     """
 
@@ -103,6 +111,8 @@ class TracedStep:
     batch_constants: dict[int, Any]
     state: ModelState
     new_optim_keys: list[tuple[str, str]] = field(default_factory=list)
+    grads_in: tuple[str, ...] = ()
+    grads_left: tuple[str, ...] = ()
     trace_seconds: float = 0.0
     model: Any = None
 
@@ -210,6 +220,9 @@ def trace(
     optim_tensor_keys = state.tensor_optim_keys()
     for n, k in optim_tensor_keys:
         add("optim", n, state.optim[(n, k)], key=k)
+    grads_in = [n for n, p in state.params.items() if p.grad is not None]  # accumulated by earlier calls
+    for n in grads_in:
+        add("grad", n, state.params[n].grad)
     lifted = state.lifted_hparams()
     for g, k in lifted:
         v = state.hparams[(g, k)]
@@ -235,7 +248,7 @@ def trace(
         fakes.append(fake)
 
     n_params, n_buffers = len(state.params), len(state.buffers)
-    n_optim, n_hparams = len(optim_tensor_keys), len(lifted)
+    n_optim, n_grads, n_hparams = len(optim_tensor_keys), len(grads_in), len(lifted)
     # foreach optimizers are traced with their per-parameter implementation (the same
     # update; on CPU the foreach kernels loop over tensors anyway). Fused ones keep their
     # one-kernel update (expand/rules/optimizers.py), reading a group's lr as a tensor.
@@ -253,6 +266,9 @@ def trace(
         optim = {k: v for k, v in state.optim.items() if not isinstance(v, torch.Tensor)}
         start = n_params + n_buffers + n_optim
         optim.update(zip(optim_tensor_keys, flat[n_params + n_buffers : start]))
+        for n, g in zip(grads_in, flat[start : start + n_grads]):
+            params[n].grad = g  # backward() accumulates into it, as on one device
+        start += n_grads
         # numbers are read out with .item() when the optimizer step starts: its
         # arithmetic stays scalar, and the read belongs to the optimizer phase
         hparams = {
@@ -288,6 +304,9 @@ def trace(
         for n, b in final_buffers.items():
             outs.append(b)
             descr.append(GraphOutput("buffer", n))
+        for n in grads_left:  # gradients the next call starts from (accumulation across calls)
+            outs.append(params[n].grad)
+            descr.append(GraphOutput("grad", n))
         new_keys = []
         for (n, k), v in final_optim.items():
             if isinstance(v, torch.Tensor):
@@ -328,7 +347,7 @@ def trace(
     # on every stage finds an input by its name (node.meta["spmd_input"])
     assert len(placeholders) == len(inputs), (len(placeholders), len(inputs))
     for node, inp in zip(placeholders, inputs):
-        prefix = {"param": "p", "buffer": "b", "optim": "o", "hparam": "h", "batch": "in"}[inp.kind]
+        prefix = {"param": "p", "buffer": "b", "optim": "o", "grad": "g", "hparam": "h", "batch": "in"}[inp.kind]
         pt.rename_node(node, f"{prefix}_{_safe_name(inp.label)}")
         node.meta["spmd_input"] = inp
     gm.recompile()
@@ -353,6 +372,8 @@ def trace(
         batch_constants=batch_constants,
         state=state,
         new_optim_keys=layout["new_keys"],
+        grads_in=tuple(grads_in),
+        grads_left=tuple(layout["grads_left"]),
         trace_seconds=elapsed,
         model=model,
     )
