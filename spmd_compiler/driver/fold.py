@@ -149,8 +149,8 @@ def _why_not(node: fx.Node, world_size: int) -> str | None:
 
 def find_fold(gm: fx.GraphModule, *, world_size: int) -> FoldPoint | None:
     """The collective of ``gm`` the step check can ride on, or None (the reason is
-    logged at DEBUG): its first effect, an all_reduce over all ``world_size`` ranks that
-    only random ops precede."""
+    logged at DEBUG): its first effect, an all_reduce or all_gather_into_tensor over all
+    ``world_size`` ranks that only random ops precede."""
     random_before = False
     for n in gm.graph.nodes:
         if not _is_effect(n):

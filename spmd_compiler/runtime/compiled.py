@@ -94,8 +94,8 @@ class CompiledStep(StepDriver):
 
         return store_outputs(step, outs, state, optimizer, wrap)
 
-
     def _fold_point(self, step: Any) -> FoldPoint | None:
+        """The program's first collective over every rank, if the check can ride on it (gloo only)."""
         if not self.fold_guard or self.explain or self._guard is None or not self._guard.can_fold:
             return None
         if not hasattr(step, "fold_point"):
