@@ -87,10 +87,28 @@ def _uneven(rank: int, world: int, fold: bool) -> dict:
             "collectives": (count(step.last.gm), count(folded) if folded is not None else None)}
 
 
+def _dropout_rng(rank: int, world: int, fold: bool) -> tuple:
+    """The CPU RNG state after the uneven steps of a model whose dropout runs before the
+    step's first collective (the folded check restores the RNG when it resyncs)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Dropout(0.25), torch.nn.Linear(32, 16)).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = sc.compile(mse_step, mesh=(world,), cache_size=2)
+    step.fold_guard = fold
+    for i, split in enumerate([(4, 4), (4, 3), (4, 4), (4, 4)]):
+        x, y = _rows(i, sum(split))
+        mine = slice(sum(split[:rank]), sum(split[: rank + 1]))
+        step(model, opt, x[mine], y[mine])
+    point = getattr(step.last, "fold_point", None)
+    return torch.get_rng_state(), dict(step.checks), bool(point and point.random_before)
+
+
 def _cases(rank: int, world: int, tmp: str) -> dict:
     out: dict = {}
     # 1. partial last batch and per-rank divergent shapes, the check folded or standalone
     out["folded"], out["standalone"] = _uneven(rank, world, True), _uneven(rank, world, False)
+    (rng_f, checks_f, random_before), (rng_s, checks_s, _) = _dropout_rng(rank, world, True), _dropout_rng(rank, world, False)
+    out["dropout"] = {"same_rng": torch.equal(rng_f, rng_s), "checks": (checks_f, checks_s), "random_before": random_before}
     out["uneven_error"], out["compiles"] = out["folded"]["error"], out["folded"]["compiles"]
     model = MLP().double()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -154,6 +172,16 @@ def test_check_rides_on_the_first_all_reduce_without_a_round_trip(cases):
         assert plain == variant == 4, folded  # 2 all_reduces and their waits: the same with the check folded in
         assert standalone["checks"] == {"standalone": 6, "resync (standalone)": 4}, standalone
         assert standalone["flag_all_reduces"] == 6 and standalone["collectives"][1] is None, standalone
+
+
+def test_folded_resync_after_dropout_restores_the_rng(cases):
+    """Dropout runs before the first collective: a folded check that resyncs has drawn from
+    the RNG already and puts it back, so the RNG ends where the standalone check (which
+    stops before the dropout) leaves it."""
+    for r in cases[0]:
+        d = r["dropout"]
+        assert d["random_before"] and d["checks"][0]["resync (folded)"] == 2 and d["checks"][1]["resync (standalone)"] == 2, d
+        assert d["same_rng"], d
 
 
 def test_differing_unsharded_dim_is_refused_on_every_rank(cases):
