@@ -39,6 +39,7 @@ import copy
 import os
 import pathlib
 import platform
+import random
 import statistics
 import sys
 import time
@@ -183,10 +184,11 @@ def _pair_worker(rank: int, world: int, kind: str, args: Any, dim: int, profile:
     torch.set_num_threads(1)
     model = GPT(_cfg(args, dim))
     models = {"ours": copy.deepcopy(model), "floor": copy.deepcopy(model), "peer": _peer(kind, copy.deepcopy(model), world),
-              "unguarded": copy.deepcopy(model)}
+              "unguarded": copy.deepcopy(model), "standalone": copy.deepcopy(model)}
     opts = {side: torch.optim.AdamW(m.parameters(), lr=1e-3) for side, m in models.items()}
     plan, mesh = _plan(kind, world)
-    steps = {side: sc.compile(train_step, mesh=mesh, plan=plan) for side in ("ours", "floor", "unguarded")}
+    steps = {side: sc.compile(train_step, mesh=mesh, plan=plan) for side in ("ours", "floor", "unguarded", "standalone")}
+    steps["floor"].fold_guard = steps["standalone"].fold_guard = False  # the per-step check as its own all_reduce
 
     def run(side: str, i: int) -> float:
         ids, tg = _local_batch(kind, *_batch(i, args), world, rank)
@@ -204,10 +206,11 @@ def _pair_worker(rank: int, world: int, kind: str, args: Any, dim: int, profile:
         run("unguarded", i)
     steps["floor"].last.runner = compile_runner(_without_collectives(steps["floor"].last.gm), guard=True)
     steps["unguarded"]._guard.group = None  # the same program without the per-step agreement check
-    times: dict[str, list[float]] = {"ours": [], "peer": [], "floor": [], "unguarded": []}
-    sides = ["ours", "peer", "floor", "unguarded"]
+    times: dict[str, list[float]] = {"ours": [], "peer": [], "floor": [], "unguarded": [], "standalone": []}
+    sides = list(times)
     for i in range(args.warmup + args.steps):
-        order = sides[i % 4:] + sides[: i % 4]  # rotate which side goes first
+        order = sides[:]  # a new order every step, the same on every rank: no side always follows the
+        random.Random(i).shuffle(order)  # floor (whose missing collectives let the ranks drift apart)
         got = {side: run(side, i) for side in order}
         if i >= args.warmup:
             for side in sides:
@@ -216,6 +219,9 @@ def _pair_worker(rank: int, world: int, kind: str, args: Any, dim: int, profile:
     out["ratio"] = statistics.median(a / b for a, b in zip(times["ours"], times["peer"]))
     out["floor_ratio"] = statistics.median(a / b for a, b in zip(times["floor"], times["peer"]))
     out["guard_ratio"] = statistics.median(a / b for a, b in zip(times["ours"], times["unguarded"]))
+    out["standalone_ratio"] = statistics.median(a / b for a, b in zip(times["standalone"], times["unguarded"]))
+    out["unguarded_ratio"] = statistics.median(a / b for a, b in zip(times["unguarded"], times["peer"]))
+    out["check"] = ", ".join(sorted(k for k in steps["ours"].checks if not k.startswith("resync")))  # the path the steps took
     out["compiles"] = steps["ours"].compiles
     if profile:
         out["profile"] = _profile(rank, lambda i: run("ours", i), args)
@@ -330,13 +336,14 @@ def main() -> None:
               f"ceiling {1 / got['floor_ratio']:.2f}x", flush=True)
 
     head = ("| plan | peer | world (timing) | compiled ms | peer ms | compiled / peer (paired median) | "
-            "compute floor ms | floor / peer | with / without the step guard | collectives (world 4) | bytes/rank/step (world 4) | "
-            "analytic minimum | bytes / minimum |")
+            "compute floor ms | floor / peer | step check | with / without the check | standalone check / without | "
+            "without the check / peer | collectives (world 4) | bytes/rank/step (world 4) | analytic minimum | bytes / minimum |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for kind, world, got, count, nbytes, minimum in rows:
         lines.append(
             f"| {kind} | {PEERS[kind]} | {world} | {got['ours'] * 1e3:.1f} | {got['peer'] * 1e3:.1f} | {got['ratio']:.2f} | "
-            f"{got['floor'] * 1e3:.1f} | {got['floor_ratio']:.2f} | {got['guard_ratio']:.3f} | "
+            f"{got['floor'] * 1e3:.1f} | {got['floor_ratio']:.2f} | {got['check']} | {got['guard_ratio']:.3f} | "
+            f"{got['standalone_ratio']:.3f} | {got['unguarded_ratio']:.2f} | "
             f"{count} | {nbytes:,} | {minimum:,} | {nbytes / minimum:.2f} |"
         )
     sweep_lines = ["| dim | compiled TP ms | eager DTensor TP ms | speedup (eager / compiled, paired median) | "
@@ -350,14 +357,16 @@ def main() -> None:
         f"`python benchmarks/step_time.py{''.join(' ' + a for a in sys.argv[1:])}` on {platform.machine()}, {os.cpu_count()} cores, "
         f"torch {torch.__version__}, gloo, one thread per process.",
         f"GPT: {args.layers} layers, dim {args.dim}, {args.heads} heads, seq {args.seq}, vocab {args.vocab}, global batch {args.batch}, AdamW.",
-        f"Compiled and peer alternate step by step in the same processes ({args.warmup} warm-up steps, then {args.steps} pairs);",
+        f"Compiled and peer alternate step by step in the same processes, in an order shuffled every step ({args.warmup} warm-up steps, then {args.steps} rounds);",
         "the ratio is the median of the per-step ratios. Bytes: sum of collective buffer sizes per rank per step of the compiled",
         "program (all_gather: its output; others: their input) against what a hand-written program for the plan moves (`analytic_min`).",
         "Compute floor: the same compiled per-rank program with every collective replaced by a local op of the same shape,",
         "timed in the same rotation: what the plan's computation costs if communication were free. floor / peer bounds",
         "the ratio any implementation of the plan with these kernels can reach here.",
-        "Step guard: the same compiled step with the per-step check that every rank runs the same program switched off,",
-        "also in the rotation (with / without: what the check costs; its all_reduce overlaps the forward).",
+        "Step check (that every rank runs the same program): the path the compiled steps took (`folded`: carried by the",
+        "program's first all_reduce/all_gather, no extra collective; `standalone`: its own one-element all_reduce,",
+        "overlapping the forward). Two more sides in the rotation: the same step with the check switched off (`without`),",
+        "and with the standalone check forced (`compile(...)` then `step.fold_guard = False`).",
         "",
         "\n".join(lines),
         "",

@@ -265,6 +265,20 @@ MUTANTS: list[Mutant] = [
         "the step guard never raises Resync (flag compared with > 1)",
     ),
     Mutant(
+        "driver-fold-no-resync", "spmd_compiler/driver/fold.py",
+        "if packed.view(-1, width)[:, -1].max().item() > 0:",
+        "if packed.view(-1, width)[:, -1].max().item() > 1:",
+        (CONSISTENCY,),
+        "the check folded into the first collective never raises Resync",
+    ),
+    Mutant(
+        "driver-fold-join-unflagged", "spmd_compiler/driver/fold.py",
+        "buf[-1] = 1",
+        "buf[-1] = 0",
+        (CONSISTENCY,),
+        "a rank whose signature changed joins the folded collective without raising its flag",
+    ),
+    Mutant(
         "driver-store-state-key", "spmd_compiler/driver/io.py",
         "optimizer.state[state.params[slot.name]][slot.key] = wrap(slot, value)",
         "optimizer.state[state.params[slot.name]][slot.name] = wrap(slot, value)",

@@ -51,24 +51,70 @@ def _error(fn) -> str:
     return "no error"
 
 
-def _cases(rank: int, world: int, tmp: str) -> dict:
-    out: dict = {}
-    # 1. partial last batch and per-rank divergent shapes: (rows on rank 0, rows on rank 1) per step
-    splits = [(4, 4), (4, 3), (4, 4), (4, 3), (4, 4)]
+def _uneven(rank: int, world: int, fold: bool) -> dict:
+    """Partial last batch and per-rank divergent shapes: (rows on rank 0, rows on rank 1)
+    per step, then steady steps; the per-step check folded into the program's first
+    all_reduce (``fold``) or standalone. Counts the standalone check's all_reduces."""
+    splits = [(4, 4), (4, 3), (4, 4), (4, 3), (4, 4), (4, 4), (4, 4)]
     torch.manual_seed(0)
     model = MLP().double()
     ref = copy.deepcopy(model)
     opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     step = sc.compile(mse_step, mesh=(world,), cache_size=2)
-    errs = []
-    for i, split in enumerate(splits):
+    step.fold_guard = fold
+    errs, flags, real = [], [], dist.all_reduce
+
+    def spy(tensor, *args, **kwargs):  # the standalone check: a one-element int64 all_reduce
+        if tensor.numel() == 1 and tensor.dtype == torch.int64:
+            flags.append(1)
+        return real(tensor, *args, **kwargs)
+
+    dist.all_reduce = spy
+    try:
+        for i, split in enumerate(splits):
+            x, y = _rows(i, sum(split))
+            mine = slice(sum(split[:rank]), sum(split[: rank + 1]))
+            loss = step(model, opt, x[mine], y[mine])
+            assert_distributed(step, sharded=["batch[0]", "batch[1]"], collectives=1)
+            errs.append(abs(loss.item() - mse_step(ref, ref_opt, x, y).item()))
+    finally:
+        dist.all_reduce = real
+    errs.append(max((p.full_tensor() - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters())))
+    folded = getattr(step.last, "folded_gm", None)
+    count = lambda gm: sum(1 for n in gm.graph.nodes if getattr(n.target, "namespace", None) == "_c10d_functional")  # noqa: E731
+    kinds = sorted(getattr(getattr(p.step, "fold_point", None), "kind", "none") for p in step._programs.values())
+    return {"error": max(errs), "compiles": step.compiles, "checks": dict(step.checks), "flag_all_reduces": len(flags), "kinds": kinds,
+            "collectives": (count(step.last.gm), count(folded) if folded is not None else None)}
+
+
+def _dropout_rng(rank: int, world: int, fold: bool) -> tuple:
+    """The CPU RNG state after the uneven steps of a model whose dropout runs before the
+    step's first collective (the folded check restores the RNG when it resyncs)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Dropout(0.25), torch.nn.Linear(32, 16)).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = sc.compile(mse_step, mesh=(world,), cache_size=2)
+    step.fold_guard = fold
+    for i, split in enumerate([(4, 4), (4, 3), (4, 4), (4, 4)]):
         x, y = _rows(i, sum(split))
         mine = slice(sum(split[:rank]), sum(split[: rank + 1]))
-        loss = step(model, opt, x[mine], y[mine])
-        assert_distributed(step, sharded=["batch[0]", "batch[1]"], collectives=1)
-        errs.append(abs(loss.item() - mse_step(ref, ref_opt, x, y).item()))
-    errs.append(max((p.full_tensor() - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters())))
-    out["uneven_error"], out["compiles"] = max(errs), step.compiles
+        step(model, opt, x[mine], y[mine])
+    point = getattr(step.last, "fold_point", None)
+    return torch.get_rng_state(), dict(step.checks), bool(point and point.random_before)
+
+
+def _cases(rank: int, world: int, tmp: str) -> dict:
+    out: dict = {}
+    # 1. partial last batch and per-rank divergent shapes, the check folded or standalone
+    out["folded"], out["standalone"] = _uneven(rank, world, True), _uneven(rank, world, False)
+    (rng_f, checks_f, random_before), (rng_s, checks_s, _) = _dropout_rng(rank, world, True), _dropout_rng(rank, world, False)
+    out["dropout"] = {"same_rng": torch.equal(rng_f, rng_s), "checks": (checks_f, checks_s), "random_before": random_before}
+    out["uneven_error"], out["compiles"] = out["folded"]["error"], out["folded"]["compiles"]
+    model = MLP().double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    step = sc.compile(mse_step, mesh=(world,), cache_size=2)
+    for i in range(2):  # steady: the next call's rank 1 runs the agreed program, rank 0 does not
+        step(model, opt, *_rows(i, 4))
     # a split that is not torch.chunk's layout (3 rows on rank 0, 4 on rank 1): refused on every rank
     x, y = _rows(9, 7)
     mine = slice(0, 3) if rank == 0 else slice(3, 7)
@@ -104,9 +150,38 @@ def test_partial_and_divergent_batches_match_one_device(cases):
     assert seconds < 60, f"took {seconds:.0f}s"
     for r in results:
         assert r["uneven_error"] < 1e-10, r
+        assert r["standalone"]["error"] < 1e-10, r
         # (4,4) without optimizer state, then (4,3) and (4,4) with it; later calls reuse those two
         assert r["compiles"] == 3, r
         assert r["layout"].startswith("ValueError") and "coordinate 0: 3, coordinate 1: 4" in r["layout"] and "drop_last" in r["layout"], r
+
+
+def test_check_rides_on_the_first_all_reduce_without_a_round_trip(cases):
+    """The first collective carries the check (the MLP's loss all_reduce; with a 4/3 split
+    the all_gather of the row counts): every step after the first went through the folded
+    path, the 4 signature changes (optimizer state, then the split) resynced through it
+    (the rank whose shapes changed joined that one collective, the other stopped at the
+    check in the program), the training matched one device above, and no standalone flag
+    all_reduce was issued; with the fold off, the standalone check issues one per step."""
+    for r in cases[0]:
+        folded, standalone = r["folded"], r["standalone"]
+        assert folded["checks"] == {"folded": 6, "resync (folded)": 4}, folded
+        assert folded["kinds"] == ["all_gather", "all_reduce"], folded  # the (4,3) and (4,4) programs kept
+        assert folded["flag_all_reduces"] == 0, folded
+        plain, variant = folded["collectives"]
+        assert plain == variant == 4, folded  # 2 all_reduces and their waits: the same with the check folded in
+        assert standalone["checks"] == {"standalone": 6, "resync (standalone)": 4}, standalone
+        assert standalone["flag_all_reduces"] == 6 and standalone["collectives"][1] is None, standalone
+
+
+def test_folded_resync_after_dropout_restores_the_rng(cases):
+    """Dropout runs before the first collective: a folded check that resyncs has drawn from
+    the RNG already and puts it back, so the RNG ends where the standalone check (which
+    stops before the dropout) leaves it."""
+    for r in cases[0]:
+        d = r["dropout"]
+        assert d["random_before"] and d["checks"][0]["resync (folded)"] == 2 and d["checks"][1]["resync (standalone)"] == 2, d
+        assert d["same_rng"], d
 
 
 def test_differing_unsharded_dim_is_refused_on_every_rank(cases):
@@ -127,7 +202,7 @@ def test_interrupt_on_one_rank_stops_every_rank(cases):
     assert cases[0][0]["after"] == cases[0][1]["after"]
 
 
-def _killed_peer(rank: int, world: int, report: str) -> None:
+def _killed_peer(rank: int, world: int, report: str, rows: int = 4) -> None:
     torch.manual_seed(0)
     model = MLP().double()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -138,7 +213,7 @@ def _killed_peer(rank: int, world: int, report: str) -> None:
         os._exit(3)  # dies between steps, as a killed process does
     start = time.monotonic()
     try:
-        step(model, opt, x[:4], y[:4])
+        step(model, opt, x[:rows], y[:rows])  # 3 rows: the survivor's signature changed, it joins only the check's collective
         text = "no error"
     except Exception as e:  # noqa: BLE001
         text = f"{type(e).__name__}: {e}"
@@ -146,11 +221,18 @@ def _killed_peer(rank: int, world: int, report: str) -> None:
     os._exit(0)  # the group cannot be torn down cleanly without its peer
 
 
-def test_killed_peer_is_named_on_the_survivor(tmp_path):
+@pytest.mark.parametrize("rows", [4, 3])
+def test_killed_peer_is_named_on_the_survivor(tmp_path, rows):
+    """The folded check's collective fails like any collective of the step: in the program
+    (4 rows: named by its provenance) or joined alone by a rank whose signature changed (3 rows)."""
     report = tmp_path / "rank0.txt"
     with pytest.raises(WorkerError):
-        run_processes(_killed_peer, 2, str(report), timeout=90)
+        run_processes(_killed_peer, 2, str(report), rows, timeout=90)
     seconds, text = report.read_text().split("\n", 1)
     assert float(seconds) < 60, seconds
     assert text.startswith("CollectiveError"), text
     assert "'mse_train_step'" in text and "rank(s) [1] did not report" in text and "fix:" in text, text
+    if rows == 4:
+        assert "in all_reduce on mesh axis 'axis0' of mean" in text, text
+    else:
+        assert "the program's first all_reduce" in text and "carries the per-step check" in text, text

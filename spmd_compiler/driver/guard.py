@@ -14,6 +14,10 @@ round trip hides behind that compute). If any rank raised the flag, every rank s
 there, nothing having changed, and they agree on a program anew
 (:meth:`StepDriver._agree_program`: exchange signatures, compile together or reuse a
 cached program). A rank whose signature changed raises the flag and goes straight there.
+
+On gloo, a program whose first collective is a suitable ``all_reduce`` carries the flag
+in that collective instead, with no extra round trip (:mod:`.fold`); :meth:`StepGuard.start`
+is then given its :class:`~.fold.FoldPoint`.
 """
 
 from __future__ import annotations
@@ -39,7 +43,12 @@ class Resync(Exception):
 
 
 class GuardError(RuntimeError):
-    """The flag exchange itself failed (a peer died or timed out)."""
+    """The flag exchange itself failed (a peer died or timed out); ``where`` says which
+    collective carried it."""
+
+    def __init__(self, message: str, where: str | None = None) -> None:
+        super().__init__(message)
+        self.where = where
 
 
 def _is_effect(node: fx.Node) -> bool:
@@ -115,6 +124,7 @@ class StepGuard:
     def __init__(self, mesh: Any, timeout: float | None = None) -> None:
         self.group: Any = None
         self.rng: RngSync | None = None
+        self._gloo = False
         if not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() == "fake":
             return
         ranks = sorted(int(r) for r in mesh.mesh.flatten().tolist())
@@ -122,16 +132,31 @@ class StepGuard:
             log.warning("the mesh covers ranks %s of a world of %d: no per-step agreement check", ranks, dist.get_world_size())
             return
         if dist.get_backend() == "gloo":
-            self.group = dist.group.WORLD
+            self.group, self._gloo = dist.group.WORLD, True
         else:  # made by every rank together: the guard is built on the first call, which every rank makes
             kw = {"timeout": timedelta(seconds=timeout)} if timeout else {}
             self.group = dist.new_group(backend="gloo", **kw)
         self.rng = RngSync(self.group, cuda=mesh.device_type == "cuda")
 
-    def start(self, changed: bool, draws: bool = False) -> Any:
+    @property
+    def can_fold(self) -> bool:
+        """Whether the check may ride on a collective of the program (:mod:`.fold`): on
+        gloo only (reading a flag that came through NCCL would synchronize the GPU)."""
+        return self.group is not None and self._gloo
+
+    def start(self, changed: bool, fold: Any = None, draws: bool = False) -> Any:
         """Start the flag exchange; returns the check to call before the first effect
-        (and whose ``finish()`` to call after the step). For a program that ``draws``
-        random numbers the exchange carries the generators' fingerprint too (:mod:`.rng`)."""
+        (and whose ``finish()`` to call after the step).
+
+        With ``fold`` (the agreed program's :class:`~.fold.FoldPoint`) the program checks
+        itself: a changed rank joins that one collective and raises Resync, the others
+        get a check that does nothing. For a program that ``draws`` random numbers the
+        exchange carries the generators' fingerprint too (:mod:`.rng`); such programs
+        are never given a ``fold``."""
+        if fold is not None and self.group is not None:
+            if changed:
+                fold.join()
+            return _no_check
         if self.group is None:
             if changed:
                 raise Resync()

@@ -19,7 +19,7 @@ import logging
 import os
 import time
 import weakref
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -130,6 +130,7 @@ class StepDriver:
         self._programs: OrderedDict[Any, Program] = OrderedDict()  # by every rank's signature, least recent first
         self._current: Program | None = None  # the program every rank agreed on last
         self._guard: StepGuard | None = None
+        self.checks: Counter[str] = Counter()  # steps per check path ("folded", "standalone", "resync (folded)", ...)
         self.calls = 0
         self._last_key: Any = None
         self.compiles = 0
@@ -178,17 +179,21 @@ class StepDriver:
         current = self._current
         name = getattr(self.fn, "__name__", "step")
         if current is not None:
+            fold = None if current.draws else self._fold_point(current.step)  # a draw needs the generators' fingerprint
+            path = "folded" if fold is not None else "standalone" if self._guard.group is not None else "unchecked"
+            self.checks[path] += 1
             try:
-                check = self._guard.start(changed=current.local_key != key, draws=current.draws)
+                check = self._guard.start(changed=current.local_key != key, fold=fold, draws=current.draws)
                 if current.local_key == key:
                     self._last_key, self.last = key, current.step
                     return self._run_checked(current, model, optimizer, batch, kwargs, check)
                 check()  # raises Resync: this rank's signature changed, the others learn it from the flag
             except Resync:
+                self.checks[f"resync ({path})"] += 1
                 log.info("call %d: a rank's call signature changed; agreeing on the program anew", self.calls)
             except GuardError as e:
-                raise collective_failure(e, where="the per-step check that every rank runs the same program (before "
-                                         "the step's first collective)", step_name=name, call=self.calls, timeout=self.options.timeout) from e
+                where = e.where or "the per-step check that every rank runs the same program (before the step's first collective)"
+                raise collective_failure(e, where=where, step_name=name, call=self.calls, timeout=self.options.timeout) from e
         try:
             digest = hashlib.sha1(repr(key).encode()).hexdigest()
             everyone = tuple(exchange(digest))
@@ -282,6 +287,12 @@ class StepDriver:
         """Whether the step's random draws need every rank's generator in one state (a
         pipeline's stages draw on different ranks, so it says no)."""
         return draws(step.gm)
+
+    def _fold_point(self, step: Any) -> Any:
+        """The collective of ``step`` that carries the per-step check (a
+        :class:`~.fold.FoldPoint`), or None for the standalone check. The same on every
+        rank: it depends only on the agreed program and the backend."""
+        return None
 
     def _dump(self, step: Any, texts: dict[str, Any]) -> None:
         from ..dump.writer import dump_root, write_dump

@@ -17,11 +17,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from .. import _private_torch as pt
 from ..driver import StepDriver, build_program, exchange, global_batch, is_host_scalar, program_inputs, store_outputs
 from ..driver.failure import collective_failure, failed_node, is_collective_node
+from ..driver.fold import FoldPoint, find_fold, fold_guard_pass
 from ..driver.guard import GuardError, Resync, first_effect
 from ..plan import Plan
 from ..trace.tracer import flatten_batch
@@ -39,7 +41,12 @@ class CompiledStep(StepDriver):
         mesh: the DeviceMesh; ``plan``: the Plan; ``options``: the compile Options.
         compiles: how many times the step was (re)compiled.
         last: the ExpandedStep that ran last (its ``gm`` is the per-rank graph).
+        fold_guard: carry the per-step check in the program's first all_reduce where it
+            can (gloo; :mod:`spmd_compiler.driver.fold`); False: always the standalone check.
+        checks: steps per check path ("folded", "standalone", "unchecked", "resync (...)").
     """
+
+    fold_guard = True
 
     def _build(self, model: Any, optimizer: Any, batch: tuple, kwargs: dict) -> tuple[Any, dict[str, Any]]:
         mesh = self.mesh
@@ -60,8 +67,12 @@ class CompiledStep(StepDriver):
             vals = [n.meta["val"] for n in step.gm.graph.find_nodes(op="output")[0].args[0]]
             outs = [torch.zeros(v.shape, dtype=v.dtype, device=v.device) for v in vals]
         else:
-            runner = getattr(step, "runner", None)
-            if runner is None:
+            point = self._fold_point(step)
+            runner = getattr(step, "folded_runner" if point is not None else "runner", None)
+            if runner is None and point is not None:
+                folded = step.folded_gm = fold_guard_pass(step.gm, point=point)
+                runner = step.folded_runner = compile_runner(folded, guard=True, check_before=first_effect(folded))
+            elif runner is None:
                 runner = step.runner = compile_runner(step.gm, guard=True, check_before=first_effect(step.gm))
             try:
                 with torch.no_grad():
@@ -82,6 +93,14 @@ class CompiledStep(StepDriver):
             return DTensor.from_local(out, mesh, slot.spec.placements, run_check=False, shape=slot.spec.shape, stride=slot.spec.stride)
 
         return store_outputs(step, outs, state, optimizer, wrap)
+
+    def _fold_point(self, step: Any) -> FoldPoint | None:
+        """The program's first collective over every rank, if the check can ride on it (gloo only)."""
+        if not self.fold_guard or self.explain or self._guard is None or not self._guard.can_fold:
+            return None
+        if not hasattr(step, "fold_point"):
+            step.fold_point = find_fold(step.gm, world_size=dist.get_world_size())
+        return step.fold_point
 
 
 def compile(fn: Callable[..., Any] | None = None, *, mesh: Any, plan: Plan | None = None, **options: Any) -> Any:

@@ -1,0 +1,229 @@
+"""The per-step rank-agreement check, folded into a collective the step already makes.
+
+The step guard (:mod:`.guard`) costs one extra round trip per step: a one-element
+``all_reduce(MAX)`` of "my call signature differs from the agreed one". Most programs
+start their communication with a collective over every rank anyway (a DP forward's loss
+or target count all_reduce, the first gradient bucket, an FSDP parameter gather, the
+all_gather of an uneven batch's row counts), and every rank that runs the agreed program
+runs that same collective. So the check can ride on it:
+
+* the *fold point* (:func:`find_fold`) is the program's first effect in execution order
+  when it is an ``all_reduce`` (sum, avg or max) or an ``all_gather_into_tensor`` over
+  every rank, on a CPU tensor of a float or integer dtype, that only random ops precede;
+* the *guarded variant* (:func:`fold_guard_pass`) sends that collective's payload
+  flattened with one more element, 0 (a rank running the program has the agreed
+  signature), waits for it before the program's next effect (moving the wait up if the
+  schedule put it later), checks the extra element(s) (:func:`resync_if_flagged`: above 0
+  means some rank's signature changed; every rank raises :class:`.guard.Resync` there
+  together, nothing having changed, the CPU RNG restored if a random op ran), and hands
+  the original elements on to the collective's users (a gather: each rank's row without
+  its flag, one copy of the gathered result);
+* a rank whose own signature changed cannot run the program (its shapes differ), so it
+  joins only that collective, with zeros and the extra element 1
+  (:meth:`FoldPoint.join`), and raises Resync.
+
+The steady step then makes exactly the collectives of the program, one element longer
+per rank. Only for gloo: on NCCL reading the flag would synchronize the host with the GPU
+stream, so there the standalone check on a gloo side group stays
+(:class:`.guard.StepGuard`), as it does for pipelines, for the fake backend and for
+programs whose first effect is a write or a collective over part of the mesh.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import torch
+import torch.fx as fx
+
+from ..optimize.graph_utils import WAIT, new_node
+from .guard import GuardError, Resync, _is_effect
+
+__all__ = ["FoldPoint", "find_fold", "fold_guard_pass", "resync_if_flagged"]
+
+log = logging.getLogger(__name__)
+
+c10d = torch.ops._c10d_functional
+aten = torch.ops.aten
+_OPS = ("sum", "avg", "max")  # reductions under which "some rank sent 1" reads as "> 0"
+_KINDS = {c10d.all_reduce.default: "all_reduce", c10d.all_gather_into_tensor.default: "all_gather"}
+
+
+@dataclass(frozen=True)
+class FoldPoint:
+    """The collective a program's step check rides on (nodes by name: the guarded
+    variant is a copy of the graph).
+
+    Attributes:
+        collective, wait: names of the collective node and of its ``wait_tensor``.
+        kind: "all_reduce" or "all_gather" (``all_gather_into_tensor``).
+        op: the all_reduce's reduce op ("" for a gather); ``group``: the group name;
+        world_size: ranks in the group (all of them).
+        shape, dtype: the payload's (this rank's part); ``out_shape``: the result's.
+        random_before: a random op runs before it (the CPU RNG is restored on Resync).
+    """
+
+    collective: str
+    wait: str
+    kind: str
+    op: str
+    group: str
+    world_size: int
+    shape: tuple[int, ...]
+    out_shape: tuple[int, ...]
+    dtype: torch.dtype
+    random_before: bool = False
+
+    def __post_init__(self) -> None:
+        if not (self.op in _OPS if self.kind == "all_reduce" else (self.kind == "all_gather" and self.op == "")):
+            raise ValueError(f"FoldPoint kind={self.kind!r} op={self.op!r}: expected an all_reduce with op one of {list(_OPS)}, "
+                             f"or an all_gather with op ''")
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    def start(self, buf: torch.Tensor) -> torch.Tensor:
+        """The collective on a payload ``buf`` (this rank's part, flat, with the flag)."""
+        if self.kind == "all_reduce":
+            return c10d.all_reduce.default(buf, self.op, self.group)
+        return c10d.all_gather_into_tensor.default(buf, self.world_size, self.group)
+
+    def join(self) -> NoReturn:
+        """This rank's signature changed: take part in the agreed program's folded
+        collective (zeros, flag 1; same kind, size, dtype, op and group), then raise Resync."""
+        buf = torch.zeros(self.numel + 1, dtype=self.dtype)
+        buf[-1] = 1
+        try:
+            c10d.wait_tensor.default(self.start(buf))
+        except RuntimeError as e:
+            raise GuardError(str(e), where=self.where()) from e
+        raise Resync()
+
+    def where(self) -> str:
+        what = f"{self.op} of " if self.op else ""
+        return (f"the program's first {self.kind} ({self.collective}, {what}{list(self.shape)} {self.dtype}), "
+                f"which carries the per-step check that every rank runs the same program")
+
+
+def resync_if_flagged(packed: torch.Tensor, width: int, rng_state: torch.Tensor | None = None) -> None:
+    """The folded check: ``packed`` is the collective's result, rows of ``width``
+    elements whose last one is a flag (one row for an all_reduce, one per rank for a
+    gather); a flag above 0 means some rank's signature changed: restore the RNG (if a
+    random op ran) and raise Resync."""
+    if packed.view(-1, width)[:, -1].max().item() > 0:
+        if rng_state is not None:
+            torch.set_rng_state(rng_state)
+        raise Resync()
+
+
+def _why_not(node: fx.Node, world_size: int) -> str | None:
+    """Why the collective ``node`` cannot carry the check (None: it can)."""
+    kind = _KINDS.get(node.target)
+    if kind is None:
+        return f"the first effect {node.name} is {node.target}, not an all_reduce or all_gather_into_tensor"
+    size = node.meta.get("spmd_comm", {}).get("group_size")
+    if size != world_size:  # a flag must reach every rank, not one mesh axis's group
+        return f"{node.name} spans {size} ranks of {world_size}"
+    payload = node.args[0]
+    val = payload.meta.get("val") if isinstance(payload, fx.Node) else None
+    if not isinstance(val, torch.Tensor) or val.device.type != "cpu":
+        return f"{node.name}'s payload is not a CPU tensor"
+    if not all(isinstance(s, int) for s in val.shape):
+        return f"{node.name}'s payload has a symbolic shape"
+    if val.dtype == torch.bool or val.dtype.is_complex:
+        return f"{node.name}'s payload is {val.dtype}"
+    if kind == "all_reduce" and (node.args[1] not in _OPS or (node.args[1] == "avg" and not val.dtype.is_floating_point)):
+        return f"{node.name} reduces with {node.args[1]} ({val.dtype})"
+    if kind == "all_gather" and (node.args[1] != world_size or val.dim() == 0):
+        return f"{node.name} gathers {node.args[1]} parts of a {val.dim()}-d payload"
+    if len(node.users) != 1 or next(iter(node.users)).target is not WAIT:
+        return f"{node.name} is not waited exactly once"
+    return None
+
+
+def find_fold(gm: fx.GraphModule, *, world_size: int) -> FoldPoint | None:
+    """The collective of ``gm`` the step check can ride on, or None (the reason is
+    logged at DEBUG): its first effect, an all_reduce or all_gather_into_tensor over all
+    ``world_size`` ranks that only random ops precede."""
+    random_before = False
+    for n in gm.graph.nodes:
+        if not _is_effect(n):
+            continue
+        t = n.target
+        if t.namespace != "_c10d_functional" and not t._schema.is_mutable:  # a random op
+            val = n.meta.get("val")
+            vals = [v for v in (val if isinstance(val, (tuple, list)) else [val]) if isinstance(v, torch.Tensor)]
+            if "generator" in n.kwargs or not vals or any(v.device.type != "cpu" for v in vals):
+                log.debug("no folded step check: random op %s before the first collective is not on the CPU generator", n.name)
+                return None
+            random_before = True
+            continue
+        why = _why_not(n, world_size)
+        if why is not None:
+            log.debug("no folded step check: %s", why)
+            return None
+        val, wait = n.args[0].meta["val"], next(iter(n.users))
+        kind = _KINDS[n.target]
+        return FoldPoint(n.name, wait.name, kind, n.args[1] if kind == "all_reduce" else "", n.args[2], world_size,
+                         tuple(val.shape), tuple(wait.meta["val"].shape), val.dtype, random_before)
+    log.debug("no folded step check: the program makes no collective")
+    return None
+
+
+def _copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A GraphModule with a copy of ``gm``'s graph (node meta shared, shallowly copied)."""
+    g = fx.Graph()
+    out, old = g.graph_copy(gm.graph, {}, return_output_node=True)
+    new_out = g.output(out, type_expr=old.type)
+    new_out.meta = dict(old.meta)
+    return fx.GraphModule(gm, g)
+
+
+def fold_guard_pass(gm: fx.GraphModule, *, point: FoldPoint) -> fx.GraphModule:
+    """A copy of ``gm`` whose ``point`` collective carries the step check (see the module
+    docstring); ``gm`` itself is left as it is. Same collectives, same results."""
+    new = _copy(gm)
+    g = new.graph
+    nodes = list(g.nodes)
+    by_name = {n.name: n for n in nodes}
+    coll, wait = by_name[point.collective], by_name[point.wait]
+    pos = {n: i for i, n in enumerate(nodes)}
+    nxt = next((n for n in nodes[pos[coll] + 1:] if n is not wait and _is_effect(n)), None)
+    anchor = wait.next if nxt is None or pos[wait] < pos[nxt] else nxt  # the check runs before the next effect
+    rng = None
+    if point.random_before:
+        with g.inserting_before(next(n for n in nodes if n.op != "placeholder")):
+            rng = g.call_function(torch.get_rng_state, ())
+    payload = coll.args[0]
+    width = point.numel + 1
+    with g.inserting_before(coll):
+        flat = new_node(g, aten.reshape.default, (payload, [-1]))
+        packed = new_node(g, aten.constant_pad_nd.default, (flat, [0, 1], 0))
+        folded = new_node(g, coll.target, (packed, *coll.args[1:]))
+    folded.meta.update({k: v for k, v in coll.meta.items() if k not in ("val", "tensor_meta")})
+    comm = coll.meta.get("spmd_comm")
+    if comm is not None:
+        folded.meta["spmd_comm"] = {**comm, "history": [*comm.get("history", []), "carries the per-step check (one element more)"]}
+    with g.inserting_before(anchor):
+        done = new_node(g, WAIT, (folded,))
+        g.call_function(resync_if_flagged, (done, width) if rng is None else (done, width, rng))
+        if point.kind == "all_reduce":
+            part = new_node(g, aten.slice.Tensor, (done, 0, 0, point.numel))
+            value = new_node(g, aten.view.default, (part, list(point.out_shape)))
+        else:  # one row per rank: drop each row's flag, then the gathered layout
+            rows = new_node(g, aten.view.default, (done, [point.world_size, width]))
+            part = new_node(g, aten.slice.Tensor, (rows, 1, 0, point.numel))
+            value = new_node(g, aten.reshape.default, (part, list(point.out_shape)))
+    wait.replace_all_uses_with(value)
+    g.erase_node(wait)
+    g.erase_node(coll)
+    g.lint()
+    new.recompile()
+    log.debug("step check folded into %s", point.where())
+    return new

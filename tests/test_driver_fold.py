@@ -1,0 +1,160 @@
+"""The per-step check folded into the program's first all_reduce (spmd_compiler/driver/fold.py):
+where it applies, that the guarded variant makes the same collectives and computes the
+same values (compile-only and fake-group runs; the real gloo runs are in
+tests/test_runtime_consistency.py)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+import torch.fx as fx
+
+import spmd_compiler as sc
+from spmd_compiler.driver.fold import FoldPoint, find_fold, fold_guard_pass, resync_if_flagged
+from spmd_compiler.driver.guard import Resync, _is_effect
+from spmd_compiler.runtime.executor import compile_runner
+from spmd_compiler.testing.models import GPT, MLP, gpt_fsdp_plan, megatron_mlp_plan, mse_train_step, train_step
+
+c10d = torch.ops._c10d_functional
+
+
+def _program(mesh, kind: str = "gpt", plan=None, model=None) -> fx.GraphModule:
+    """The per-rank graph of the steady step (optimizer state present)."""
+    if kind == "gpt":
+        model = model or GPT(vocab=32, seq=8, dim=16, heads=2, layers=2)
+        fn, x = train_step, torch.randint(0, 32, (8, 8))
+        y = x
+    else:
+        model = model or MLP().double()
+        fn, x, y = mse_train_step, torch.randn(8, 16, dtype=torch.float64), torch.randn(8, 16, dtype=torch.float64)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    step = sc.compile(fn, mesh=mesh, plan=plan)
+    n = mesh.size(0)
+    for _ in range(2):
+        step(model, opt, x[: 8 // n], y[: 8 // n])
+    return step.last.gm
+
+
+def _collectives(gm: fx.GraphModule) -> Counter:
+    return Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function" and getattr(n.target, "namespace", None) == "_c10d_functional")
+
+
+def _inputs(gm: fx.GraphModule) -> list:
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for n in gm.graph.find_nodes(op="placeholder"):
+        v = n.meta["val"]
+        if not isinstance(v, torch.Tensor):
+            out.append(v)
+        elif v.dtype.is_floating_point:
+            out.append(torch.rand(v.shape, generator=g, dtype=v.dtype) + 0.5)
+        elif v.dtype == torch.bool:  # attention masks
+            out.append(torch.ones(v.shape, dtype=torch.bool).tril())
+        else:
+            out.append(torch.randint(0, 8, v.shape, generator=g, dtype=v.dtype))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["gpt", "mlp"])
+def test_folded_variant_makes_the_same_collectives(mesh4, kind):
+    gm = _program(mesh4, kind)
+    point = find_fold(gm, world_size=4)
+    assert point is not None and point.op == ("sum" if kind == "gpt" else "avg") and point.shape == ()
+    folded = fold_guard_pass(gm, point=point)
+    assert _collectives(folded) == _collectives(gm) and sum(_collectives(gm).values()) > 0
+    nodes = list(folded.graph.nodes)
+    checks = [n for n in nodes if n.target is resync_if_flagged]
+    assert len(checks) == 1
+    (coll,) = [n for n in nodes if n.target is c10d.all_reduce.default and n.args[0].target is torch.ops.aten.constant_pad_nd.default]
+    assert coll.args[0].meta["val"].shape == (point.numel + 1,)  # one element more, nothing else
+    assert "carries the per-step check" in coll.meta["spmd_comm"]["history"][-1]
+    # nothing irreversible runs between the folded collective and its check
+    between = nodes[nodes.index(coll) + 1: nodes.index(checks[0])]
+    assert [n for n in between if _is_effect(n)] == [checks[0].args[0]]  # only its own wait
+    assert len(list(gm.graph.nodes)) + 5 == len(nodes)  # 7 nodes in, 2 out; the program itself is left as it was
+
+
+def test_mlp_wait_moves_up_before_the_gradient_all_reduce(mesh4):
+    """The MLP's loss all_reduce is waited at the end of the program; the check cannot wait there."""
+    gm = _program(mesh4, "mlp")
+    point = find_fold(gm, world_size=4)
+    order = [n.name for n in gm.graph.nodes]
+    effects = [n for n in gm.graph.nodes if _is_effect(n) and n.name not in (point.collective, point.wait)]
+    assert order.index(point.wait) > order.index(effects[0].name)  # scheduled after the next effect
+    nodes = list(fold_guard_pass(gm, point=point).graph.nodes)
+    check = next(i for i, n in enumerate(nodes) if n.target is resync_if_flagged)
+    first_other = next(i for i, n in enumerate(nodes) if n.name == effects[0].name)
+    assert check < first_other
+
+
+@pytest.mark.parametrize("kind", ["gpt", "mlp"])
+def test_folded_variant_computes_what_the_program_computes(mesh4, kind):
+    gm = _program(mesh4, kind)
+    folded = fold_guard_pass(gm, point=find_fold(gm, world_size=4))
+    a, b = _inputs(gm), _inputs(gm)
+    with torch.no_grad():
+        want, got = compile_runner(gm)(*a), compile_runner(folded)(*b)
+    assert len(want) == len(got) > 0
+    for x, y in zip(want, got):
+        assert torch.equal(x, y)
+    for x, y in zip(a, b):  # the in-place updates of parameters and optimizer state too
+        assert (x == y) if not isinstance(x, torch.Tensor) else torch.equal(x, y)
+
+
+def test_gather_carries_the_check(mesh4):
+    """FSDP's first collective is a parameter all_gather: each rank's part carries a flag."""
+    gm = _program(mesh4, "gpt", plan=gpt_fsdp_plan())
+    point = find_fold(gm, world_size=4)
+    assert point is not None and point.kind == "all_gather" and point.out_shape[0] == 4 * point.shape[0]
+    folded = fold_guard_pass(gm, point=point)
+    assert _collectives(folded) == _collectives(gm)
+    (coll,) = [n for n in folded.graph.nodes if n.target is c10d.all_gather_into_tensor.default and n.args[0].target is torch.ops.aten.constant_pad_nd.default]
+    (check,) = [n for n in folded.graph.nodes if n.target is resync_if_flagged]
+    assert check.args[1] == point.numel + 1 and coll.args[0].meta["val"].shape == (point.numel + 1,)
+    a, b = _inputs(gm), _inputs(gm)
+    with torch.no_grad():
+        want, got = compile_runner(gm)(*a), compile_runner(folded)(*b)
+    for x, y in zip([*want, *a], [*got, *b]):
+        assert (x == y) if not isinstance(x, torch.Tensor) else torch.equal(x, y)
+
+
+def test_gather_check_reads_every_rank_s_flag():
+    rows = torch.tensor([[1.0, 2.0, 0.0], [3.0, 4.0, 0.0], [5.0, 6.0, 1.0]]).flatten()  # rank 2 raised its flag
+    resync_if_flagged(rows[:6], 3)
+    with pytest.raises(Resync):
+        resync_if_flagged(rows, 3)
+
+
+def test_no_fold_when_the_first_collective_spans_one_axis(mesh2x2):
+    gm = _program(mesh2x2, "mlp", plan=megatron_mlp_plan(ndim=2, axis=1))
+    assert find_fold(gm, world_size=4) is None  # a flag must reach all 4 ranks
+    assert find_fold(gm, world_size=2) is not None  # the same collective over a world of 2 would do
+
+
+def test_random_op_before_the_fold_restores_the_rng(mesh4):
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 16)).double()
+    gm = _program(mesh4, "mlp", model=model)
+    point = find_fold(gm, world_size=4)
+    assert point is not None and point.random_before
+    nodes = list(fold_guard_pass(gm, point=point).graph.nodes)
+    first = next(n for n in nodes if n.op != "placeholder")
+    check = next(n for n in nodes if n.target is resync_if_flagged)
+    assert first.target is torch.get_rng_state and check.args[2] is first
+
+
+def test_check_raises_on_a_flag_and_restores_the_rng():
+    resync_if_flagged(torch.tensor([5.0, 0.0]), 2)  # no rank raised its flag: nothing happens
+    state = torch.get_rng_state()
+    before = torch.rand(4)
+    with pytest.raises(Resync):
+        resync_if_flagged(torch.tensor([5.0, 0.5]), 2, state)  # avg over 2 ranks of (0, 1)
+    assert torch.equal(torch.rand(4), before)  # the random op that ran before the check is undone
+
+
+def test_fold_point_validates_its_op():
+    with pytest.raises(ValueError, match="expected an all_reduce with op one of"):
+        FoldPoint("c", "w", "all_reduce", "min", "0", 2, (), (), torch.float32)
+    with pytest.raises(ValueError, match="or an all_gather with op ''"):
+        FoldPoint("c", "w", "all_gather", "sum", "0", 2, (1,), (2,), torch.float32)
