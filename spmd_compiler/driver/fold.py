@@ -9,13 +9,13 @@ runs that same collective. So the check can ride on it:
 
 * the *fold point* (:func:`find_fold`) is the program's first effect in execution order
   when it is an ``all_reduce`` (sum, avg or max) or an ``all_gather_into_tensor`` over
-  every rank, on a CPU tensor of a float or integer dtype, that only random ops precede;
+  every rank, on a CPU tensor of a float or integer dtype;
 * the *guarded variant* (:func:`fold_guard_pass`) sends that collective's payload
   flattened with one more element, 0 (a rank running the program has the agreed
   signature), waits for it before the program's next effect (moving the wait up if the
   schedule put it later), checks the extra element(s) (:func:`resync_if_flagged`: above 0
   means some rank's signature changed; every rank raises :class:`.guard.Resync` there
-  together, nothing having changed, the CPU RNG restored if a random op ran), and hands
+  together, nothing having changed), and hands
   the original elements on to the collective's users (a gather: each rank's row without
   its flag, one copy of the gathered result);
 * a rank whose own signature changed cannot run the program (its shapes differ), so it
@@ -26,7 +26,10 @@ The steady step then makes exactly the collectives of the program, one element l
 per rank. Only for gloo: on NCCL reading the flag would synchronize the host with the GPU
 stream, so there the standalone check on a gloo side group stays
 (:class:`.guard.StepGuard`), as it does for pipelines, for the fake backend and for
-programs whose first effect is a write or a collective over part of the mesh.
+programs whose first effect is a write or a collective over part of the mesh, and for
+programs that draw random numbers: their standalone exchange also carries a fingerprint
+of every rank's generators (:mod:`.rng`, docs/randomness.md), which a float payload
+could not carry exactly.
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ import torch
 import torch.fx as fx
 
 from ..optimize.graph_utils import WAIT, new_node
-from .guard import GuardError, Resync, _is_effect
+from ..expand.rules.random import is_random
+from .guard import GuardError, Resync, _is_effect, first_effect
 
 __all__ = ["FoldPoint", "find_fold", "fold_guard_pass", "resync_if_flagged"]
 
@@ -62,7 +66,6 @@ class FoldPoint:
         op: the all_reduce's reduce op ("" for a gather); ``group``: the group name;
         world_size: ranks in the group (all of them).
         shape, dtype: the payload's (this rank's part); ``out_shape``: the result's.
-        random_before: a random op runs before it (the CPU RNG is restored on Resync).
     """
 
     collective: str
@@ -74,7 +77,6 @@ class FoldPoint:
     shape: tuple[int, ...]
     out_shape: tuple[int, ...]
     dtype: torch.dtype
-    random_before: bool = False
 
     def __post_init__(self) -> None:
         if not (self.op in _OPS if self.kind == "all_reduce" else (self.kind == "all_gather" and self.op == "")):
@@ -111,14 +113,11 @@ class FoldPoint:
                 f"which carries the per-step check that every rank runs the same program")
 
 
-def resync_if_flagged(packed: torch.Tensor, width: int, rng_state: torch.Tensor | None = None) -> None:
+def resync_if_flagged(packed: torch.Tensor, width: int) -> None:
     """The folded check: ``packed`` is the collective's result, rows of ``width``
     elements whose last one is a flag (one row for an all_reduce, one per rank for a
-    gather); a flag above 0 means some rank's signature changed: restore the RNG (if a
-    random op ran) and raise Resync."""
+    gather); a flag above 0 means some rank's signature changed: raise Resync."""
     if packed.view(-1, width)[:, -1].max().item() > 0:
-        if rng_state is not None:
-            torch.set_rng_state(rng_state)
         raise Resync()
 
 
@@ -150,30 +149,23 @@ def _why_not(node: fx.Node, world_size: int) -> str | None:
 def find_fold(gm: fx.GraphModule, *, world_size: int) -> FoldPoint | None:
     """The collective of ``gm`` the step check can ride on, or None (the reason is
     logged at DEBUG): its first effect, an all_reduce or all_gather_into_tensor over all
-    ``world_size`` ranks that only random ops precede."""
-    random_before = False
-    for n in gm.graph.nodes:
-        if not _is_effect(n):
-            continue
-        t = n.target
-        if t.namespace != "_c10d_functional" and not t._schema.is_mutable:  # a random op
-            val = n.meta.get("val")
-            vals = [v for v in (val if isinstance(val, (tuple, list)) else [val]) if isinstance(v, torch.Tensor)]
-            if "generator" in n.kwargs or not vals or any(v.device.type != "cpu" for v in vals):
-                log.debug("no folded step check: random op %s before the first collective is not on the CPU generator", n.name)
-                return None
-            random_before = True
-            continue
-        why = _why_not(n, world_size)
-        if why is not None:
-            log.debug("no folded step check: %s", why)
-            return None
-        val, wait = n.args[0].meta["val"], next(iter(n.users))
-        kind = _KINDS[n.target]
-        return FoldPoint(n.name, wait.name, kind, n.args[1] if kind == "all_reduce" else "", n.args[2], world_size,
-                         tuple(val.shape), tuple(wait.meta["val"].shape), val.dtype, random_before)
-    log.debug("no folded step check: the program makes no collective")
-    return None
+    ``world_size`` ranks. A program that draws random numbers keeps the standalone
+    check, which also agrees the ranks' generators (:mod:`.rng`)."""
+    if any(is_random(n) for n in gm.graph.nodes):
+        log.debug("no folded step check: the program draws random numbers")
+        return None
+    n = first_effect(gm)
+    if n is None:
+        log.debug("no folded step check: the program makes no collective")
+        return None
+    why = _why_not(n, world_size)
+    if why is not None:
+        log.debug("no folded step check: %s", why)
+        return None
+    val, wait = n.args[0].meta["val"], next(iter(n.users))
+    kind = _KINDS[n.target]
+    return FoldPoint(n.name, wait.name, kind, n.args[1] if kind == "all_reduce" else "", n.args[2], world_size,
+                     tuple(val.shape), tuple(wait.meta["val"].shape), val.dtype)
 
 
 def _copy(gm: fx.GraphModule) -> fx.GraphModule:
@@ -196,10 +188,6 @@ def fold_guard_pass(gm: fx.GraphModule, *, point: FoldPoint) -> fx.GraphModule:
     pos = {n: i for i, n in enumerate(nodes)}
     nxt = next((n for n in nodes[pos[coll] + 1:] if n is not wait and _is_effect(n)), None)
     anchor = wait.next if nxt is None or pos[wait] < pos[nxt] else nxt  # the check runs before the next effect
-    rng = None
-    if point.random_before:
-        with g.inserting_before(next(n for n in nodes if n.op != "placeholder")):
-            rng = g.call_function(torch.get_rng_state, ())
     payload = coll.args[0]
     width = point.numel + 1
     with g.inserting_before(coll):
@@ -212,7 +200,7 @@ def fold_guard_pass(gm: fx.GraphModule, *, point: FoldPoint) -> fx.GraphModule:
         folded.meta["spmd_comm"] = {**comm, "history": [*comm.get("history", []), "carries the per-step check (one element more)"]}
     with g.inserting_before(anchor):
         done = new_node(g, WAIT, (folded,))
-        g.call_function(resync_if_flagged, (done, width) if rng is None else (done, width, rng))
+        g.call_function(resync_if_flagged, (done, width))
         if point.kind == "all_reduce":
             part = new_node(g, aten.slice.Tensor, (done, 0, 0, point.numel))
             value = new_node(g, aten.view.default, (part, list(point.out_shape)))

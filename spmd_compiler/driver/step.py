@@ -179,7 +179,7 @@ class StepDriver:
         current = self._current
         name = getattr(self.fn, "__name__", "step")
         if current is not None:
-            fold = None if current.draws else self._fold_point(current.step)  # a draw needs the generators' fingerprint
+            fold = self._fold_point(current.step)
             path = "folded" if fold is not None else "standalone" if self._guard.group is not None else "unchecked"
             self.checks[path] += 1
             try:
