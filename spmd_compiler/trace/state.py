@@ -46,6 +46,7 @@ class ModelState:
     param_groups: list[list[str]] = field(default_factory=list)
     aliases: dict[str, str] = field(default_factory=dict)  # tied FQN -> canonical FQN
     hparams: dict[tuple[int, str], Any] = field(default_factory=dict)  # (group, key) -> value
+    value_guards: dict[str, Any] = field(default_factory=dict)  # key -> ValueGuard (trace/value_guards.py)
 
     def tensor_optim_keys(self) -> list[tuple[str, str]]:
         return [k for k, v in self.optim.items() if isinstance(v, torch.Tensor)]
@@ -67,6 +68,11 @@ class ModelState:
             key = (optim, params, self.fixed_hparams())
             self._signature = key
         return key
+
+    def guard_outcomes(self) -> tuple:
+        """Which way each branch the optimizer took on its own numbers goes now (part of
+        the call signature: a flipped branch recompiles the step)."""
+        return tuple(g.holds(self) for g in self.value_guards.values())
 
     def fixed_hparams(self) -> tuple:
         """The other hyperparameters, as a hashable record (a change recompiles the step)."""
@@ -167,18 +173,27 @@ class StateCache:
         self._modules: list[torch.nn.Module] = []
         self._fp: Any = None
         self.state: ModelState | None = None
+        self.value_guards: dict[str, Any] = {}
+
+    def add_value_guards(self, guards: list[Any]) -> None:
+        """Remember the value guards of a compiled step: every later call signature
+        includes their outcomes."""
+        for g in guards:
+            self.value_guards.setdefault(g.key, g)
 
     def get(self, model: torch.nn.Module, optimizer: Any) -> ModelState:
         if self.state is not None and self._refs is not None and self._refs[0]() is model and self._refs[1]() is optimizer:
             if _fingerprint(self._modules, optimizer) == self._fp:
                 for g, k in self.state.lifted_hparams():
                     self.state.hparams[(g, k)] = optimizer.param_groups[g][k]
+                self.state.value_guards = self.value_guards
                 return self.state
         state = collect_state(model, optimizer)
         self._modules = list(model.modules())
         self._fp = _fingerprint(self._modules, optimizer)
         self._refs = (weakref.ref(model), weakref.ref(optimizer) if optimizer is not None else (lambda: None))
         self.state = state
+        state.value_guards = self.value_guards
         return state
 
 

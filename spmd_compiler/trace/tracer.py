@@ -26,7 +26,9 @@ from .. import _private_torch as pt
 from .decompositions import decomposition_table
 from .host_values import HostSnapshot, HparamValue, as_data_dependent_error, check_data_dependent_shapes
 from .markers import phase_markers, split_point_hooks, tag_phases
+from .rewrites import traceable_scalars
 from .state import ModelState, collect_state, swapped_state
+from .value_guards import ValueGuard, attach_values, host_scalar_values, value_guards_of
 
 __all__ = ["GraphInput", "GraphOutput", "TracedStep", "trace", "CONSTANT_LEAF_TYPES"]
 
@@ -104,6 +106,7 @@ class TracedStep:
     new_optim_keys: list[tuple[str, str]] = field(default_factory=list)
     trace_seconds: float = 0.0
     model: Any = None
+    value_guards: list[ValueGuard] = field(default_factory=list)  # optimizer branches on host scalars
 
     def placeholders(self) -> list[fx.Node]:
         return [n for n in self.gm.graph.nodes if n.op == "placeholder"]
@@ -233,6 +236,12 @@ def trace(
             fake.requires_grad_(True)
         fakes.append(fake)
 
+    # host scalars (lifted hyperparameters, 0-d optimizer state) carry their real values
+    # through optimizer.step(), so its branches on them are taken (trace/value_guards.py)
+    scalars = {
+        i: (t if inp.kind == "hparam" else pt.local_tensor(state.optim[(inp.name, inp.key)])).detach().clone()
+        for i, (inp, t) in enumerate(zip(inputs, real)) if inp.kind in ("hparam", "optim") and t.dim() == 0
+    }
     n_params, n_buffers = len(state.params), len(state.buffers)
     n_optim, n_hparams = len(optim_tensor_keys), len(lifted)
     # foreach optimizers are traced with their per-parameter implementation (the same
@@ -247,6 +256,7 @@ def trace(
     read_values: dict[tuple[int, str], Any] = {}  # what the optimizer read for each lifted hparam
 
     def functional_step(*flat: torch.Tensor) -> list[Any]:
+        attach_values(flat, scalars)
         params = dict(zip(state.params, flat[:n_params]))
         buffers = dict(zip(state.buffers, flat[n_params : n_params + n_buffers]))
         optim = {k: v for k, v in state.optim.items() if not isinstance(v, torch.Tensor)}
@@ -301,7 +311,8 @@ def trace(
     host = HostSnapshot(model, optimizer)
     pt.record_stack_traces_of(step_fn)  # the step's own lines (loss, `if`, .item()) get a user line
     try:
-        with phase_markers(optimizer), pt.preserve_node_meta(), split_point_hooks(model, split_points):
+        with phase_markers(optimizer), pt.preserve_node_meta(), split_point_hooks(model, split_points), \
+                host_scalar_values(mode, optimizer, bool(scalars)), traceable_scalars():
             gm = make_fx(
                 functional_step,
                 decomposition_table=decomposition_table(),
@@ -317,6 +328,7 @@ def trace(
     elapsed = time.perf_counter() - start
     host.check(gm)
     check_data_dependent_shapes(gm)
+    value_guards = value_guards_of(gm, mode.shape_env, inputs)  # before dead code goes: a read may only feed a branch
 
     tag_phases(gm)
     _cleanup(gm)
@@ -352,6 +364,7 @@ def trace(
         new_optim_keys=layout["new_keys"],
         trace_seconds=elapsed,
         model=model,
+        value_guards=value_guards,
     )
 
 
