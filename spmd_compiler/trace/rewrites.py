@@ -11,7 +11,10 @@ compute the same thing when the compiled step runs:
   :data:`SYM_BUILTIN_MODULES`, become ``torch.sym_max`` / ``torch.sym_min`` (a graph node
   that runs Python's ``max`` on the real numbers);
 * ``torch.as_tensor(number)`` of a symbolic number becomes ``torch.scalar_tensor`` with
-  the dtype ``as_tensor`` would give it.
+  the dtype ``as_tensor`` would give it;
+* BatchNorm with ``momentum=None`` (a cumulative average of the batch statistics,
+  weighted ``1 / float(num_batches_tracked)`` in Python) computes that weight as a tensor
+  and updates its running statistics with the same formula its kernel uses.
 
 Each is the same arithmetic as on one device (Python floats in float64), only deferred
 to when the step runs. Add a module to :data:`SYM_BUILTIN_MODULES` when another
@@ -27,6 +30,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch.nn.modules.batchnorm import _BatchNorm
 
 __all__ = ["SYM_BUILTIN_MODULES", "traceable_scalars"]
 
@@ -66,9 +71,31 @@ def _sym_as_tensor(data: Any, dtype: torch.dtype | None = None, device: Any = No
     return _as_tensor(data, dtype=dtype, device=device)
 
 
+_bn_forward = _BatchNorm.forward
+
+
+def _cumulative_bn_forward(self: _BatchNorm, input: torch.Tensor) -> torch.Tensor:
+    """``_BatchNorm.forward`` for ``momentum=None`` in training: the batch statistics come
+    from ``F.batch_norm`` with momentum 1 on copies of the running buffers, then
+    ``running = f * batch + (1 - f) * running`` with ``f = 1 / num_batches_tracked``, the
+    kernel's own update, in the buffers' dtype."""
+    if self.momentum is not None or not self.training or not self.track_running_stats or self.num_batches_tracked is None:
+        return _bn_forward(self, input)
+    self._check_input_dim(input)
+    self.num_batches_tracked.add_(1)
+    batch_mean, batch_var = self.running_mean.clone(), self.running_var.clone()
+    out = F.batch_norm(input, batch_mean, batch_var, self.weight, self.bias, True, 1.0, self.eps)
+    with torch.no_grad():
+        f = 1.0 / self.num_batches_tracked.to(torch.float64)  # Python's 1.0 / float(n)
+        for running, batch in ((self.running_mean, batch_mean), (self.running_var, batch_var)):
+            running.copy_(batch * f.to(running.dtype) + running * (1 - f).to(running.dtype))
+    return out
+
+
 @contextlib.contextmanager
 def traceable_scalars() -> Iterator[None]:
-    """Install the symbolic ``max`` / ``min`` / ``torch.as_tensor`` for the trace."""
+    """Install the symbolic ``max`` / ``min`` / ``torch.as_tensor`` and the BatchNorm
+    cumulative average for the trace."""
     saved: list[tuple[Any, str, Any]] = []
     try:
         for name in SYM_BUILTIN_MODULES:
@@ -81,6 +108,8 @@ def traceable_scalars() -> Iterator[None]:
                 setattr(module, attr, fn)
         saved.append((torch, "as_tensor", torch.as_tensor))
         torch.as_tensor = _sym_as_tensor
+        saved.append((_BatchNorm, "forward", _BatchNorm.__dict__["forward"]))
+        _BatchNorm.forward = _cumulative_bn_forward
         yield
     finally:
         for module, attr, old in reversed(saved):
