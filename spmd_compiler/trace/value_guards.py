@@ -74,12 +74,19 @@ def host_scalar_values(mode: Any, optimizer: Any, enabled: bool = True) -> Itera
 
     pre = optimizer.register_step_pre_hook(on)
     post = optimizer.register_step_post_hook(off)
+    torch_log = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    torch_log.addFilter(_quiet)  # torch warns at every branch it takes on a real value
     try:
         yield
     finally:
+        torch_log.removeFilter(_quiet)
         pre.remove()
         post.remove()
         off()
+
+
+def _quiet(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith(_MARK)
 
 
 @dataclass(frozen=True, eq=False)
@@ -120,24 +127,25 @@ def value_guards_of(gm: fx.GraphModule, shape_env: Any, inputs: Sequence[Any]) -
     """The branches the trace took on real host-scalar values (torch records each as a
     deferred runtime assert labelled ``propagate_real_tensors``); ``inputs`` are the
     GraphInputs of ``gm``'s placeholders, in order."""
-    if not any(ra.msg.startswith(_MARK) for asserts in shape_env.deferred_runtime_asserts.values() for ra in asserts):
+    if not shape_env.real_tensor_prop_unbacked_vals:
         return []
     labels = dict(zip((n for n in gm.graph.nodes if n.op == "placeholder"), inputs))
     readers: dict[sympy.Symbol, fx.Node] = {}
     for node in gm.graph.nodes:
         val = node.meta.get("val")
         if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-            expr = val.node.expr
+            expr = getattr(val.node, "_expr", val.node.expr)  # as read, before replacements
             if isinstance(expr, sympy.Symbol) and expr not in readers:
                 readers[expr] = node
+    conditions = [(ra.expr, ra.stack) for asserts in shape_env.deferred_runtime_asserts.values() for ra in asserts if ra.msg.startswith(_MARK)]
+    # a branch on ``x == c`` may leave no assert but a replacement of x by c
+    known = shape_env.real_tensor_prop_unbacked_vals
+    conditions += [(sympy.Eq(s, r), None) for s, r in shape_env.replacements.items() if s in known and r.is_number and s in readers]
     guards: dict[str, ValueGuard] = {}
-    for asserts in shape_env.deferred_runtime_asserts.values():
-        for ra in asserts:
-            if not ra.msg.startswith(_MARK):
-                continue
-            guard = _guard(ra.expr, readers, labels, ra.stack)
-            if guard is not None:
-                guards.setdefault(guard.key, guard)
+    for expr, stack in conditions:
+        guard = _guard(expr, readers, labels, stack)
+        if guard is not None:
+            guards.setdefault(guard.key, guard)
     return list(guards.values())
 
 
@@ -161,6 +169,9 @@ def _guard(expr: Any, readers: dict[sympy.Symbol, fx.Node], labels: dict[fx.Node
     order = [n for n in outs[0].graph.nodes if n in needed]
     for i, n in enumerate(order):
         if n.op == "placeholder":
+            if labels[n].kind not in ("hparam", "optim"):  # not a host scalar: not ours to re-check
+                log.debug("value guard %s reads %s; not re-checked", expr, labels[n].label)
+                return None
             env[n] = graph.placeholder(f"n{i}")
             inputs.append(labels[n])
             parts.append(f"n{i}={labels[n].label}")

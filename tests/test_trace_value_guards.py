@@ -1,0 +1,129 @@
+"""Optimizers that branch on their own numbers (trace/value_guards.py) and use Python
+builtins on numbers read from tensors (trace/rewrites.py) train as on one device:
+RAdam's ``if rho_t > 5``, ASGD's ``if mu.item() != 1``, Adafactor's ``max(eps2,
+param.norm().item() / n)``; BatchNorm(momentum=None)'s ``1 / float(num_batches_tracked)``."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import Shard
+
+import spmd_compiler as sc
+from spmd_compiler.testing import assert_distributed, assert_training_matches, fake_mesh
+from spmd_compiler.testing.models import MLP, gpt_fsdp_plan, megatron_mlp_plan, mse_train_step
+
+PLANS = {
+    "dp": (lambda: sc.Plan(), ["batch[0]"]),
+    "fsdp": (lambda: gpt_fsdp_plan(), ["batch[0]", "l1.weight", "l2.weight"]),
+    "tp": (lambda: megatron_mlp_plan(), ["l1.weight", "l2.weight"]),
+}
+OPTIMIZERS = {
+    "radam": lambda p: torch.optim.RAdam(p, lr=0.01, weight_decay=0.1),
+    "asgd": lambda p: torch.optim.ASGD(p, lr=0.01, t0=2),  # its average starts at step 3: mu != 1 flips
+    "adafactor": lambda p: torch.optim.Adafactor(p, lr=0.01),
+}
+
+
+def _batches(n, rows=4):
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(rows, 16, generator=g, dtype=torch.float64), torch.randn(rows, 16, generator=g, dtype=torch.float64)) for _ in range(n)]
+
+
+def _train(opt_name, plan_name, steps, model=None):
+    """Train on 2 simulated ranks and on one device; parameters, losses (checked by
+    assert_training_matches) and the optimizer state (ASGD's average ``ax``, RAdam's
+    moments) must agree."""
+    make_plan, sharded = PLANS[plan_name]
+    model = model or MLP().double()
+    ref = copy.deepcopy(model)
+    try:
+        res = assert_training_matches(mse_train_step, model, OPTIMIZERS[opt_name], _batches(steps),
+                                      fake_mesh((2,), ("dp",)), make_plan())
+    finally:
+        dist.destroy_process_group()
+    assert_distributed(res, sharded=sharded)
+    ref_opt = OPTIMIZERS[opt_name](ref.parameters())
+    for batch in _batches(steps):
+        mse_train_step(ref, ref_opt, *batch)
+    got, want = res.sim.optimizer.state_dict()["state"], ref_opt.state_dict()["state"]
+    assert got.keys() == want.keys()
+    for i in want:
+        assert got[i].keys() == want[i].keys()
+        for k in want[i]:
+            torch.testing.assert_close(got[i][k], want[i][k], atol=1e-9, rtol=1e-7, msg=lambda m, i=i, k=k: f"state[{i}][{k!r}]: {m}")
+    return res
+
+
+@pytest.mark.parametrize("opt_name,plan_name", [("radam", "dp"), ("radam", "fsdp"), ("asgd", "tp"), ("adafactor", "dp"), ("adafactor", "fsdp"), ("adafactor", "tp")])
+def test_optimizers_with_data_dependent_code_train_as_on_one_device(opt_name, plan_name):
+    res = _train(opt_name, plan_name, steps=3)
+    assert res.sim.compiles <= 2  # the first step creates the state; nothing else recompiles
+
+
+def test_radam_recompiles_once_when_its_rectification_starts():
+    """RAdam's ``rho_t > 5`` is False for the first five steps and True from the sixth: one
+    program each, both equal to one device."""
+    res = _train("radam", "dp", steps=8)
+    assert res.sim.compiles == 3, res.sim.reasons
+    assert "branch" in res.sim.reasons[-1]
+    guards = res.sim.traced.value_guards
+    assert len(guards) == 4 and all("['step']" in g.key for g in guards)  # one per parameter, on its step count
+
+
+def test_asgd_recompiles_once_when_averaging_starts():
+    res = _train("asgd", "tp", steps=5)
+    assert res.sim.compiles == 3, res.sim.reasons  # first step, state created, mu != 1 from step 4
+
+
+def test_optimizer_state_after_compiled_steps_loads_into_eager_optimizer():
+    model = MLP().double()
+    ref = copy.deepcopy(model)
+    res = _train("radam", "fsdp", steps=3, model=copy.deepcopy(model))
+    trained, opt = res.sim.model, res.sim.optimizer
+    eager = copy.deepcopy(trained)
+    eager_opt = torch.optim.RAdam(eager.parameters(), lr=0.01, weight_decay=0.1)
+    eager_opt.load_state_dict(opt.state_dict())
+    ref_opt = torch.optim.RAdam(ref.parameters(), lr=0.01, weight_decay=0.1)
+    for x, y in _batches(4):  # the reference runs all four steps eagerly, the copy the last one
+        mse_train_step(ref, ref_opt, x, y)
+    mse_train_step(eager, eager_opt, *_batches(4)[3])
+    assert eager_opt.state_dict()["state"][0]["step"].item() == 4.0
+    for p, q in zip(eager.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-9, rtol=1e-7)
+
+
+class _Norm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1 = nn.Linear(16, 16)
+        self.bn = nn.BatchNorm1d(16, momentum=None)  # cumulative average of the batch statistics
+        self.l2 = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.l2(self.bn(self.l1(x)))
+
+
+BN_PLANS = {
+    "dp": PLANS["dp"],
+    "fsdp": (lambda: sc.Plan(params={"l*.weight": [Shard(0)]}, default_input=[Shard(0)], fsdp_axes=(0,)),
+             ["batch[0]", "l1.weight", "l2.weight"]),
+}
+
+
+@pytest.mark.parametrize("plan_name", ["dp", "fsdp"])
+def test_batchnorm_cumulative_average_trains_as_on_one_device(plan_name):
+    model = _Norm().double()
+    make_plan, sharded = BN_PLANS[plan_name]
+    try:
+        res = assert_training_matches(mse_train_step, model, lambda p: torch.optim.SGD(p, lr=0.1), _batches(3, rows=8),
+                                      fake_mesh((2,), ("dp",)), make_plan())
+    finally:
+        dist.destroy_process_group()
+    assert_distributed(res, sharded=sharded)
+    assert res.sim.compiles == 1  # num_batches_tracked is an input, not a constant of the program
+    assert res.sim.model.bn.num_batches_tracked.item() == 3
