@@ -29,11 +29,14 @@ def test_first_step_creates_optimizer_state(make_opt):
     opt = make_opt(model.parameters())
     before = copy.deepcopy(model.state_dict())
     traced = sc.trace(step, model, opt, torch.randn(8, 16))
-    assert [i.kind for i in traced.inputs] == ["param"] * 4 + ["hparam", "batch"]
+    # lr and momentum / betas (what schedulers change) are inputs
+    assert [i.kind for i in traced.inputs] == ["param"] * 4 + ["hparam", "hparam", "batch"]
     assert [i.name for i in traced.inputs if i.kind == "param"] == ["l1.weight", "l1.bias", "l2.weight", "l2.bias"]
     # the learning rate is read at run time (LR schedulers), as a 0-d float64 input
     lr = next(i for i in traced.inputs if i.kind == "hparam")
     assert (lr.label, lr.shape, lr.dtype) == ("param_groups[0]['lr']", (), torch.float64)
+    cycled = [i for i in traced.inputs if i.kind == "hparam"][1]
+    assert (cycled.key, cycled.shape) in {("momentum", ()), ("betas", (2,))}
     reads = [n for n in traced.gm.graph.nodes if n.target is torch.ops.aten._local_scalar_dense.default
              and n.args[0].name == "h_param_groups_0___lr"]
     assert len(reads) == 1 and reads[0].meta["spmd_phase"] == "optimizer"

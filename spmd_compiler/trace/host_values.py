@@ -80,9 +80,12 @@ class HparamValue:
 
     group: int
     key: str
+    index: int | None = None  # an element of a pair (``betas[0]``)
 
     def resolve(self, optimizer: Any) -> Any:
         value = optimizer.param_groups[self.group][self.key]
+        if self.index is not None:
+            value = value[self.index]
         return value.item() if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.requires_grad else value
 
 

@@ -6,10 +6,11 @@ and buffers, and the optimizer's per-parameter state (``exp_avg``, ``momentum_bu
 tensor for the duration of the call, keyed by fully-qualified name (FQN), and restore
 the originals afterwards.
 
-Optimizer hyperparameters that schedulers change every step (``lr``, see
-:data:`LIFTED_HPARAMS`) are inputs too: each param group's value is fed as a 0-d
-tensor and read with ``.item()`` inside the step, so the compiled program uses the
-current value. The others are part of the compiled step's cache key.
+Optimizer hyperparameters that schedulers change every step (``lr``, ``momentum``,
+``betas``, see :data:`LIFTED_HPARAMS`) are inputs too: each param group's value is fed as
+a float64 tensor and read with ``.item()`` inside the step, so the compiled program uses
+the current value; a branch of the optimizer on one (``if momentum != 0``) is a value
+guard (trace/value_guards.py). The others are part of the compiled step's cache key.
 """
 
 from __future__ import annotations
@@ -25,10 +26,28 @@ import torch
 
 from .. import _private_torch as pt
 
-__all__ = ["ModelState", "StateCache", "collect_state", "swapped_state", "input_value", "LIFTED_HPARAMS"]
+__all__ = ["ModelState", "StateCache", "collect_state", "swapped_state", "input_value", "hparam_tensor", "is_lifted", "LIFTED_HPARAMS"]
 
-# per-group optimizer settings fed to the compiled step at every call (schedulers change them)
-LIFTED_HPARAMS = ("lr",)
+# per-group optimizer settings fed to the compiled step at every call (schedulers change
+# them: OneCycleLR cycles ``momentum`` / ``betas[0]`` along with ``lr``)
+LIFTED_HPARAMS = ("lr", "momentum", "betas")
+
+
+def is_lifted(key: str, value: Any, group: dict[str, Any]) -> bool:
+    """Whether param group setting ``key`` (= ``value``) is a graph input: a number, a 0-d
+    tensor or (``betas``) a pair of numbers. A fused optimizer's kernel takes ``momentum``
+    and ``betas`` as Python numbers, so for it they stay fixed (part of the cache key)."""
+    if key not in LIFTED_HPARAMS:
+        return False
+    if key != "lr" and group.get("fused"):
+        return False
+    if key == "betas":
+        return isinstance(value, (tuple, list)) and len(value) == 2 and all(_is_number(v) for v in value)
+    return _is_number(value) or isinstance(value, torch.Tensor) and value.dim() == 0
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 @dataclass
@@ -53,10 +72,7 @@ class ModelState:
 
     def lifted_hparams(self) -> list[tuple[int, str]]:
         """``(group index, key)`` of the hyperparameters fed as inputs (numbers or 0-d tensors)."""
-        return [
-            (g, k) for (g, k), v in self.hparams.items()
-            if k in LIFTED_HPARAMS and (isinstance(v, (int, float)) and not isinstance(v, bool) or isinstance(v, torch.Tensor) and v.dim() == 0)
-        ]
+        return [(g, k) for (g, k), v in self.hparams.items() if is_lifted(k, v, {"fused": self.hparams.get((g, "fused"))})]
 
     def signature(self) -> tuple:
         """What a compiled step depends on besides the batch: optimizer state structure,
@@ -96,9 +112,18 @@ def input_value(inp: Any, state: ModelState, batch_leaves: list[Any]) -> torch.T
     if kind == "optim":
         return state.optim[(inp.name, inp.key)]
     if kind == "hparam":
-        v = state.hparams[(int(inp.name[len("param_groups[") : -1]), inp.key)]
-        return v if isinstance(v, torch.Tensor) else torch.tensor(float(v), dtype=torch.float64)
+        return hparam_tensor(state.hparams[(int(inp.name[len("param_groups[") : -1]), inp.key)])
     return batch_leaves[inp.index]
+
+
+def hparam_tensor(value: Any) -> torch.Tensor:
+    """A lifted setting as the graph input that carries it: a 0-d float64 tensor (a pair
+    such as ``betas``: a 1-d one of two)."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (tuple, list)):
+        return torch.tensor([float(v) for v in value], dtype=torch.float64)
+    return torch.tensor(float(value), dtype=torch.float64)
 
 
 def collect_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> ModelState:
@@ -154,7 +179,7 @@ def _fingerprint(modules: list[torch.nn.Module], optimizer: Any) -> tuple:
         return mods, None
     groups = tuple(
         (tuple(map(id, g["params"])),
-         tuple((k, id(v) if isinstance(v, torch.Tensor) else v) for k, v in g.items() if k != "params" and k not in LIFTED_HPARAMS))
+         tuple((k, id(v) if isinstance(v, torch.Tensor) else v) for k, v in g.items() if k != "params" and not is_lifted(k, v, g)))
         for g in optimizer.param_groups
     )
     state = tuple((id(p), tuple(st), tuple(map(id, st.values()))) for p, st in optimizer.state.items())

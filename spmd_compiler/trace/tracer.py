@@ -27,7 +27,7 @@ from .decompositions import decomposition_table
 from .host_values import HostSnapshot, HparamValue, as_data_dependent_error, check_data_dependent_shapes
 from .markers import phase_markers, split_point_hooks, tag_phases
 from .rewrites import traceable_scalars
-from .state import ModelState, collect_state, swapped_state
+from .state import ModelState, collect_state, hparam_tensor, swapped_state
 from .value_guards import ValueGuard, attach_values, host_scalar_values, value_guards_of
 
 __all__ = ["GraphInput", "GraphOutput", "TracedStep", "trace", "CONSTANT_LEAF_TYPES"]
@@ -214,8 +214,7 @@ def trace(
         add("optim", n, state.optim[(n, k)], key=k)
     lifted = state.lifted_hparams()
     for g, k in lifted:
-        v = state.hparams[(g, k)]
-        add("hparam", f"param_groups[{g}]", v if isinstance(v, torch.Tensor) else torch.tensor(float(v), dtype=torch.float64), key=k)
+        add("hparam", f"param_groups[{g}]", hparam_tensor(state.hparams[(g, k)]), key=k)
     batch_constants: dict[int, Any] = {}
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor):
@@ -265,7 +264,9 @@ def trace(
         # numbers are read out with .item() when the optimizer step starts: its
         # arithmetic stays scalar, and the read belongs to the optimizer phase
         hparams = {
-            key: (lambda t=t: t) if isinstance(state.hparams[key], torch.Tensor) or key[0] in fused_groups else (lambda t=t: t.item())
+            key: (lambda t=t: t) if isinstance(state.hparams[key], torch.Tensor) or key[0] in fused_groups
+            else (lambda t=t: tuple(t[i].item() for i in range(t.shape[0]))) if t.dim() == 1  # betas
+            else (lambda t=t: t.item())
             for key, t in zip(lifted, flat[start : start + n_hparams])
         }
         hparams = {key: _recording(key, make, read_values) for key, make in hparams.items()}
@@ -383,10 +384,15 @@ def _hparam_leaf(leaf: Any, read: dict[tuple[int, str], Any], hparams: dict[tupl
     for key, value in read.items():
         if leaf is value:
             return HparamValue(*key)
+        if isinstance(value, tuple) and any(leaf is v for v in value):  # betas[i]
+            return HparamValue(*key, index=next(i for i, v in enumerate(value) if leaf is v))
     if isinstance(leaf, (int, float)) and not isinstance(leaf, bool):
         for key in read:
-            if leaf is hparams.get(key):
+            before = hparams.get(key)
+            if leaf is before:
                 return HparamValue(*key)
+            if isinstance(before, (tuple, list)) and any(leaf is v for v in before):
+                return HparamValue(*key, index=next(i for i, v in enumerate(before) if leaf is v))
     return leaf
 
 
