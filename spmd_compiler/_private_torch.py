@@ -478,6 +478,16 @@ def default_store() -> Any:
 __all__ += ["set_group_timeout", "default_store"]
 
 
+def branch_atom(expr: Any) -> Any:
+    """One form for a branch condition and its negation (``x > 5`` and ``x <= 5`` give the
+    same), in torch's canonical form for symbolic conditions."""
+    import sympy
+    from torch.fx.experimental.symbolic_shapes import canonicalize_bool_expr
+
+    forms = [canonicalize_bool_expr(e) for e in (expr, sympy.Not(expr))]
+    return min(forms, key=str)
+
+
 def data_dependent_exceptions() -> tuple[type[BaseException], ...]:
     """What fake tracing raises when the step's Python code or an op's output shape
     depends on tensor values (a branch on a tensor, a boolean-mask index)."""

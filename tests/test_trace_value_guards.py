@@ -14,7 +14,7 @@ import torch.nn as nn
 from torch.distributed.tensor import Shard
 
 import spmd_compiler as sc
-from spmd_compiler.testing import assert_distributed, assert_training_matches, fake_mesh
+from spmd_compiler.testing import SimulatedTraining, assert_distributed, assert_training_matches, fake_mesh
 from spmd_compiler.testing.models import MLP, gpt_fsdp_plan, megatron_mlp_plan, mse_train_step
 
 PLANS = {
@@ -127,3 +127,77 @@ def test_batchnorm_cumulative_average_trains_as_on_one_device(plan_name):
     assert_distributed(res, sharded=sharded)
     assert res.sim.compiles == 1  # num_batches_tracked is an input, not a constant of the program
     assert res.sim.model.bn.num_batches_tracked.item() == 3
+
+
+# ------------------------------------------------- hyperparameters schedulers change
+def metrics_step(model, optimizer, x, y):
+    loss = mse_train_step(model, optimizer, x, y)
+    group = optimizer.param_groups[0]
+    return {"loss": loss, "lr": group["lr"], "beta1": group["betas"][0]} if "betas" in group else \
+        {"loss": loss, "lr": group["lr"], "momentum": group["momentum"]}
+
+
+@pytest.mark.parametrize("make_opt", [
+    lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True),
+    lambda p: torch.optim.AdamW(p, lr=0.01),
+], ids=["sgd", "adamw"])
+def test_onecycle_momentum_cycling_compiles_twice_and_trains_as_on_one_device(make_opt):
+    """OneCycleLR changes lr and momentum / betas[0] every step: they are inputs, so the
+    step compiles for the first call and once more when the state exists; the returned
+    values are the current ones, as on one device."""
+    model = MLP().double()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = make_opt(model.parameters()), make_opt(ref.parameters())
+    scheds = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.1, total_steps=20) for o in (opt, ref_opt)]
+    try:
+        sim = SimulatedTraining(metrics_step, model, opt, fake_mesh((2,), ("dp",)))
+        for x, y in _batches(10):
+            out, want = sim.step(x, y), metrics_step(ref, ref_opt, x, y)
+            for s in scheds:
+                s.step()
+            torch.testing.assert_close(out.pop("loss"), want.pop("loss").detach(), atol=1e-9, rtol=1e-7)
+            assert out == want and type(next(iter(out.values()))) is float
+    finally:
+        dist.destroy_process_group()
+    assert sim.compiles == 2, sim.reasons
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-9, rtol=1e-7)
+
+
+def test_momentum_switched_off_recompiles_once():
+    """``if momentum != 0`` in SGD is a value guard: setting momentum to 0 takes the other
+    branch (a recompile), values that keep it nonzero / zero do not."""
+    model = MLP().double()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    try:
+        sim = SimulatedTraining(mse_train_step, model, opt, fake_mesh((2,), ("dp",)))
+        for i, (x, y) in enumerate(_batches(6)):
+            for o in (opt, ref_opt):
+                o.param_groups[0]["momentum"] = [0.9, 0.8, 0.0, 0.0, 0.5, 0.6][i]
+            torch.testing.assert_close(sim.step(x, y), mse_train_step(ref, ref_opt, x, y).detach(), atol=1e-9, rtol=1e-7)
+    finally:
+        dist.destroy_process_group()
+    # first call, momentum buffers created, momentum 0 (other branch), nonzero again (the
+    # simulation keeps one program; compile() would find it in its cache)
+    assert sim.compiles == 4, sim.reasons
+    assert "branch" in sim.reasons[2] and "branch" in sim.reasons[3]
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-9, rtol=1e-7)
+
+
+def test_compile_keeps_one_program_per_branch(mesh4):
+    """Through compile(): the outcome of ``momentum != 0`` is part of the call signature,
+    known from the first compile on (no extra compile to learn it), and each branch's
+    program is cached."""
+    step = sc.compile(mse_train_step, mesh=mesh4)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    compiles = []
+    for momentum in (0.9, 0.8, 0.0, 0.7, 0.0, 0.6):
+        opt.param_groups[0]["momentum"] = momentum
+        step(model, opt, torch.randn(4, 16), torch.randn(4, 16))
+        compiles.append(step.compiles)
+    # first call; momentum buffers created; momentum 0: the other branch; then both cached
+    assert compiles == [1, 2, 3, 3, 3, 3]

@@ -28,7 +28,7 @@ from .host_values import HostSnapshot, HparamValue, as_data_dependent_error, che
 from .markers import phase_markers, split_point_hooks, tag_phases
 from .rewrites import traceable_scalars
 from .state import ModelState, collect_state, hparam_tensor, swapped_state
-from .value_guards import ValueGuard, attach_values, host_scalar_values, value_guards_of
+from .value_guards import ValueGuard, attach_values, host_scalar_values, is_host_scalar_input, value_guards_of
 
 __all__ = ["GraphInput", "GraphOutput", "TracedStep", "trace", "CONSTANT_LEAF_TYPES"]
 
@@ -239,7 +239,7 @@ def trace(
     # through optimizer.step(), so its branches on them are taken (trace/value_guards.py)
     scalars = {
         i: (t if inp.kind == "hparam" else pt.local_tensor(state.optim[(inp.name, inp.key)])).detach().clone()
-        for i, (inp, t) in enumerate(zip(inputs, real)) if inp.kind in ("hparam", "optim") and t.dim() == 0
+        for i, (inp, t) in enumerate(zip(inputs, real)) if is_host_scalar_input(inp)
     }
     n_params, n_buffers = len(state.params), len(state.buffers)
     n_optim, n_hparams = len(optim_tensor_keys), len(lifted)

@@ -44,10 +44,10 @@ log = logging.getLogger(__name__)
 _MARK = "propagate_real_tensors"  # how torch labels a branch decided on real values
 
 
-def is_host_scalar_input(inp: Any, value: torch.Tensor) -> bool:
-    """Inputs whose real values are known while tracing: lifted hyperparameters and
-    0-d optimizer state (step counters and the like)."""
-    return inp.kind == "hparam" or (inp.kind == "optim" and value.dim() == 0)
+def is_host_scalar_input(inp: Any) -> bool:
+    """Inputs (GraphInput) whose real values are known while tracing: lifted
+    hyperparameters and 0-d optimizer state (step counters and the like)."""
+    return inp.kind == "hparam" or (inp.kind == "optim" and tuple(inp.shape) == ())
 
 
 def attach_values(fakes: Sequence[Any], values: dict[int, torch.Tensor]) -> None:
@@ -92,7 +92,8 @@ def _quiet(record: logging.LogRecord) -> bool:
 @dataclass(frozen=True, eq=False)
 class ValueGuard:
     """A branch the traced optimizer took on host scalars: ``condition`` (over the
-    numbers ``program`` computes from ``inputs``) held when the step was traced.
+    numbers ``program`` computes from ``inputs``; the branch or its negation, one form
+    for both) decides which way it goes.
 
     ``key`` identifies the branch across traces; ``source`` is the user's line (or the
     optimizer's) that branched, for logs and recompile reasons.
@@ -106,7 +107,7 @@ class ValueGuard:
     source: str
 
     def holds(self, state: Any) -> bool:
-        """Whether the branch goes the same way for the values in ``state`` (a ModelState)."""
+        """``condition`` for the values in ``state`` (a ModelState): which way the branch goes."""
         from .state import input_value
 
         args = [pt.local_tensor(input_value(inp, state, [])).detach().clone() for inp in self.inputs]
@@ -169,7 +170,7 @@ def _guard(expr: Any, readers: dict[sympy.Symbol, fx.Node], labels: dict[fx.Node
     order = [n for n in outs[0].graph.nodes if n in needed]
     for i, n in enumerate(order):
         if n.op == "placeholder":
-            if labels[n].kind not in ("hparam", "optim"):  # not a host scalar: not ours to re-check
+            if not is_host_scalar_input(labels[n]):  # not ours to re-check
                 log.debug("value guard %s reads %s; not re-checked", expr, labels[n].label)
                 return None
             env[n] = graph.placeholder(f"n{i}")
@@ -182,9 +183,10 @@ def _guard(expr: Any, readers: dict[sympy.Symbol, fx.Node], labels: dict[fx.Node
             args = ",".join(f"n{order.index(a)}" if isinstance(a, fx.Node) else repr(a) for a in flat)
             parts.append(f"n{i}={n.target}({args})")
     graph.output(tuple(env[o] for o in outs))
-    renamed = expr.xreplace({s: sympy.Symbol(f"v{order.index(readers[s])}") for s in symbols})
+    atom = pt.branch_atom(expr)  # a branch and its other side are one guard
+    renamed = atom.xreplace({s: sympy.Symbol(f"v{order.index(readers[s])}") for s in symbols})
     key = f"{renamed} where " + "; ".join(parts)
-    return ValueGuard(key, tuple(inputs), fx.GraphModule(torch.nn.Module(), graph), symbols, expr, _frame(stack))
+    return ValueGuard(key, tuple(inputs), fx.GraphModule(torch.nn.Module(), graph), symbols, atom, _frame(stack))
 
 
 def _frame(stack: Any) -> str:
