@@ -91,6 +91,48 @@ def test_boolean_mask_loss_is_one_clear_error(dp2):
         assert "DynamicOutputShapeException" not in msg
 
 
+def _loss_step(loss_of):
+    def step(model, optimizer, x, y):
+        loss = loss_of(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    return step
+
+
+def nonzero_loss(out, y):
+    return out[torch.nonzero(y > 0, as_tuple=True)].sum()
+
+
+def unique_loss(out, y):
+    return (out * torch.unique(y.round()).sum()).sum()
+
+
+def masked_select_loss(out, y):
+    return torch.masked_select(out, y > 0).sum()
+
+
+def item_size_loss(out, y):
+    return out.sum() + torch.zeros(int((y > 0).sum().item())).sum()
+
+
+@pytest.mark.parametrize("loss_of,op,fix", [
+    (nonzero_loss, "aten.nonzero", "ignore_index"),
+    (unique_loss, "aten._unique2", "keep shapes fixed"),
+    (masked_select_loss, "aten.masked_select", "torch.where(mask, x, 0)"),
+    (item_size_loss, "aten._local_scalar_dense", "sizes may come from tensor shapes"),
+])
+def test_data_dependent_shapes_are_one_clear_error(loss_of, op, fix):
+    m = MLP()
+    with pytest.raises(sc.DataDependentError) as info:
+        sc.trace(_loss_step(loss_of), m, torch.optim.SGD(m.parameters(), lr=0.1), torch.randn(4, 16), torch.randn(4, 16))
+    msg = str(info.value)
+    assert op in msg and fix in msg and "fix:" in msg
+    assert "user code:" in msg  # the line that computes the loss
+
+
 def test_suggested_mask_fix_matches_one_device(dp2):
     assert_training_matches(weighted_mask_step, MLP().double(), _sgd, _batches(3), dp2)
 
@@ -153,14 +195,6 @@ def lr_step(model, optimizer, x, y):
     return {"loss": loss, "lr": optimizer.param_groups[0]["lr"], "lr_before": before, "steps": 1}
 
 
-def scaled_lr_step(model, optimizer, x, y):
-    loss = F.mse_loss(model(x), y)
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return {"loss": loss, "lr": optimizer.param_groups[0]["lr"] * 2}
-
-
 def test_returned_lr_follows_scheduler_like_one_device(dp2):
     model = MLP().double()
     ref = copy.deepcopy(model)
@@ -195,7 +229,27 @@ def test_returned_lr_through_compile(mesh4):
     assert step.compiles == 1
 
 
-def test_number_computed_from_lr_is_refused_with_a_fix():
-    model = MLP()
-    with pytest.raises(TypeError, match=r"(?s)computed from tensor sizes or values.*lr \* 2.*fix:"):
-        sc.trace(scaled_lr_step, model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(4, 16), torch.randn(4, 16))
+def number_step(model, optimizer, x, y):
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return {"loss": loss.item(), "rows": x.size(0), "lr2": optimizer.param_groups[0]["lr"] * 2}
+
+
+def test_numbers_computed_in_the_step_come_back_as_numbers(dp2):
+    """``loss.item()``, ``x.size(0)`` and ``lr * 2`` returned by the step are graph outputs
+    handed back as Python numbers after each call, equal to one device."""
+    model = MLP().double()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = _sgd(model.parameters()), _sgd(ref.parameters())
+    scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in (opt, ref_opt)]
+    sim = SimulatedTraining(number_step, model, opt, dp2)
+    for x, y in _batches(3):
+        out, want = sim.step(x, y), number_step(ref, ref_opt, x, y)
+        for s in scheds:
+            s.step()
+        assert [type(out[k]) for k in ("loss", "rows", "lr2")] == [float, int, float]
+        assert out["rows"] == 4 and out["lr2"] == want["lr2"]  # the global batch size, the current lr
+        assert out["loss"] == pytest.approx(want["loss"], rel=1e-12)
+    assert sim.compiles == 1

@@ -16,6 +16,7 @@ from typing import Any
 
 from torch.utils import _pytree as pytree
 
+from .. import _private_torch as pt
 from ..trace.host_values import resolve_constant
 from ..trace.state import input_value
 
@@ -52,6 +53,8 @@ def store_outputs(
     for slot, value in zip(step.outputs, values):
         if slot.kind == "user":
             user[slot.index] = wrap(slot, value)
+            if slot.index in traced.host_numbers:  # loss.item() returned by the step: a number again
+                user[slot.index] = traced.host_numbers[slot.index](pt.local_tensor(user[slot.index]).item())
         elif slot.name in state.params:
             optimizer.state[state.params[slot.name]][slot.key] = wrap(slot, value)
         elif missing is not None:

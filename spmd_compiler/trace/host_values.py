@@ -37,6 +37,7 @@ _BRANCH_FIX = (
     "instead of `if` on a tensor; read .item() / float() / bool() only outside the step, on "
     "what the compiled step returns."
 )
+_READ = "aten._local_scalar_dense: .item() / float() / int() / bool() / .tolist(); u0, zuf0... name such numbers"
 _SHAPE_FIX = (
     "keep shapes fixed: instead of a boolean-mask index x[mask] (or nonzero / masked_select), "
     "use ignore_index (F.cross_entropy(..., ignore_index=-100)), per-element weights "
@@ -51,10 +52,18 @@ def as_data_dependent_error(exc: BaseException) -> DataDependentError:
     func = getattr(exc, "func", None)
     if func is not None:  # DynamicOutputShapeException / DataDependentOutputException
         return DataDependentError(f"{func} has an output shape (or value) that depends on tensor values", source, _SHAPE_FIX)
-    expr = str(exc).split("(unhinted")[0].strip().split("\n")[0]
+    text = str(exc).split("(unhinted")[0].strip().split("\n")[0]
+    if "specialized" in text:  # int(x.item()) as a size, range(), an index
+        expr = text.split("expression")[-1].strip()
+        what = (
+            f"a number read from a tensor ({_READ}) is used where a plain Python number is needed "
+            f"(a size, range() or an index), so its value `{expr}` would be fixed in the compiled step"
+        )
+        return DataDependentError(what, source, _SHAPE_FIX)
+    expr = text.removeprefix("Could not guard on data-dependent expression ")
     what = (
-        "a Python bool/int/float was read from a tensor's value "
-        f"({expr.removeprefix('Could not guard on data-dependent expression ')}) to decide what the step does"
+        f"Python control flow on a tensor's value: `if` / bool() / a comparison needs `{expr}`, "
+        f"a number read from a tensor ({_READ}), to decide what the step does"
     )
     return DataDependentError(what, source, _BRANCH_FIX)
 

@@ -35,6 +35,10 @@ __all__ = ["GraphInput", "GraphOutput", "TracedStep", "trace", "CONSTANT_LEAF_TY
 log = logging.getLogger(__name__)
 
 CONSTANT_LEAF_TYPES = (bool, int, float, str, type(None), torch.dtype, torch.device)
+SYM_TYPES = (torch.SymInt, torch.SymFloat, torch.SymBool)
+# a returned number computed in the step (loss.item()) travels as a 0-d tensor output
+_NUMBER_DTYPES = {torch.SymFloat: torch.float64, torch.SymInt: torch.int64, torch.SymBool: torch.bool}
+_NUMBER_TYPES = {torch.SymFloat: float, torch.SymInt: int, torch.SymBool: bool}
 
 _DROP_TARGETS = {
     torch.ops.profiler._record_function_enter_new.default,
@@ -107,6 +111,7 @@ class TracedStep:
     trace_seconds: float = 0.0
     model: Any = None
     value_guards: list[ValueGuard] = field(default_factory=list)  # optimizer branches on host scalars
+    host_numbers: dict[int, type] = field(default_factory=dict)  # user leaves returned as Python numbers
 
     def placeholders(self) -> list[fx.Node]:
         return [n for n in self.gm.graph.nodes if n.op == "placeholder"]
@@ -286,12 +291,18 @@ def trace(
         outs: list[Any] = []
         descr: list[GraphOutput] = []
         constants: dict[int, Any] = {}
+        numbers: dict[int, type] = {}
         for i, leaf in enumerate(user_leaves):
             if isinstance(leaf, torch.Tensor):
                 outs.append(leaf)
                 descr.append(GraphOutput("user", index=i))
             else:
                 constants[i] = _hparam_leaf(leaf, read_values, state.hparams)
+                if isinstance(constants[i], SYM_TYPES):  # loss.item(), x.size(0), lr * 2: a graph output
+                    kind = type(constants.pop(i))
+                    outs.append(torch.scalar_tensor(leaf, dtype=_NUMBER_DTYPES[kind]))
+                    descr.append(GraphOutput("user", index=i))
+                    numbers[i] = _NUMBER_TYPES[kind]
         for n, p in params.items():
             outs.append(p)
             descr.append(GraphOutput("param", n))
@@ -305,7 +316,7 @@ def trace(
                 descr.append(GraphOutput("optim", n, key=k))
                 if (n, k) not in optim_tensor_keys:
                     new_keys.append((n, k))
-        layout.update(descr=descr, spec=user_spec, constants=constants, new_keys=new_keys, grads_left=grads_left)
+        layout.update(descr=descr, spec=user_spec, constants=constants, new_keys=new_keys, grads_left=grads_left, numbers=numbers)
         return outs
 
     start = time.perf_counter()
@@ -342,16 +353,6 @@ def trace(
         pt.rename_node(node, f"{prefix}_{_safe_name(inp.label)}")
         node.meta["spmd_input"] = inp
     gm.recompile()
-    for c in layout["constants"].values():
-        if isinstance(c, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-            raise TypeError(
-                "train_step returned a Python number computed from tensor sizes or values inside the "
-                "step (.item() / float() of a tensor, x.size(0), or arithmetic on a scheduled "
-                "hyperparameter such as lr * 2); "
-                f"expected tensors, constants or optimizer.param_groups[i]['lr'] as it is, got {c!r}. "
-                "fix: return the tensor itself (e.g. the loss, or x.new_tensor(x.size(0))) and call "
-                ".item() on what the compiled step returns."
-            )
     log.info("traced step: %d nodes in %.2fs", len(gm.graph.nodes), elapsed)
     return TracedStep(
         gm=gm,
@@ -366,6 +367,7 @@ def trace(
         trace_seconds=elapsed,
         model=model,
         value_guards=value_guards,
+        host_numbers=layout["numbers"],
     )
 
 
