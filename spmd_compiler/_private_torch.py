@@ -488,6 +488,20 @@ def branch_atom(expr: Any) -> Any:
     return min(forms, key=str)
 
 
+def sympy_as_python(expr: Any, symbols: Sequence[Any]) -> Any:
+    """``expr`` (a symbolic condition) as a Python function of ``symbols``' values (a
+    thousand times faster than sympy's substitution), or None if torch cannot print it."""
+    import math
+
+    from torch.utils._sympy.printers import PythonPrinter
+
+    try:
+        code = PythonPrinter().doprint(expr)
+        return eval(f"lambda {', '.join(str(s) for s in symbols)}: {code}", {"math": math, "torch": torch})  # noqa: S307
+    except Exception:  # an expression the printer does not know
+        return None
+
+
 def data_dependent_exceptions() -> tuple[type[BaseException], ...]:
     """What fake tracing raises when the step's Python code or an op's output shape
     depends on tensor values (a branch on a tensor, a boolean-mask index)."""

@@ -112,9 +112,13 @@ class ValueGuard:
 
         args = [pt.local_tensor(input_value(inp, state, [])).detach().clone() for inp in self.inputs]
         with torch.no_grad():
-            values = self.program(*args)
-        subs = {s: sympy.sympify(_number(v)) for s, v in zip(self.symbols, values)}
-        return bool(self.condition.xreplace(subs))
+            values = [_number(v) for v in self.program(*args)]
+        fn = self.__dict__.get("_fn", False)
+        if fn is False:
+            fn = self.__dict__["_fn"] = pt.sympy_as_python(self.condition, self.symbols)
+        if fn is not None:
+            return bool(fn(*values))
+        return bool(self.condition.xreplace({s: sympy.sympify(v) for s, v in zip(self.symbols, values)}))
 
     def __repr__(self) -> str:
         return f"ValueGuard({self.key})"
