@@ -90,14 +90,16 @@ def test_symbolic_option_validated():
         sc.trace(step, model, None, torch.randn(8, 16), symbolic="some")
 
 
-def test_returning_python_number_from_sizes_is_an_error():
+def test_python_number_computed_from_sizes_is_a_graph_output():
+    """Handed back as a Python int after each call (trace/host_values.py)."""
     model = MLP()
 
-    def bad(model, optimizer, x):
+    def rows(model, optimizer, x):
         return x.size(0) * 2
 
-    with pytest.raises(TypeError, match="returned a Python number computed from tensor sizes"):
-        sc.trace(bad, model, None, torch.randn(8, 16))
+    traced = sc.trace(rows, model, None, torch.randn(8, 16))
+    assert traced.host_numbers == {0: int} and not traced.user_constants
+    assert [o.kind for o in traced.outputs][:1] == ["user"]
 
 
 def test_state_cache_reuses_and_invalidates():
