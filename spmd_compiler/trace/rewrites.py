@@ -31,7 +31,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.nn.modules.batchnorm import _BatchNorm
+
+from .. import _private_torch as pt
 
 __all__ = ["SYM_BUILTIN_MODULES", "traceable_scalars"]
 
@@ -71,10 +72,11 @@ def _sym_as_tensor(data: Any, dtype: torch.dtype | None = None, device: Any = No
     return _as_tensor(data, dtype=dtype, device=device)
 
 
+_BatchNorm = pt.batchnorm_base()
 _bn_forward = _BatchNorm.forward
 
 
-def _cumulative_bn_forward(self: _BatchNorm, input: torch.Tensor) -> torch.Tensor:
+def _cumulative_bn_forward(self: torch.nn.Module, input: torch.Tensor) -> torch.Tensor:
     """``_BatchNorm.forward`` for ``momentum=None`` in training: the batch statistics come
     from ``F.batch_norm`` with momentum 1 on copies of the running buffers, then
     ``running = f * batch + (1 - f) * running`` with ``f = 1 / num_batches_tracked``, the

@@ -340,7 +340,7 @@ def trace(
     elapsed = time.perf_counter() - start
     host.check(gm)
     check_data_dependent_shapes(gm)
-    value_guards = value_guards_of(gm, mode.shape_env, inputs)  # before dead code goes: a read may only feed a branch
+    value_guards = value_guards_of(gm, mode, inputs)  # before dead code goes: a read may only feed a branch
 
     tag_phases(gm)
     _cleanup(gm)

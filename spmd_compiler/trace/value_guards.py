@@ -36,13 +36,11 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from .. import _private_torch as pt
+from ..errors import DataDependentError
 
 __all__ = ["ValueGuard", "attach_values", "host_scalar_values", "value_guards_of", "is_host_scalar_input"]
 
 log = logging.getLogger(__name__)
-
-_MARK = "propagate_real_tensors"  # how torch labels a branch decided on real values
-
 
 def is_host_scalar_input(inp: Any) -> bool:
     """Inputs (GraphInput) whose real values are known while tracing: lifted
@@ -54,7 +52,7 @@ def attach_values(fakes: Sequence[Any], values: dict[int, torch.Tensor]) -> None
     """Give the traced inputs ``fakes[i]`` their real values ``values[i]`` (copies made
     outside the fake mode: operations on them during the trace write to them)."""
     for i, real in values.items():
-        fakes[i].real_tensor = real
+        pt.set_real_value(fakes[i], real)
 
 
 @contextlib.contextmanager
@@ -64,16 +62,8 @@ def host_scalar_values(mode: Any, optimizer: Any, enabled: bool = True) -> Itera
     if optimizer is None or not enabled:
         yield
         return
-    saved = (mode.propagate_real_tensors, mode.cache_enabled)
-
-    def on(*_: Any) -> None:
-        mode.propagate_real_tensors, mode.cache_enabled = True, False
-
-    def off(*_: Any) -> None:
-        mode.propagate_real_tensors, mode.cache_enabled = saved
-
-    pre = optimizer.register_step_pre_hook(on)
-    post = optimizer.register_step_post_hook(off)
+    pre = optimizer.register_step_pre_hook(lambda *_: pt.propagating_real_values(mode, True))
+    post = optimizer.register_step_post_hook(lambda *_: pt.propagating_real_values(mode, False))
     torch_log = logging.getLogger("torch.fx.experimental.symbolic_shapes")
     torch_log.addFilter(_quiet)  # torch warns at every branch it takes on a real value
     try:
@@ -82,11 +72,11 @@ def host_scalar_values(mode: Any, optimizer: Any, enabled: bool = True) -> Itera
         torch_log.removeFilter(_quiet)
         pre.remove()
         post.remove()
-        off()
+        pt.propagating_real_values(mode, False)
 
 
 def _quiet(record: logging.LogRecord) -> bool:
-    return not str(record.msg).startswith(_MARK)
+    return not pt.is_real_value_log(record)
 
 
 @dataclass(frozen=True, eq=False)
@@ -128,37 +118,40 @@ def _number(v: Any) -> Any:
     return v.item() if isinstance(v, torch.Tensor) else v
 
 
-def value_guards_of(gm: fx.GraphModule, shape_env: Any, inputs: Sequence[Any]) -> list[ValueGuard]:
-    """The branches the trace took on real host-scalar values (torch records each as a
-    deferred runtime assert labelled ``propagate_real_tensors``); ``inputs`` are the
-    GraphInputs of ``gm``'s placeholders, in order."""
-    if not shape_env.real_tensor_prop_unbacked_vals:
+def value_guards_of(gm: fx.GraphModule, mode: Any, inputs: Sequence[Any]) -> list[ValueGuard]:
+    """The branches the trace (in fake mode ``mode``) took on real host-scalar values;
+    ``inputs`` are the GraphInputs of ``gm``'s placeholders, in order."""
+    conditions = pt.real_value_branches(mode)
+    if not conditions:
         return []
     labels = dict(zip((n for n in gm.graph.nodes if n.op == "placeholder"), inputs))
     readers: dict[sympy.Symbol, fx.Node] = {}
     for node in gm.graph.nodes:
         val = node.meta.get("val")
         if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-            expr = getattr(val.node, "_expr", val.node.expr)  # as read, before replacements
+            expr = pt.symbol_of(val)  # as read, before replacements
             if isinstance(expr, sympy.Symbol) and expr not in readers:
                 readers[expr] = node
-    conditions = [(ra.expr, ra.stack) for asserts in shape_env.deferred_runtime_asserts.values() for ra in asserts if ra.msg.startswith(_MARK)]
-    # a branch on ``x == c`` may leave no assert but a replacement of x by c
-    known = shape_env.real_tensor_prop_unbacked_vals
-    conditions += [(sympy.Eq(s, r), None) for s, r in shape_env.replacements.items() if s in known and r.is_number and s in readers]
     guards: dict[str, ValueGuard] = {}
     for expr, stack in conditions:
         guard = _guard(expr, readers, labels, stack)
-        if guard is not None:
-            guards.setdefault(guard.key, guard)
+        guards.setdefault(guard.key, guard)
     return list(guards.values())
 
 
-def _guard(expr: Any, readers: dict[sympy.Symbol, fx.Node], labels: dict[fx.Node, Any], stack: Any) -> ValueGuard | None:
+def _cannot_recheck(expr: Any, stack: Any, why: str) -> None:
+    raise DataDependentError(
+        f"the step branches on `{expr}`, decided on real values while tracing, but {why}, so the "
+        "compiled step could not tell when the branch goes the other way",
+        _frame(stack) if stack is not None else None,
+        "compute both sides and select with torch.where(cond, a, b) instead of `if` on a tensor's value",
+    )
+
+
+def _guard(expr: Any, readers: dict[sympy.Symbol, fx.Node], labels: dict[fx.Node, Any], stack: Any) -> ValueGuard:
     symbols = tuple(sorted(expr.free_symbols, key=str))
     if any(s not in readers for s in symbols):
-        log.debug("value guard %s: a symbol has no reading node; not re-checked", expr)
-        return None
+        _cannot_recheck(expr, stack, "a number it reads has no node in the graph")
     outs = [readers[s] for s in symbols]
     needed: set[fx.Node] = set()
     todo = list(outs)
@@ -174,9 +167,8 @@ def _guard(expr: Any, readers: dict[sympy.Symbol, fx.Node], labels: dict[fx.Node
     order = [n for n in outs[0].graph.nodes if n in needed]
     for i, n in enumerate(order):
         if n.op == "placeholder":
-            if not is_host_scalar_input(labels[n]):  # not ours to re-check
-                log.debug("value guard %s reads %s; not re-checked", expr, labels[n].label)
-                return None
+            if not is_host_scalar_input(labels[n]):
+                _cannot_recheck(expr, stack, f"it depends on {labels[n].label}, which is not a host scalar")
             env[n] = graph.placeholder(f"n{i}")
             inputs.append(labels[n])
             parts.append(f"n{i}={labels[n].label}")
