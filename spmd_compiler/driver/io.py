@@ -55,6 +55,10 @@ def store_outputs(
             user[slot.index] = wrap(slot, value)
             if slot.index in traced.host_numbers:  # loss.item() returned by the step: a number again
                 user[slot.index] = traced.host_numbers[slot.index](pt.local_tensor(user[slot.index]).item())
+            if slot.index in traced.host_attributes:  # model.last_loss = loss.item() in the step
+                owner, attr = traced.host_attributes[slot.index]
+                module = traced.model.get_submodule(owner.removeprefix("model").removeprefix("."))
+                setattr(module, attr, user.pop(slot.index))
         elif slot.name in state.params:
             optimizer.state[state.params[slot.name]][slot.key] = wrap(slot, value)
         elif missing is not None:

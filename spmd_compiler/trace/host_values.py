@@ -10,8 +10,13 @@ things follow, each handled here:
   user's line and what to write instead.
 * **host values stored on the model** (``self.last_loss = loss.item()``): during the
   trace the number is a symbol. :class:`HostSnapshot` records the model's and the
-  optimizer's plain attributes before the trace, restores any that now hold a symbol
-  and raises :class:`~spmd_compiler.errors.HostValueError`.
+  optimizer's plain attributes before the trace and restores any that now hold a
+  symbol. A module attribute holding one number becomes an output of the step, and the
+  driver sets the attribute to the real number after every call (as on one device);
+  anything else (a list appended to, an optimizer setting) raises
+  :class:`~spmd_compiler.errors.HostValueError`.
+* **numbers the step returns** (``return {"loss": loss.item(), "rows": x.size(0)}``)
+  are outputs too, handed back as Python numbers.
 * **a hyperparameter returned by the step** (``return {"lr": opt.param_groups[0]["lr"]}``):
   the returned leaf is recorded as :class:`HparamValue` and read from the optimizer
   after every call, so an LR scheduler's value comes back as on one device.
@@ -169,9 +174,20 @@ class HostSnapshot:
                     found.append((f"optimizer.state[<param>][{key!r}]", _symbols_of(entry.pop(key))))
         return found
 
-    def check(self, gm: fx.GraphModule | None) -> None:
-        """Restore, then raise HostValueError if anything held a symbol."""
-        found = self.restore_symbols()
+    def stored_numbers(self) -> list[tuple[str, str, Any]]:
+        """``(module, attribute, number)`` for each module attribute that now holds one
+        number read from a tensor (``self.last_loss = loss.item()``): the compiled step
+        returns it and the driver sets the attribute after every call."""
+        return [
+            (label, key, d[key]) for label, d, skip in self._owners if label.startswith("model")
+            for key in list(d) if key not in skip and isinstance(d[key], SYM_TYPES)
+        ]
+
+    def check(self, gm: fx.GraphModule | None, stored: set[tuple[str, str]] = frozenset()) -> None:
+        """Restore, then raise HostValueError if anything held a symbol (other than the
+        ``stored`` ``(module, attribute)`` numbers, which the compiled step returns)."""
+        done = {f"{label}.{key}" for label, key in stored}
+        found = [(name, symbols) for name, symbols in self.restore_symbols() if name not in done]
         if not found:
             return
         sources = []

@@ -112,6 +112,8 @@ class TracedStep:
     model: Any = None
     value_guards: list[ValueGuard] = field(default_factory=list)  # optimizer branches on host scalars
     host_numbers: dict[int, type] = field(default_factory=dict)  # user leaves returned as Python numbers
+    # outputs past the user leaves: numbers the step stored on the model / optimizer, by (owner, attribute)
+    host_attributes: dict[int, tuple[str, str]] = field(default_factory=dict)
 
     def placeholders(self) -> list[fx.Node]:
         return [n for n in self.gm.graph.nodes if n.op == "placeholder"]
@@ -303,6 +305,13 @@ def trace(
                     outs.append(torch.scalar_tensor(leaf, dtype=_NUMBER_DTYPES[kind]))
                     descr.append(GraphOutput("user", index=i))
                     numbers[i] = _NUMBER_TYPES[kind]
+        # a number stored on the model (model.last_loss = loss.item()): set after each call
+        attrs: dict[int, tuple[str, str]] = {}
+        for j, (owner, key, value) in enumerate(host.stored_numbers()):
+            outs.append(torch.scalar_tensor(value, dtype=_NUMBER_DTYPES[type(value)]))
+            descr.append(GraphOutput("user", index=len(user_leaves) + j))
+            numbers[len(user_leaves) + j] = _NUMBER_TYPES[type(value)]
+            attrs[len(user_leaves) + j] = (owner, key)
         for n, p in params.items():
             outs.append(p)
             descr.append(GraphOutput("param", n))
@@ -316,7 +325,7 @@ def trace(
                 descr.append(GraphOutput("optim", n, key=k))
                 if (n, k) not in optim_tensor_keys:
                     new_keys.append((n, k))
-        layout.update(descr=descr, spec=user_spec, constants=constants, new_keys=new_keys, grads_left=grads_left, numbers=numbers)
+        layout.update(descr=descr, spec=user_spec, constants=constants, new_keys=new_keys, grads_left=grads_left, numbers=numbers, attrs=attrs)
         return outs
 
     start = time.perf_counter()
@@ -338,7 +347,7 @@ def trace(
         host.restore_symbols()
         raise
     elapsed = time.perf_counter() - start
-    host.check(gm)
+    host.check(gm, stored=set(layout.get("attrs", {}).values()))
     check_data_dependent_shapes(gm)
     value_guards = value_guards_of(gm, mode, inputs)  # before dead code goes: a read may only feed a branch
 
@@ -368,6 +377,7 @@ def trace(
         model=model,
         value_guards=value_guards,
         host_numbers=layout["numbers"],
+        host_attributes=layout["attrs"],
     )
 
 
