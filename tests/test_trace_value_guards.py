@@ -1,7 +1,7 @@
 """Optimizers that branch on their own numbers (trace/value_guards.py) and use Python
 builtins on numbers read from tensors (trace/rewrites.py) train as on one device:
-RAdam's ``if rho_t > 5``, ASGD's ``if mu.item() != 1``, Adafactor's ``max(eps2,
-param.norm().item() / n)``; BatchNorm(momentum=None)'s ``1 / float(num_batches_tracked)``."""
+RAdam's ``if rho_t > 5``, ASGD's ``if mu.item() != 1``, SGD's ``if momentum != 0`` with
+a scheduled momentum, Adafactor's ``max(eps2, param.norm().item() / n)``."""
 
 from __future__ import annotations
 
@@ -10,8 +10,6 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn as nn
-from torch.distributed.tensor import Shard
 
 import spmd_compiler as sc
 from spmd_compiler.testing import SimulatedTraining, assert_distributed, assert_training_matches, fake_mesh
@@ -95,38 +93,6 @@ def test_optimizer_state_after_compiled_steps_loads_into_eager_optimizer():
     assert eager_opt.state_dict()["state"][0]["step"].item() == 4.0
     for p, q in zip(eager.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, atol=1e-9, rtol=1e-7)
-
-
-class _Norm(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.l1 = nn.Linear(16, 16)
-        self.bn = nn.BatchNorm1d(16, momentum=None)  # cumulative average of the batch statistics
-        self.l2 = nn.Linear(16, 16)
-
-    def forward(self, x):
-        return self.l2(self.bn(self.l1(x)))
-
-
-BN_PLANS = {
-    "dp": PLANS["dp"],
-    "fsdp": (lambda: sc.Plan(params={"l*.weight": [Shard(0)]}, default_input=[Shard(0)], fsdp_axes=(0,)),
-             ["batch[0]", "l1.weight", "l2.weight"]),
-}
-
-
-@pytest.mark.parametrize("plan_name", ["dp", "fsdp"])
-def test_batchnorm_cumulative_average_trains_as_on_one_device(plan_name):
-    model = _Norm().double()
-    make_plan, sharded = BN_PLANS[plan_name]
-    try:
-        res = assert_training_matches(mse_train_step, model, lambda p: torch.optim.SGD(p, lr=0.1), _batches(3, rows=8),
-                                      fake_mesh((2,), ("dp",)), make_plan())
-    finally:
-        dist.destroy_process_group()
-    assert_distributed(res, sharded=sharded)
-    assert res.sim.compiles == 1  # num_batches_tracked is an input, not a constant of the program
-    assert res.sim.model.bn.num_batches_tracked.item() == 3
 
 
 # ------------------------------------------------- hyperparameters schedulers change

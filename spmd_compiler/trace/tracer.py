@@ -245,8 +245,10 @@ def trace(
     # host scalars (lifted hyperparameters, 0-d optimizer state) carry their real values
     # through optimizer.step(), so its branches on them are taken (trace/value_guards.py)
     scalars = {
-        i: (t if inp.kind == "hparam" else pt.local_tensor(state.optim[(inp.name, inp.key)])).detach().clone()
-        for i, (inp, t) in enumerate(zip(inputs, real)) if is_host_scalar_input(inp)
+        i: v.detach().clone() for i, v in (
+            (i, t if inp.kind == "hparam" else pt.local_tensor(state.optim[(inp.name, inp.key)]))
+            for i, (inp, t) in enumerate(zip(inputs, real)) if is_host_scalar_input(inp)
+        ) if v.device.type == "cpu"  # a value we can read without a device sync (not on meta)
     }
     n_params, n_buffers = len(state.params), len(state.buffers)
     n_optim, n_hparams = len(optim_tensor_keys), len(lifted)
