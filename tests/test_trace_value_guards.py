@@ -106,7 +106,8 @@ def metrics_step(model, optimizer, x, y):
 @pytest.mark.parametrize("make_opt", [
     lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True),
     lambda p: torch.optim.AdamW(p, lr=0.01),
-], ids=["sgd", "adamw"])
+    lambda p: torch.optim.AdamW(p, lr=0.01, fused=True),  # betas cycled: per-parameter update from call 2 on
+], ids=["sgd", "adamw", "adamw-fused"])
 def test_onecycle_momentum_cycling_compiles_twice_and_trains_as_on_one_device(make_opt):
     """OneCycleLR changes lr and momentum / betas[0] every step: they are inputs, so the
     step compiles for the first call and once more when the state exists; the returned

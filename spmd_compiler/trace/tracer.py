@@ -256,8 +256,9 @@ def trace(
     # update; on CPU the foreach kernels loop over tensors anyway). Fused ones keep their
     # one-kernel update (expand/rules/optimizers.py), reading a group's lr as a tensor.
     per_parameter = ("foreach",) if fused_optimizer else ("foreach", "fused")
-    multi_tensor = [(g, k) for (g, k), v in state.hparams.items() if k in per_parameter and v]
-    fused_groups = {g for (g, k), v in state.hparams.items() if k == "fused" and v and fused_optimizer}
+    cycled = {g for g, _ in state.cycling}  # fused groups whose momentum / betas a scheduler changes: per-parameter
+    multi_tensor = [(g, k) for (g, k), v in state.hparams.items() if (k in per_parameter or k == "fused" and g in cycled) and v]
+    fused_groups = {g for (g, k), v in state.hparams.items() if k == "fused" and v and fused_optimizer and g not in cycled}
     if multi_tensor:
         log.info("tracing the optimizer's per-parameter implementation instead of %s", ", ".join(f"param_groups[{g}][{k!r}]=True" for g, k in multi_tensor))
     layout: dict[str, Any] = {}
@@ -297,7 +298,11 @@ def trace(
         constants: dict[int, Any] = {}
         numbers: dict[int, type] = {}
         for i, leaf in enumerate(user_leaves):
-            if isinstance(leaf, torch.Tensor):
+            # a fused optimizer reads a float lr as a tensor: returned, it is the float as on one device
+            lr_key = next((k for k, v in read_values.items() if v is leaf and not isinstance(state.hparams[k], torch.Tensor)), None)
+            if lr_key is not None:
+                constants[i] = HparamValue(*lr_key)
+            elif isinstance(leaf, torch.Tensor):
                 outs.append(leaf)
                 descr.append(GraphOutput("user", index=i))
             else:
