@@ -33,7 +33,7 @@ import torch.fx as fx
 from .. import _private_torch as pt
 from ..errors import DataDependentError, HostValueError, user_frame_of, user_source_line
 
-__all__ = ["HparamValue", "HostSnapshot", "as_data_dependent_error", "check_data_dependent_shapes", "resolve_constant"]
+__all__ = ["HparamValue", "HostSnapshot", "as_data_dependent_error", "check_data_dependent_shapes", "resolve_constant", "user_outputs"]
 
 SYM_TYPES = (torch.SymInt, torch.SymFloat, torch.SymBool)
 
@@ -106,6 +106,66 @@ class HparamValue:
 def resolve_constant(value: Any, optimizer: Any) -> Any:
     """A constant leaf of the step's return value as the user sees it this call."""
     return value.resolve(optimizer) if isinstance(value, HparamValue) else value
+
+
+# a number computed in the step (loss.item()) travels as a 0-d tensor output
+_NUMBER_DTYPES = {torch.SymFloat: torch.float64, torch.SymInt: torch.int64, torch.SymBool: torch.bool}
+_NUMBER_TYPES = {torch.SymFloat: float, torch.SymInt: int, torch.SymBool: bool}
+
+
+def user_outputs(
+    leaves: list[Any], read: dict[tuple[int, str], Any], hparams: dict[tuple[int, str], Any], stored: list[tuple[str, str, Any]]
+) -> tuple[list[torch.Tensor], list[int], dict[int, Any], dict[int, type], dict[int, tuple[str, str]]]:
+    """What the traced step returns for the leaves of its return value and the numbers it
+    ``stored`` on modules (:meth:`HostSnapshot.stored_numbers`, numbered after the leaves):
+    ``(tensors, their leaf indices, constants, {index: Python type of a number}, {index:
+    (module, attribute)})``. Tensors and numbers (``loss.item()``, ``x.size(0)``) are
+    graph outputs; constants and returned hyperparameters (:class:`HparamValue`) are not."""
+    outs: list[torch.Tensor] = []
+    indices: list[int] = []
+    constants: dict[int, Any] = {}
+    numbers: dict[int, type] = {}
+    for i, leaf in enumerate(leaves):
+        # a fused optimizer reads a float lr as a tensor: returned, it is the float as on one device
+        lr_key = next((k for k, v in read.items() if v is leaf and not isinstance(hparams[k], torch.Tensor)), None)
+        if lr_key is not None:
+            constants[i] = HparamValue(*lr_key)
+        elif isinstance(leaf, torch.Tensor):
+            outs.append(leaf)
+            indices.append(i)
+        else:
+            constants[i] = _hparam_leaf(leaf, read, hparams)
+            if isinstance(constants[i], SYM_TYPES):  # loss.item(), x.size(0), lr * 2
+                kind = type(constants.pop(i))
+                outs.append(torch.scalar_tensor(leaf, dtype=_NUMBER_DTYPES[kind]))
+                indices.append(i)
+                numbers[i] = _NUMBER_TYPES[kind]
+    attrs: dict[int, tuple[str, str]] = {}
+    for j, (owner, key, value) in enumerate(stored, start=len(leaves)):
+        outs.append(torch.scalar_tensor(value, dtype=_NUMBER_DTYPES[type(value)]))
+        indices.append(j)
+        numbers[j] = _NUMBER_TYPES[type(value)]
+        attrs[j] = (owner, key)
+    return outs, indices, constants, numbers, attrs
+
+
+def _hparam_leaf(leaf: Any, read: dict[tuple[int, str], Any], hparams: dict[tuple[int, str], Any]) -> Any:
+    """A returned constant that is a lifted hyperparameter as the optimizer read it (or
+    as it was before ``optimizer.step()``) becomes an :class:`HparamValue`, read again
+    after every call; anything else stays a constant."""
+    for key, value in read.items():
+        if leaf is value:
+            return HparamValue(*key)
+        if isinstance(value, tuple) and any(leaf is v for v in value):  # betas[i]
+            return HparamValue(*key, index=next(i for i, v in enumerate(value) if leaf is v))
+    if isinstance(leaf, (int, float)) and not isinstance(leaf, bool):
+        for key in read:
+            before = hparams.get(key)
+            if leaf is before:
+                return HparamValue(*key)
+            if isinstance(before, (tuple, list)) and any(leaf is v for v in before):
+                return HparamValue(*key, index=next(i for i, v in enumerate(before) if leaf is v))
+    return leaf
 
 
 # -------------------------------------------------------------- host values on the model

@@ -24,7 +24,7 @@ from torch.utils import _pytree as pytree
 
 from .. import _private_torch as pt
 from .decompositions import decomposition_table
-from .host_values import HostSnapshot, HparamValue, as_data_dependent_error, check_data_dependent_shapes
+from .host_values import HostSnapshot, as_data_dependent_error, check_data_dependent_shapes, user_outputs
 from .markers import phase_markers, split_point_hooks, tag_phases
 from .rewrites import traceable_scalars
 from .state import ModelState, collect_state, hparam_tensor, swapped_state
@@ -35,10 +35,6 @@ __all__ = ["GraphInput", "GraphOutput", "TracedStep", "trace", "CONSTANT_LEAF_TY
 log = logging.getLogger(__name__)
 
 CONSTANT_LEAF_TYPES = (bool, int, float, str, type(None), torch.dtype, torch.device)
-SYM_TYPES = (torch.SymInt, torch.SymFloat, torch.SymBool)
-# a returned number computed in the step (loss.item()) travels as a 0-d tensor output
-_NUMBER_DTYPES = {torch.SymFloat: torch.float64, torch.SymInt: torch.int64, torch.SymBool: torch.bool}
-_NUMBER_TYPES = {torch.SymFloat: float, torch.SymInt: int, torch.SymBool: bool}
 
 _DROP_TARGETS = {
     torch.ops.profiler._record_function_enter_new.default,
@@ -293,32 +289,8 @@ def trace(
             final_optim = ctx["optim_state"]()
         grads_left = [n for n, p in params.items() if p.grad is not None]
         user_leaves, user_spec = pytree.tree_flatten(result)
-        outs: list[Any] = []
-        descr: list[GraphOutput] = []
-        constants: dict[int, Any] = {}
-        numbers: dict[int, type] = {}
-        for i, leaf in enumerate(user_leaves):
-            # a fused optimizer reads a float lr as a tensor: returned, it is the float as on one device
-            lr_key = next((k for k, v in read_values.items() if v is leaf and not isinstance(state.hparams[k], torch.Tensor)), None)
-            if lr_key is not None:
-                constants[i] = HparamValue(*lr_key)
-            elif isinstance(leaf, torch.Tensor):
-                outs.append(leaf)
-                descr.append(GraphOutput("user", index=i))
-            else:
-                constants[i] = _hparam_leaf(leaf, read_values, state.hparams)
-                if isinstance(constants[i], SYM_TYPES):  # loss.item(), x.size(0), lr * 2: a graph output
-                    kind = type(constants.pop(i))
-                    outs.append(torch.scalar_tensor(leaf, dtype=_NUMBER_DTYPES[kind]))
-                    descr.append(GraphOutput("user", index=i))
-                    numbers[i] = _NUMBER_TYPES[kind]
-        # a number stored on the model (model.last_loss = loss.item()): set after each call
-        attrs: dict[int, tuple[str, str]] = {}
-        for j, (owner, key, value) in enumerate(host.stored_numbers()):
-            outs.append(torch.scalar_tensor(value, dtype=_NUMBER_DTYPES[type(value)]))
-            descr.append(GraphOutput("user", index=len(user_leaves) + j))
-            numbers[len(user_leaves) + j] = _NUMBER_TYPES[type(value)]
-            attrs[len(user_leaves) + j] = (owner, key)
+        outs, user_indices, constants, numbers, attrs = user_outputs(user_leaves, read_values, state.hparams, host.stored_numbers())
+        descr = [GraphOutput("user", index=i) for i in user_indices]
         for n, p in params.items():
             outs.append(p)
             descr.append(GraphOutput("param", n))
@@ -394,25 +366,6 @@ def _recording(key: tuple[int, str], make: Callable[[], Any], read: dict) -> Cal
         return value
 
     return install
-
-
-def _hparam_leaf(leaf: Any, read: dict[tuple[int, str], Any], hparams: dict[tuple[int, str], Any]) -> Any:
-    """A returned constant that is a lifted hyperparameter as the optimizer read it (or
-    as it was before ``optimizer.step()``) becomes an :class:`HparamValue`, read again
-    after every call; anything else stays a constant."""
-    for key, value in read.items():
-        if leaf is value:
-            return HparamValue(*key)
-        if isinstance(value, tuple) and any(leaf is v for v in value):  # betas[i]
-            return HparamValue(*key, index=next(i for i, v in enumerate(value) if leaf is v))
-    if isinstance(leaf, (int, float)) and not isinstance(leaf, bool):
-        for key in read:
-            before = hparams.get(key)
-            if leaf is before:
-                return HparamValue(*key)
-            if isinstance(before, (tuple, list)) and any(leaf is v for v in before):
-                return HparamValue(*key, index=next(i for i, v in enumerate(before) if leaf is v))
-    return leaf
 
 
 def _module_tensor(model: torch.nn.Module, fqn: str) -> torch.Tensor:
