@@ -487,6 +487,81 @@ def default_store() -> Any:
 __all__ += ["set_group_timeout", "default_store"]
 
 
+def branch_atom(expr: Any) -> Any:
+    """One form for a branch condition and its negation (``x > 5`` and ``x <= 5`` give the
+    same), in torch's canonical form for symbolic conditions."""
+    import sympy
+    from torch.fx.experimental.symbolic_shapes import canonicalize_bool_expr
+
+    forms = [canonicalize_bool_expr(e) for e in (expr, sympy.Not(expr))]
+    return min(forms, key=str)
+
+
+_REAL_MARK = "propagate_real_tensors"  # how torch labels what it decided on real values
+
+
+def set_real_value(fake: Any, real: torch.Tensor) -> None:
+    """Give a fake tensor its real value, for :func:`propagating_real_values`."""
+    fake.real_tensor = real
+
+
+def propagating_real_values(mode: FakeTensorMode, on: bool) -> None:
+    """Switch torch's real-tensor propagation in ``mode``: an op whose tensor inputs all
+    have a real value computes it too, and ``.item()`` of it is a symbol with a known
+    value (a branch on it is taken and recorded, see :func:`real_value_branches`)."""
+    if not hasattr(mode, "_spmd_saved"):
+        mode._spmd_saved = (mode.propagate_real_tensors, mode.cache_enabled)
+    mode.propagate_real_tensors, mode.cache_enabled = (True, False) if on else mode._spmd_saved
+
+
+def real_value_branches(mode: FakeTensorMode) -> list[tuple[Any, Any]]:
+    """``(condition, stack)`` of every branch the trace took on real values: torch's
+    deferred runtime asserts so labelled, and ``x == c`` decisions it kept only as a
+    replacement of x by c (stack None)."""
+    env = mode.shape_env
+    known = env.real_tensor_prop_unbacked_vals
+    if not known:
+        return []
+    out = [(ra.expr, ra.stack) for asserts in env.deferred_runtime_asserts.values() for ra in asserts if ra.msg.startswith(_REAL_MARK)]
+    import sympy
+
+    out += [(sympy.Eq(s, r), None) for s, r in env.replacements.items() if s in known and r.is_number]
+    return out
+
+
+def is_real_value_log(record: Any) -> bool:
+    """torch's warning at each branch it takes on a real value (noise for our users)."""
+    return str(record.msg).startswith(_REAL_MARK)
+
+
+def symbol_of(value: Any) -> Any:
+    """The sympy expression a SymInt/SymFloat/SymBool was created as (before torch
+    replaced any of its symbols by what it learned later)."""
+    node = value.node
+    return getattr(node, "_expr", node.expr)
+
+
+def sympy_as_python(expr: Any, symbols: Sequence[Any]) -> Any:
+    """``expr`` (a symbolic condition) as a Python function of ``symbols``' values (a
+    thousand times faster than sympy's substitution), or None if torch cannot print it."""
+    import math
+
+    from torch.utils._sympy.printers import PythonPrinter
+
+    try:
+        code = PythonPrinter().doprint(expr)
+        return eval(f"lambda {', '.join(str(s) for s in symbols)}: {code}", {"math": math, "torch": torch})  # noqa: S307
+    except Exception:  # an expression the printer does not know
+        return None
+
+
+def batchnorm_base() -> type:
+    """The base class of BatchNorm1d/2d/3d (whose ``forward`` handles ``momentum=None``)."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    return _BatchNorm
+
+
 def data_dependent_exceptions() -> tuple[type[BaseException], ...]:
     """What fake tracing raises when the step's Python code or an op's output shape
     depends on tensor values (a branch on a tensor, a boolean-mask index)."""

@@ -7,6 +7,7 @@ import torch
 import spmd_compiler as sc
 from spmd_compiler.testing import group_axes_of, rank_coordinates, run_lockstep, shard_tensor
 from spmd_compiler.testing.models import GPT, gpt_2d_plan, train_step
+from spmd_compiler.trace.state import input_value
 
 
 def test_cached_equals_uncached_2d_transformer(mesh2x2):
@@ -29,6 +30,8 @@ def test_cached_equals_uncached_2d_transformer(mesh2x2):
             globals_.append(state[inp.name].detach())
         elif inp.kind == "optim":
             globals_.append(opt.state[state[inp.name]][inp.key])
+        elif inp.kind == "hparam":
+            globals_.append(input_value(inp, traced.state, []))
         else:
             globals_.append(ids)
     outs = []

@@ -29,11 +29,14 @@ def test_first_step_creates_optimizer_state(make_opt):
     opt = make_opt(model.parameters())
     before = copy.deepcopy(model.state_dict())
     traced = sc.trace(step, model, opt, torch.randn(8, 16))
-    assert [i.kind for i in traced.inputs] == ["param"] * 4 + ["hparam", "batch"]
+    # lr and momentum / betas (what schedulers change) are inputs
+    assert [i.kind for i in traced.inputs] == ["param"] * 4 + ["hparam", "hparam", "batch"]
     assert [i.name for i in traced.inputs if i.kind == "param"] == ["l1.weight", "l1.bias", "l2.weight", "l2.bias"]
     # the learning rate is read at run time (LR schedulers), as a 0-d float64 input
     lr = next(i for i in traced.inputs if i.kind == "hparam")
     assert (lr.label, lr.shape, lr.dtype) == ("param_groups[0]['lr']", (), torch.float64)
+    cycled = [i for i in traced.inputs if i.kind == "hparam"][1]
+    assert (cycled.key, cycled.shape) in {("momentum", ()), ("betas", (2,))}
     reads = [n for n in traced.gm.graph.nodes if n.target is torch.ops.aten._local_scalar_dense.default
              and n.args[0].name == "h_param_groups_0___lr"]
     assert len(reads) == 1 and reads[0].meta["spmd_phase"] == "optimizer"
@@ -87,14 +90,16 @@ def test_symbolic_option_validated():
         sc.trace(step, model, None, torch.randn(8, 16), symbolic="some")
 
 
-def test_returning_python_number_from_sizes_is_an_error():
+def test_python_number_computed_from_sizes_is_a_graph_output():
+    """Handed back as a Python int after each call (trace/host_values.py)."""
     model = MLP()
 
-    def bad(model, optimizer, x):
+    def rows(model, optimizer, x):
         return x.size(0) * 2
 
-    with pytest.raises(TypeError, match="returned a Python number computed from tensor sizes"):
-        sc.trace(bad, model, None, torch.randn(8, 16))
+    traced = sc.trace(rows, model, None, torch.randn(8, 16))
+    assert traced.host_numbers == {0: int} and not traced.user_constants
+    assert [o.kind for o in traced.outputs][:1] == ["user"]
 
 
 def test_state_cache_reuses_and_invalidates():

@@ -91,6 +91,48 @@ def test_boolean_mask_loss_is_one_clear_error(dp2):
         assert "DynamicOutputShapeException" not in msg
 
 
+def _loss_step(loss_of):
+    def step(model, optimizer, x, y):
+        loss = loss_of(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    return step
+
+
+def nonzero_loss(out, y):
+    return out[torch.nonzero(y > 0, as_tuple=True)].sum()
+
+
+def unique_loss(out, y):
+    return (out * torch.unique(y.round()).sum()).sum()
+
+
+def masked_select_loss(out, y):
+    return torch.masked_select(out, y > 0).sum()
+
+
+def item_size_loss(out, y):
+    return out.sum() + torch.zeros(int((y > 0).sum().item())).sum()
+
+
+@pytest.mark.parametrize("loss_of,op,fix", [
+    (nonzero_loss, "aten.nonzero", "ignore_index"),
+    (unique_loss, "aten._unique2", "keep shapes fixed"),
+    (masked_select_loss, "aten.masked_select", "torch.where(mask, x, 0)"),
+    (item_size_loss, "aten._local_scalar_dense", "sizes may come from tensor shapes"),
+])
+def test_data_dependent_shapes_are_one_clear_error(loss_of, op, fix):
+    m = MLP()
+    with pytest.raises(sc.DataDependentError) as info:
+        sc.trace(_loss_step(loss_of), m, torch.optim.SGD(m.parameters(), lr=0.1), torch.randn(4, 16), torch.randn(4, 16))
+    msg = str(info.value)
+    assert op in msg and fix in msg and "fix:" in msg
+    assert "user code:" in msg  # the line that computes the loss
+
+
 def test_suggested_mask_fix_matches_one_device(dp2):
     assert_training_matches(weighted_mask_step, MLP().double(), _sgd, _batches(3), dp2)
 
@@ -115,20 +157,33 @@ def history_step(model, optimizer, x, y):
     return loss
 
 
-def test_item_stored_on_model_is_refused_and_restored(dp2):
+def test_number_stored_on_the_model_is_set_after_each_call(dp2):
+    """``model.last_loss = loss.item()`` in the step: the compiled step returns the number
+    and sets the attribute after every call, as on one device; tracing leaves no symbol."""
     model = MLP().double()
     model.last_loss = 1.5
-    with pytest.raises(sc.HostValueError) as info:
-        SimulatedTraining(item_step, model, _sgd(model.parameters()), dp2).step(*_batches(1)[0])
-    msg = str(info.value)
-    assert "model.last_loss" in msg and _line(item_step, "model.last_loss =") in msg
-    assert "return the value from the step" in msg and "fix:" in msg
-    assert model.last_loss == 1.5 and type(model.last_loss) is float  # restored, no symbol left
+    ref = copy.deepcopy(model)
+    opt, ref_opt = _sgd(model.parameters()), _sgd(ref.parameters())
+    sim = SimulatedTraining(item_step, model, opt, dp2)
+    for x, y in _batches(3):
+        sim.step(x, y)
+        item_step(ref, ref_opt, x, y)
+        assert type(model.last_loss) is float and model.last_loss == pytest.approx(ref.last_loss, rel=1e-12)
+    assert sim.compiles == 1
 
-    fresh = MLP()  # an attribute the step created is removed again
-    with pytest.raises(sc.HostValueError):
-        sc.trace(item_step, fresh, torch.optim.SGD(fresh.parameters(), lr=0.1), torch.randn(4, 16), torch.randn(4, 16))
-    assert not hasattr(fresh, "last_loss")
+    fresh = MLP()  # tracing alone computes nothing: an attribute the step creates is removed again
+    traced = sc.trace(item_step, fresh, torch.optim.SGD(fresh.parameters(), lr=0.1), torch.randn(4, 16), torch.randn(4, 16))
+    assert not hasattr(fresh, "last_loss") and list(traced.host_attributes.values()) == [("model", "last_loss")]
+
+
+def test_values_appended_in_place_are_refused_with_the_line_and_a_fix():
+    model = MLP()
+    model.l1.history = [0.25]
+    with pytest.raises(sc.HostValueError) as info:
+        sc.trace(history_step, model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(4, 16), torch.randn(4, 16))
+    msg = str(info.value)
+    assert _line(history_step, "model.l1.history.append") in msg
+    assert "return the value from the step" in msg and "fix:" in msg
 
 
 def test_values_appended_in_place_and_param_group_entries_are_restored():
@@ -151,14 +206,6 @@ def lr_step(model, optimizer, x, y):
     optimizer.step()  # from here on the lifted lr, read with .item() in the graph
     optimizer.zero_grad()
     return {"loss": loss, "lr": optimizer.param_groups[0]["lr"], "lr_before": before, "steps": 1}
-
-
-def scaled_lr_step(model, optimizer, x, y):
-    loss = F.mse_loss(model(x), y)
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return {"loss": loss, "lr": optimizer.param_groups[0]["lr"] * 2}
 
 
 def test_returned_lr_follows_scheduler_like_one_device(dp2):
@@ -195,7 +242,46 @@ def test_returned_lr_through_compile(mesh4):
     assert step.compiles == 1
 
 
-def test_number_computed_from_lr_is_refused_with_a_fix():
+def number_step(model, optimizer, x, y):
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return {"loss": loss.item(), "rows": x.size(0), "lr2": optimizer.param_groups[0]["lr"] * 2}
+
+
+def test_numbers_computed_in_the_step_come_back_as_numbers(dp2):
+    """``loss.item()``, ``x.size(0)`` and ``lr * 2`` returned by the step are graph outputs
+    handed back as Python numbers after each call, equal to one device."""
+    model = MLP().double()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = _sgd(model.parameters()), _sgd(ref.parameters())
+    scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in (opt, ref_opt)]
+    sim = SimulatedTraining(number_step, model, opt, dp2)
+    for x, y in _batches(3):
+        out, want = sim.step(x, y), number_step(ref, ref_opt, x, y)
+        for s in scheds:
+            s.step()
+        assert [type(out[k]) for k in ("loss", "rows", "lr2")] == [float, int, float]
+        assert out["rows"] == 4 and out["lr2"] == want["lr2"]  # the global batch size, the current lr
+        assert out["loss"] == pytest.approx(want["loss"], rel=1e-12)
+    assert sim.compiles == 1
+
+
+def test_numbers_through_compile(mesh4):
+    def step_fn(model, optimizer, x, y):
+        loss = F.mse_loss(model(x), y)
+        model.last_loss = loss.item()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return {"loss": loss.item(), "rows": x.size(0)}
+
+    step = sc.compile(step_fn, mesh=mesh4)
     model = MLP()
-    with pytest.raises(TypeError, match=r"(?s)computed from tensor sizes or values.*lr \* 2.*fix:"):
-        sc.trace(scaled_lr_step, model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(4, 16), torch.randn(4, 16))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):
+        out = step(model, opt, torch.randn(2, 16), torch.randn(2, 16))
+        assert type(out["loss"]) is float and out["rows"] == 8  # the global batch: 4 ranks x 2 rows
+        assert model.last_loss == out["loss"]
+    assert step.compiles == 1

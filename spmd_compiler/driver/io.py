@@ -17,6 +17,7 @@ from typing import Any
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
+from .. import _private_torch as pt
 from ..trace.host_values import resolve_constant
 from ..trace.state import input_value
 
@@ -78,6 +79,12 @@ def store_outputs(
     for slot, value in zip(step.outputs, values):
         if slot.kind == "user":
             user[slot.index] = wrap(slot, value)
+            if slot.index in traced.host_numbers:  # loss.item() returned by the step: a number again
+                user[slot.index] = traced.host_numbers[slot.index](pt.local_tensor(user[slot.index]).item())
+            if slot.index in traced.host_attributes:  # model.last_loss = loss.item() in the step
+                owner, attr = traced.host_attributes[slot.index]
+                module = traced.model.get_submodule(owner.removeprefix("model").removeprefix("."))
+                setattr(module, attr, user.pop(slot.index))
         elif slot.kind == "grad":
             state.params[slot.name].grad = wrap(slot, value)
         elif slot.name in state.params:

@@ -230,6 +230,12 @@ class StepDriver:
             self._programs.move_to_end(everyone)
             return program
         program = self._compile(model, optimizer, batch, kwargs, why_recompile(self._last_key, key))
+        known = len(self._states.value_guards)
+        self._states.add_value_guards(getattr(getattr(program.step, "traced", None), "value_guards", []))
+        if len(self._states.value_guards) > known:  # the same on every rank (they agreed on the program)
+            # the outcomes of the optimizer's branches it found join the signature (trace/value_guards.py)
+            key = signature(self._state(model, optimizer), batch, kwargs)
+            everyone = tuple(exchange(hashlib.sha1(repr(key).encode()).hexdigest()))
         program.local_key = key
         self._programs[everyone] = program
         while len(self._programs) > self.options.cache_size:

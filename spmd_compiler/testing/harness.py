@@ -75,6 +75,7 @@ class SimulatedTraining:
             groups = dict(zip(first.mctx.group_names, first.mctx.axis_names))
             compare_fingerprints([fingerprint(e.gm, groups, with_sizes=first.rank_independent) for e in self.expansions.values()])
         self.traced = first.traced
+        self._states.add_value_guards(first.traced.value_guards)
         self.compiles += 1
 
     def step(self, *batch: Any) -> Any:

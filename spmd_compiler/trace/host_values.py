@@ -10,8 +10,13 @@ things follow, each handled here:
   user's line and what to write instead.
 * **host values stored on the model** (``self.last_loss = loss.item()``): during the
   trace the number is a symbol. :class:`HostSnapshot` records the model's and the
-  optimizer's plain attributes before the trace, restores any that now hold a symbol
-  and raises :class:`~spmd_compiler.errors.HostValueError`.
+  optimizer's plain attributes before the trace and restores any that now hold a
+  symbol. A module attribute holding one number becomes an output of the step, and the
+  driver sets the attribute to the real number after every call (as on one device);
+  anything else (a list appended to, an optimizer setting) raises
+  :class:`~spmd_compiler.errors.HostValueError`.
+* **numbers the step returns** (``return {"loss": loss.item(), "rows": x.size(0)}``)
+  are outputs too, handed back as Python numbers.
 * **a hyperparameter returned by the step** (``return {"lr": opt.param_groups[0]["lr"]}``):
   the returned leaf is recorded as :class:`HparamValue` and read from the optimizer
   after every call, so an LR scheduler's value comes back as on one device.
@@ -28,7 +33,7 @@ import torch.fx as fx
 from .. import _private_torch as pt
 from ..errors import DataDependentError, HostValueError, user_frame_of, user_source_line
 
-__all__ = ["HparamValue", "HostSnapshot", "as_data_dependent_error", "check_data_dependent_shapes", "resolve_constant"]
+__all__ = ["HparamValue", "HostSnapshot", "as_data_dependent_error", "check_data_dependent_shapes", "resolve_constant", "user_outputs"]
 
 SYM_TYPES = (torch.SymInt, torch.SymFloat, torch.SymBool)
 
@@ -37,6 +42,7 @@ _BRANCH_FIX = (
     "instead of `if` on a tensor; read .item() / float() / bool() only outside the step, on "
     "what the compiled step returns."
 )
+_READ = "aten._local_scalar_dense: .item() / float() / int() / bool() / .tolist(); u0, zuf0... name such numbers"
 _SHAPE_FIX = (
     "keep shapes fixed: instead of a boolean-mask index x[mask] (or nonzero / masked_select), "
     "use ignore_index (F.cross_entropy(..., ignore_index=-100)), per-element weights "
@@ -51,10 +57,18 @@ def as_data_dependent_error(exc: BaseException) -> DataDependentError:
     func = getattr(exc, "func", None)
     if func is not None:  # DynamicOutputShapeException / DataDependentOutputException
         return DataDependentError(f"{func} has an output shape (or value) that depends on tensor values", source, _SHAPE_FIX)
-    expr = str(exc).split("(unhinted")[0].strip().split("\n")[0]
+    text = str(exc).split("(unhinted")[0].strip().split("\n")[0]
+    if "specialized" in text:  # int(x.item()) as a size, range(), an index
+        expr = text.split("expression")[-1].strip()
+        what = (
+            f"a number read from a tensor ({_READ}) is used where a plain Python number is needed "
+            f"(a size, range() or an index), so its value `{expr}` would be fixed in the compiled step"
+        )
+        return DataDependentError(what, source, _SHAPE_FIX)
+    expr = text.removeprefix("Could not guard on data-dependent expression ")
     what = (
-        "a Python bool/int/float was read from a tensor's value "
-        f"({expr.removeprefix('Could not guard on data-dependent expression ')}) to decide what the step does"
+        f"Python control flow on a tensor's value: `if` / bool() / a comparison needs `{expr}`, "
+        f"a number read from a tensor ({_READ}), to decide what the step does"
     )
     return DataDependentError(what, source, _BRANCH_FIX)
 
@@ -80,15 +94,78 @@ class HparamValue:
 
     group: int
     key: str
+    index: int | None = None  # an element of a pair (``betas[0]``)
 
     def resolve(self, optimizer: Any) -> Any:
         value = optimizer.param_groups[self.group][self.key]
+        if self.index is not None:
+            value = value[self.index]
         return value.item() if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.requires_grad else value
 
 
 def resolve_constant(value: Any, optimizer: Any) -> Any:
     """A constant leaf of the step's return value as the user sees it this call."""
     return value.resolve(optimizer) if isinstance(value, HparamValue) else value
+
+
+# a number computed in the step (loss.item()) travels as a 0-d tensor output
+_NUMBER_DTYPES = {torch.SymFloat: torch.float64, torch.SymInt: torch.int64, torch.SymBool: torch.bool}
+_NUMBER_TYPES = {torch.SymFloat: float, torch.SymInt: int, torch.SymBool: bool}
+
+
+def user_outputs(
+    leaves: list[Any], read: dict[tuple[int, str], Any], hparams: dict[tuple[int, str], Any], stored: list[tuple[str, str, Any]]
+) -> tuple[list[torch.Tensor], list[int], dict[int, Any], dict[int, type], dict[int, tuple[str, str]]]:
+    """What the traced step returns for the leaves of its return value and the numbers it
+    ``stored`` on modules (:meth:`HostSnapshot.stored_numbers`, numbered after the leaves):
+    ``(tensors, their leaf indices, constants, {index: Python type of a number}, {index:
+    (module, attribute)})``. Tensors and numbers (``loss.item()``, ``x.size(0)``) are
+    graph outputs; constants and returned hyperparameters (:class:`HparamValue`) are not."""
+    outs: list[torch.Tensor] = []
+    indices: list[int] = []
+    constants: dict[int, Any] = {}
+    numbers: dict[int, type] = {}
+    for i, leaf in enumerate(leaves):
+        # a fused optimizer reads a float lr as a tensor: returned, it is the float as on one device
+        lr_key = next((k for k, v in read.items() if v is leaf and not isinstance(hparams[k], torch.Tensor)), None)
+        if lr_key is not None:
+            constants[i] = HparamValue(*lr_key)
+        elif isinstance(leaf, torch.Tensor):
+            outs.append(leaf)
+            indices.append(i)
+        else:
+            constants[i] = _hparam_leaf(leaf, read, hparams)
+            if isinstance(constants[i], SYM_TYPES):  # loss.item(), x.size(0), lr * 2
+                kind = type(constants.pop(i))
+                outs.append(torch.scalar_tensor(leaf, dtype=_NUMBER_DTYPES[kind]))
+                indices.append(i)
+                numbers[i] = _NUMBER_TYPES[kind]
+    attrs: dict[int, tuple[str, str]] = {}
+    for j, (owner, key, value) in enumerate(stored, start=len(leaves)):
+        outs.append(torch.scalar_tensor(value, dtype=_NUMBER_DTYPES[type(value)]))
+        indices.append(j)
+        numbers[j] = _NUMBER_TYPES[type(value)]
+        attrs[j] = (owner, key)
+    return outs, indices, constants, numbers, attrs
+
+
+def _hparam_leaf(leaf: Any, read: dict[tuple[int, str], Any], hparams: dict[tuple[int, str], Any]) -> Any:
+    """A returned constant that is a lifted hyperparameter as the optimizer read it (or
+    as it was before ``optimizer.step()``) becomes an :class:`HparamValue`, read again
+    after every call; anything else stays a constant."""
+    for key, value in read.items():
+        if leaf is value:
+            return HparamValue(*key)
+        if isinstance(value, tuple) and any(leaf is v for v in value):  # betas[i]
+            return HparamValue(*key, index=next(i for i, v in enumerate(value) if leaf is v))
+    if isinstance(leaf, (int, float)) and not isinstance(leaf, bool):
+        for key in read:
+            before = hparams.get(key)
+            if leaf is before:
+                return HparamValue(*key)
+            if isinstance(before, (tuple, list)) and any(leaf is v for v in before):
+                return HparamValue(*key, index=next(i for i, v in enumerate(before) if leaf is v))
+    return leaf
 
 
 # -------------------------------------------------------------- host values on the model
@@ -157,9 +234,20 @@ class HostSnapshot:
                     found.append((f"optimizer.state[<param>][{key!r}]", _symbols_of(entry.pop(key))))
         return found
 
-    def check(self, gm: fx.GraphModule | None) -> None:
-        """Restore, then raise HostValueError if anything held a symbol."""
-        found = self.restore_symbols()
+    def stored_numbers(self) -> list[tuple[str, str, Any]]:
+        """``(module, attribute, number)`` for each module attribute that now holds one
+        number read from a tensor (``self.last_loss = loss.item()``): the compiled step
+        returns it and the driver sets the attribute after every call."""
+        return [
+            (label, key, d[key]) for label, d, skip in self._owners if label.startswith("model")
+            for key in list(d) if key not in skip and isinstance(d[key], SYM_TYPES)
+        ]
+
+    def check(self, gm: fx.GraphModule | None, stored: set[tuple[str, str]] = frozenset()) -> None:
+        """Restore, then raise HostValueError if anything held a symbol (other than the
+        ``stored`` ``(module, attribute)`` numbers, which the compiled step returns)."""
+        done = {f"{label}.{key}" for label, key in stored}
+        found = [(name, symbols) for name, symbols in self.restore_symbols() if name not in done]
         if not found:
             return
         sources = []

@@ -6,15 +6,17 @@ and buffers, and the optimizer's per-parameter state (``exp_avg``, ``momentum_bu
 tensor for the duration of the call, keyed by fully-qualified name (FQN), and restore
 the originals afterwards.
 
-Optimizer hyperparameters that schedulers change every step (``lr``, see
-:data:`LIFTED_HPARAMS`) are inputs too: each param group's value is fed as a 0-d
-tensor and read with ``.item()`` inside the step, so the compiled program uses the
-current value. The others are part of the compiled step's cache key.
+Optimizer hyperparameters that schedulers change every step (``lr``, ``momentum``,
+``betas``, see :data:`LIFTED_HPARAMS`) are inputs too: each param group's value is fed as
+a float64 tensor and read with ``.item()`` inside the step, so the compiled program uses
+the current value; a branch of the optimizer on one (``if momentum != 0``) is a value
+guard (trace/value_guards.py). The others are part of the compiled step's cache key.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import weakref
 from collections import defaultdict
 from collections.abc import Iterator
@@ -25,10 +27,36 @@ import torch
 
 from .. import _private_torch as pt
 
-__all__ = ["ModelState", "StateCache", "collect_state", "swapped_state", "input_value", "LIFTED_HPARAMS"]
+log = logging.getLogger(__name__)
 
-# per-group optimizer settings fed to the compiled step at every call (schedulers change them)
-LIFTED_HPARAMS = ("lr",)
+__all__ = ["ModelState", "StateCache", "collect_state", "swapped_state", "input_value", "hparam_tensor", "is_lifted", "LIFTED_HPARAMS"]
+
+# per-group optimizer settings fed to the compiled step at every call (schedulers change
+# them: OneCycleLR cycles ``momentum`` / ``betas[0]`` along with ``lr``)
+LIFTED_HPARAMS = ("lr", "momentum", "betas")
+
+
+# optimizer -> {(group, key)}: fused groups whose momentum / betas changed between calls
+_CYCLING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def is_lifted(key: str, value: Any, group: dict[str, Any], cycling: bool = False) -> bool:
+    """Whether param group setting ``key`` (= ``value``) is a graph input: a number, a 0-d
+    tensor or (``betas``) a pair of numbers. A fused optimizer's kernel takes ``momentum``
+    and ``betas`` as Python numbers, so for it they stay fixed (part of the cache key)
+    until they are seen ``cycling`` (changing between calls): from then on they are
+    inputs and the group is traced with its per-parameter update."""
+    if key not in LIFTED_HPARAMS:
+        return False
+    if key != "lr" and group.get("fused") and not cycling:
+        return False
+    if key == "betas":
+        return isinstance(value, (tuple, list)) and len(value) == 2 and all(_is_number(v) for v in value)
+    return _is_number(value) or isinstance(value, torch.Tensor) and value.dim() == 0
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 @dataclass
@@ -46,16 +74,16 @@ class ModelState:
     param_groups: list[list[str]] = field(default_factory=list)
     aliases: dict[str, str] = field(default_factory=dict)  # tied FQN -> canonical FQN
     hparams: dict[tuple[int, str], Any] = field(default_factory=dict)  # (group, key) -> value
+    value_guards: dict[str, Any] = field(default_factory=dict)  # key -> ValueGuard (trace/value_guards.py)
+    cycling: set[tuple[int, str]] = field(default_factory=set)  # fused settings seen changing (see is_lifted)
 
     def tensor_optim_keys(self) -> list[tuple[str, str]]:
         return [k for k, v in self.optim.items() if isinstance(v, torch.Tensor)]
 
     def lifted_hparams(self) -> list[tuple[int, str]]:
         """``(group index, key)`` of the hyperparameters fed as inputs (numbers or 0-d tensors)."""
-        return [
-            (g, k) for (g, k), v in self.hparams.items()
-            if k in LIFTED_HPARAMS and (isinstance(v, (int, float)) and not isinstance(v, bool) or isinstance(v, torch.Tensor) and v.dim() == 0)
-        ]
+        return [(g, k) for (g, k), v in self.hparams.items()
+                if is_lifted(k, v, {"fused": self.hparams.get((g, "fused"))}, (g, k) in self.cycling)]
 
     def signature(self) -> tuple:
         """What a compiled step depends on besides the batch: optimizer state structure,
@@ -67,6 +95,11 @@ class ModelState:
             key = (optim, params, self.fixed_hparams())
             self._signature = key
         return key
+
+    def guard_outcomes(self) -> tuple:
+        """Which way each branch the optimizer took on its own numbers goes now (part of
+        the call signature: a flipped branch recompiles the step)."""
+        return tuple(g.holds(self) for g in self.value_guards.values())
 
     def fixed_hparams(self) -> tuple:
         """The other hyperparameters, as a hashable record (a change recompiles the step)."""
@@ -92,9 +125,18 @@ def input_value(inp: Any, state: ModelState, batch_leaves: list[Any]) -> torch.T
     if kind == "grad":
         return state.params[inp.name].grad
     if kind == "hparam":
-        v = state.hparams[(int(inp.name[len("param_groups[") : -1]), inp.key)]
-        return v if isinstance(v, torch.Tensor) else torch.tensor(float(v), dtype=torch.float64)
+        return hparam_tensor(state.hparams[(int(inp.name[len("param_groups[") : -1]), inp.key)])
     return batch_leaves[inp.index]
+
+
+def hparam_tensor(value: Any) -> torch.Tensor:
+    """A lifted setting as the graph input that carries it: a 0-d float64 tensor (a pair
+    such as ``betas``: a 1-d one of two)."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (tuple, list)):
+        return torch.tensor([float(v) for v in value], dtype=torch.float64)
+    return torch.tensor(float(value), dtype=torch.float64)
 
 
 def collect_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> ModelState:
@@ -114,6 +156,7 @@ def collect_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
     state = ModelState(params=params, buffers=buffers, aliases=aliases)
     if optimizer is None:
         return state
+    state.cycling = set(_CYCLING.get(optimizer, ()))
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
             f"expected the optimizer (second argument of the step) to be a torch.optim.Optimizer or None, "
@@ -148,10 +191,12 @@ def _fingerprint(modules: list[torch.nn.Module], optimizer: Any) -> tuple:
     )
     if optimizer is None:
         return mods, None
+    cycling = _CYCLING.get(optimizer, ())
     groups = tuple(
         (tuple(map(id, g["params"])),
-         tuple((k, id(v) if isinstance(v, torch.Tensor) else v) for k, v in g.items() if k != "params" and k not in LIFTED_HPARAMS))
-        for g in optimizer.param_groups
+         tuple((k, id(v) if isinstance(v, torch.Tensor) else v) for k, v in g.items()
+               if k != "params" and not is_lifted(k, v, g, (i, k) in cycling)))
+        for i, g in enumerate(optimizer.param_groups)
     )
     state = tuple((id(p), tuple(st), tuple(map(id, st.values()))) for p, st in optimizer.state.items())
     return mods, groups, state
@@ -169,19 +214,46 @@ class StateCache:
         self._modules: list[torch.nn.Module] = []
         self._fp: Any = None
         self.state: ModelState | None = None
+        self.value_guards: dict[str, Any] = {}
+
+    def add_value_guards(self, guards: list[Any]) -> None:
+        """Remember the value guards of a compiled step: every later call signature
+        includes their outcomes."""
+        for g in guards:
+            self.value_guards.setdefault(g.key, g)
 
     def get(self, model: torch.nn.Module, optimizer: Any) -> ModelState:
         if self.state is not None and self._refs is not None and self._refs[0]() is model and self._refs[1]() is optimizer:
             if _fingerprint(self._modules, optimizer) == self._fp:
                 for g, k in self.state.lifted_hparams():
                     self.state.hparams[(g, k)] = optimizer.param_groups[g][k]
+                self.state.value_guards = self.value_guards
                 return self.state
         state = collect_state(model, optimizer)
+        same = self._refs is not None and self._refs[0]() is model and self._refs[1]() is optimizer
+        if same and self.state is not None and optimizer is not None and _mark_cycling(self.state, state, optimizer):
+            state = collect_state(model, optimizer)
         self._modules = list(model.modules())
         self._fp = _fingerprint(self._modules, optimizer)
         self._refs = (weakref.ref(model), weakref.ref(optimizer) if optimizer is not None else (lambda: None))
         self.state = state
+        state.value_guards = self.value_guards
         return state
+
+
+def _mark_cycling(old: ModelState, new: ModelState, optimizer: Any) -> bool:
+    """Mark the fused groups' momentum / betas that changed since the last call (a
+    scheduler cycles them) as inputs from now on (:func:`is_lifted`); True if any."""
+    changed = {
+        (g, k) for (g, k), v in new.hparams.items()
+        if k in ("momentum", "betas") and new.hparams.get((g, "fused")) and (g, k) not in new.cycling
+        and (g, k) in old.hparams and old.hparams[(g, k)] != v and is_lifted(k, v, {}, True)
+    }
+    if changed:
+        log.info("%s of a fused optimizer change between calls: fed as inputs from now on, with the per-parameter "
+                 "update instead of the fused kernel (no recompile per change)", ", ".join(f"param_groups[{g}][{k!r}]" for g, k in sorted(changed)))
+        _CYCLING.setdefault(optimizer, set()).update(changed)
+    return bool(changed)
 
 
 @contextlib.contextmanager

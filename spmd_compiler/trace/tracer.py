@@ -24,10 +24,12 @@ from torch.utils import _pytree as pytree
 
 from .. import _private_torch as pt
 from .decompositions import decomposition_table
-from .host_values import HostSnapshot, HparamValue, as_data_dependent_error, check_data_dependent_shapes
+from .host_values import HostSnapshot, as_data_dependent_error, check_data_dependent_shapes, user_outputs
 from .markers import phase_markers, split_point_hooks, tag_phases
+from .rewrites import traceable_scalars
 from .rng import RngLedger, replay_recomputed_draws, rng_replay
-from .state import ModelState, collect_state, swapped_state
+from .state import ModelState, collect_state, hparam_tensor, swapped_state
+from .value_guards import ValueGuard, attach_values, host_scalar_values, is_host_scalar_input, value_guards_of
 
 __all__ = ["GraphInput", "GraphOutput", "TracedStep", "trace", "CONSTANT_LEAF_TYPES"]
 
@@ -115,6 +117,10 @@ class TracedStep:
     grads_left: tuple[str, ...] = ()
     trace_seconds: float = 0.0
     model: Any = None
+    value_guards: list[ValueGuard] = field(default_factory=list)  # optimizer branches on host scalars
+    host_numbers: dict[int, type] = field(default_factory=dict)  # user leaves returned as Python numbers
+    # outputs past the user leaves: numbers the step stored on the model / optimizer, by (owner, attribute)
+    host_attributes: dict[int, tuple[str, str]] = field(default_factory=dict)
 
     def placeholders(self) -> list[fx.Node]:
         return [n for n in self.gm.graph.nodes if n.op == "placeholder"]
@@ -225,8 +231,7 @@ def trace(
         add("grad", n, state.params[n].grad)
     lifted = state.lifted_hparams()
     for g, k in lifted:
-        v = state.hparams[(g, k)]
-        add("hparam", f"param_groups[{g}]", v if isinstance(v, torch.Tensor) else torch.tensor(float(v), dtype=torch.float64), key=k)
+        add("hparam", f"param_groups[{g}]", hparam_tensor(state.hparams[(g, k)]), key=k)
     batch_constants: dict[int, Any] = {}
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor):
@@ -247,20 +252,30 @@ def trace(
             fake.requires_grad_(True)
         fakes.append(fake)
 
+    # host scalars (lifted hyperparameters, 0-d optimizer state) carry their real values
+    # through optimizer.step(), so its branches on them are taken (trace/value_guards.py)
+    scalars = {
+        i: v.detach().clone() for i, v in (
+            (i, t if inp.kind == "hparam" else pt.local_tensor(state.optim[(inp.name, inp.key)]))
+            for i, (inp, t) in enumerate(zip(inputs, real)) if is_host_scalar_input(inp)
+        ) if v.device.type == "cpu"  # a value we can read without a device sync (not on meta)
+    }
     n_params, n_buffers = len(state.params), len(state.buffers)
     n_optim, n_grads, n_hparams = len(optim_tensor_keys), len(grads_in), len(lifted)
     # foreach optimizers are traced with their per-parameter implementation (the same
     # update; on CPU the foreach kernels loop over tensors anyway). Fused ones keep their
     # one-kernel update (expand/rules/optimizers.py), reading a group's lr as a tensor.
     per_parameter = ("foreach",) if fused_optimizer else ("foreach", "fused")
-    multi_tensor = [(g, k) for (g, k), v in state.hparams.items() if k in per_parameter and v]
-    fused_groups = {g for (g, k), v in state.hparams.items() if k == "fused" and v and fused_optimizer}
+    cycled = {g for g, _ in state.cycling}  # fused groups whose momentum / betas a scheduler changes: per-parameter
+    multi_tensor = [(g, k) for (g, k), v in state.hparams.items() if (k in per_parameter or k == "fused" and g in cycled) and v]
+    fused_groups = {g for (g, k), v in state.hparams.items() if k == "fused" and v and fused_optimizer and g not in cycled}
     if multi_tensor:
         log.info("tracing the optimizer's per-parameter implementation instead of %s", ", ".join(f"param_groups[{g}][{k!r}]=True" for g, k in multi_tensor))
     layout: dict[str, Any] = {}
     read_values: dict[tuple[int, str], Any] = {}  # what the optimizer read for each lifted hparam
 
     def functional_step(*flat: torch.Tensor) -> list[Any]:
+        attach_values(flat, scalars)
         params = dict(zip(state.params, flat[:n_params]))
         buffers = dict(zip(state.buffers, flat[n_params : n_params + n_buffers]))
         optim = {k: v for k, v in state.optim.items() if not isinstance(v, torch.Tensor)}
@@ -272,7 +287,9 @@ def trace(
         # numbers are read out with .item() when the optimizer step starts: its
         # arithmetic stays scalar, and the read belongs to the optimizer phase
         hparams = {
-            key: (lambda t=t: t) if isinstance(state.hparams[key], torch.Tensor) or key[0] in fused_groups else (lambda t=t: t.item())
+            key: (lambda t=t: t) if isinstance(state.hparams[key], torch.Tensor) or key[0] in fused_groups
+            else (lambda t=t: tuple(t[i].item() for i in range(t.shape[0]))) if t.dim() == 1  # betas
+            else (lambda t=t: t.item())
             for key, t in zip(lifted, flat[start : start + n_hparams])
         }
         hparams = {key: _recording(key, make, read_values) for key, make in hparams.items()}
@@ -289,15 +306,8 @@ def trace(
             final_optim = ctx["optim_state"]()
         grads_left = [n for n, p in params.items() if p.grad is not None]
         user_leaves, user_spec = pytree.tree_flatten(result)
-        outs: list[Any] = []
-        descr: list[GraphOutput] = []
-        constants: dict[int, Any] = {}
-        for i, leaf in enumerate(user_leaves):
-            if isinstance(leaf, torch.Tensor):
-                outs.append(leaf)
-                descr.append(GraphOutput("user", index=i))
-            else:
-                constants[i] = _hparam_leaf(leaf, read_values, state.hparams)
+        outs, user_indices, constants, numbers, attrs = user_outputs(user_leaves, read_values, state.hparams, host.stored_numbers())
+        descr = [GraphOutput("user", index=i) for i in user_indices]
         for n, p in params.items():
             outs.append(p)
             descr.append(GraphOutput("param", n))
@@ -314,7 +324,7 @@ def trace(
                 descr.append(GraphOutput("optim", n, key=k))
                 if (n, k) not in optim_tensor_keys:
                     new_keys.append((n, k))
-        layout.update(descr=descr, spec=user_spec, constants=constants, new_keys=new_keys, grads_left=grads_left)
+        layout.update(descr=descr, spec=user_spec, constants=constants, new_keys=new_keys, grads_left=grads_left, numbers=numbers, attrs=attrs)
         return outs
 
     start = time.perf_counter()
@@ -322,7 +332,8 @@ def trace(
     ledger = RngLedger()
     pt.record_stack_traces_of(step_fn)  # the step's own lines (loss, `if`, .item()) get a user line
     try:
-        with phase_markers(optimizer), pt.preserve_node_meta(), split_point_hooks(model, split_points), rng_replay(ledger):
+        with phase_markers(optimizer), pt.preserve_node_meta(), split_point_hooks(model, split_points), \
+                host_scalar_values(mode, optimizer, bool(scalars)), traceable_scalars(), rng_replay(ledger):
             gm = make_fx(
                 functional_step,
                 decomposition_table=decomposition_table(),
@@ -336,8 +347,9 @@ def trace(
         host.restore_symbols()
         raise
     elapsed = time.perf_counter() - start
-    host.check(gm)
+    host.check(gm, stored=set(layout.get("attrs", {}).values()))
     check_data_dependent_shapes(gm)
+    value_guards = value_guards_of(gm, mode, inputs)  # before dead code goes: a read may only feed a branch
 
     replay_recomputed_draws(gm, ledger)
     tag_phases(gm)
@@ -351,16 +363,6 @@ def trace(
         pt.rename_node(node, f"{prefix}_{_safe_name(inp.label)}")
         node.meta["spmd_input"] = inp
     gm.recompile()
-    for c in layout["constants"].values():
-        if isinstance(c, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-            raise TypeError(
-                "train_step returned a Python number computed from tensor sizes or values inside the "
-                "step (.item() / float() of a tensor, x.size(0), or arithmetic on a scheduled "
-                "hyperparameter such as lr * 2); "
-                f"expected tensors, constants or optimizer.param_groups[i]['lr'] as it is, got {c!r}. "
-                "fix: return the tensor itself (e.g. the loss, or x.new_tensor(x.size(0))) and call "
-                ".item() on what the compiled step returns."
-            )
     log.info("traced step: %d nodes in %.2fs", len(gm.graph.nodes), elapsed)
     return TracedStep(
         gm=gm,
@@ -376,6 +378,9 @@ def trace(
         grads_left=tuple(layout["grads_left"]),
         trace_seconds=elapsed,
         model=model,
+        value_guards=value_guards,
+        host_numbers=layout["numbers"],
+        host_attributes=layout["attrs"],
     )
 
 
@@ -385,20 +390,6 @@ def _recording(key: tuple[int, str], make: Callable[[], Any], read: dict) -> Cal
         return value
 
     return install
-
-
-def _hparam_leaf(leaf: Any, read: dict[tuple[int, str], Any], hparams: dict[tuple[int, str], Any]) -> Any:
-    """A returned constant that is a lifted hyperparameter as the optimizer read it (or
-    as it was before ``optimizer.step()``) becomes an :class:`HparamValue`, read again
-    after every call; anything else stays a constant."""
-    for key, value in read.items():
-        if leaf is value:
-            return HparamValue(*key)
-    if isinstance(leaf, (int, float)) and not isinstance(leaf, bool):
-        for key in read:
-            if leaf is hparams.get(key):
-                return HparamValue(*key)
-    return leaf
 
 
 def _module_tensor(model: torch.nn.Module, fqn: str) -> torch.Tensor:

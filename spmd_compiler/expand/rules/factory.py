@@ -16,7 +16,7 @@ import torch
 
 from ... import _private_torch as pt
 from ..builder import SubgraphBuilder
-from ..dispatch import ExpandContext, _out_tensor
+from ..dispatch import ExpandContext, ScalarArg, _out_tensor
 from ..registry import register_rule
 from ..values import DSymInt
 
@@ -32,6 +32,8 @@ _NEW = [aten.new_zeros.default, aten.new_ones.default, aten.new_empty.default, a
 
 
 def _g(x: Any) -> Any:
+    if isinstance(x, ScalarArg):  # a run-time number (torch.as_tensor(step.item() * 2))
+        return x.node
     return x.global_value if isinstance(x, DSymInt) else x
 
 

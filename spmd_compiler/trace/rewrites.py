@@ -1,0 +1,121 @@
+"""Trace-time replacements that keep torch's own Python code traceable as it is.
+
+Some optimizers compute with numbers read from tensors (``.item()``) using Python
+builtins that must know the number: ``max(eps2, param.norm().item() / n)`` in Adafactor,
+``max(1, step - t0)`` in ASGD, ``torch.as_tensor(lr / ...)`` of such a number. During
+the trace these numbers are symbols; the builtins would compare or convert them and fail
+(or fix the traced step to one value). While tracing we give them symbolic versions that
+compute the same thing when the compiled step runs:
+
+* ``max`` / ``min`` of two numbers, one symbolic, in the modules of
+  :data:`SYM_BUILTIN_MODULES`, become ``torch.sym_max`` / ``torch.sym_min`` (a graph node
+  that runs Python's ``max`` on the real numbers);
+* ``torch.as_tensor(number)`` of a symbolic number becomes ``torch.scalar_tensor`` with
+  the dtype ``as_tensor`` would give it;
+* BatchNorm with ``momentum=None`` (a cumulative average of the batch statistics,
+  weighted ``1 / float(num_batches_tracked)`` in Python) computes that weight as a tensor
+  and updates its running statistics with the same formula its kernel uses.
+
+Each is the same arithmetic as on one device (Python floats in float64), only deferred
+to when the step runs. Add a module to :data:`SYM_BUILTIN_MODULES` when another
+optimizer calls ``max`` / ``min`` on such numbers.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import importlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .. import _private_torch as pt
+
+__all__ = ["SYM_BUILTIN_MODULES", "traceable_scalars"]
+
+SYM_BUILTIN_MODULES = ("torch.optim._adafactor", "torch.optim.asgd", "torch.optim.radam")
+
+_SYM = (torch.SymInt, torch.SymFloat, torch.SymBool)
+_MISSING = object()
+
+
+def _sym_max(*args: Any, **kwargs: Any) -> Any:
+    if len(args) == 2 and not kwargs and any(isinstance(a, _SYM) for a in args):
+        return torch.sym_max(*_same_kind(*args))
+    return builtins.max(*args, **kwargs)
+
+
+def _sym_min(*args: Any, **kwargs: Any) -> Any:
+    if len(args) == 2 and not kwargs and any(isinstance(a, _SYM) for a in args):
+        return torch.sym_min(*_same_kind(*args))
+    return builtins.min(*args, **kwargs)
+
+
+def _same_kind(a: Any, b: Any) -> tuple[Any, Any]:
+    """``sym_max(1, x)`` of an int and a float: both floats (Python's max would return
+    the int 1, equal to 1.0 in any arithmetic that follows)."""
+    floats = any(isinstance(v, (float, torch.SymFloat)) for v in (a, b))
+    return (torch.sym_float(a), torch.sym_float(b)) if floats else (a, b)
+
+
+_as_tensor = torch.as_tensor
+
+
+def _sym_as_tensor(data: Any, dtype: torch.dtype | None = None, device: Any = None) -> torch.Tensor:
+    if isinstance(data, _SYM):
+        if dtype is None:
+            dtype = {torch.SymFloat: torch.get_default_dtype(), torch.SymInt: torch.int64, torch.SymBool: torch.bool}[type(data)]
+        return torch.scalar_tensor(data, dtype=dtype, device=device)
+    return _as_tensor(data, dtype=dtype, device=device)
+
+
+_BatchNorm = pt.batchnorm_base()
+_bn_forward = _BatchNorm.forward
+
+
+def _cumulative_bn_forward(self: torch.nn.Module, input: torch.Tensor) -> torch.Tensor:
+    """``_BatchNorm.forward`` for ``momentum=None`` in training: the batch statistics come
+    from ``F.batch_norm`` with momentum 1 on copies of the running buffers, then
+    ``running = f * batch + (1 - f) * running`` with ``f = 1 / num_batches_tracked``, the
+    kernel's own update, in the buffers' dtype."""
+    if self.momentum is not None or not self.training or not self.track_running_stats or self.num_batches_tracked is None:
+        return _bn_forward(self, input)
+    self._check_input_dim(input)
+    self.num_batches_tracked.add_(1)
+    batch_mean, batch_var = self.running_mean.clone(), self.running_var.clone()
+    out = F.batch_norm(input, batch_mean, batch_var, self.weight, self.bias, True, 1.0, self.eps)
+    with torch.no_grad():
+        f = 1.0 / self.num_batches_tracked.to(torch.float64)  # Python's 1.0 / float(n)
+        for running, batch in ((self.running_mean, batch_mean), (self.running_var, batch_var)):
+            running.copy_(batch * f.to(running.dtype) + running * (1 - f).to(running.dtype))
+    return out
+
+
+@contextlib.contextmanager
+def traceable_scalars() -> Iterator[None]:
+    """Install the symbolic ``max`` / ``min`` / ``torch.as_tensor`` and the BatchNorm
+    cumulative average for the trace."""
+    saved: list[tuple[Any, str, Any]] = []
+    try:
+        for name in SYM_BUILTIN_MODULES:
+            try:
+                module = importlib.import_module(name)
+            except ImportError:  # an older or newer torch without it
+                continue
+            for attr, fn in (("max", _sym_max), ("min", _sym_min)):
+                saved.append((module, attr, module.__dict__.get(attr, _MISSING)))
+                setattr(module, attr, fn)
+        saved.append((torch, "as_tensor", torch.as_tensor))
+        torch.as_tensor = _sym_as_tensor
+        saved.append((_BatchNorm, "forward", _BatchNorm.__dict__["forward"]))
+        _BatchNorm.forward = _cumulative_bn_forward
+        yield
+    finally:
+        for module, attr, old in reversed(saved):
+            if old is _MISSING:
+                delattr(module, attr)
+            else:
+                setattr(module, attr, old)
