@@ -25,7 +25,7 @@ def llama(attn: str) -> torch.nn.Module:
     # grouped-query attention: 4 query heads share 2 key/value heads
     cfg = transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=16, attn_implementation=attn, bos_token_id=0, eos_token_id=0,
+        num_key_value_heads=2, max_position_embeddings=16, attn_implementation=attn, bos_token_id=0, eos_token_id=0, use_cache=False,
     )
     return transformers.LlamaForCausalLM(cfg)
 
