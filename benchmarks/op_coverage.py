@@ -387,8 +387,8 @@ BEYOND_THE_SWEEP = [
     "check this. Known gaps, as strict xfails there (results right, traffic not minimal):",
     "`nn.MultiheadAttention(need_weights=True)` and BatchNorm gather the batch under DP, MHA gathers",
     "heads under TP (its `(seq, batch * heads, head_dim)` views merge a split dim after another, which",
-    "DTensor's view strategy cannot shard; no batch-sharded batch-norm strategy), and Llama on dp x tp",
-    "gathers on dp for `create_causal_mask`'s `index.Tensor` by a batch arange.",
+    "DTensor's view strategy cannot shard; no batch-sharded batch-norm strategy), and Llama with",
+    "`use_cache=False` gathers the batch under DP for `create_causal_mask`'s `index.Tensor` by a batch arange.",
 ]
 
 
