@@ -101,13 +101,13 @@ def test_batch_and_heads_on_a_2d_mesh(mesh2x2):
     assert tuple(fwd.args[0].meta["val"].shape[:2]) == (2, 2)
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_sequence_shard(causal):
-    """A query split by rows attends to gathered keys/values; with a causal mask the
-    rows' global positions matter, so the query is gathered too."""
+@pytest.mark.parametrize("causal,mask", [(False, False), (True, False), (False, True)])
+def test_sequence_shard(causal, mask):
+    """A query split by rows attends to gathered keys/values (a mask split by the same
+    rows); with is_causal the rows' global positions matter, so the query is gathered too."""
     mesh = fake_mesh((2,), ("sp",))
     plan = sc.Plan(default_input=[Shard(1)])
-    res = assert_training_matches(step, SelfAttention(causal=causal).double(), adamw, batches(), mesh, plan)
+    res = assert_training_matches(step, SelfAttention(causal=causal, mask=mask).double(), adamw, batches(), mesh, plan)
     gathered = attention_collectives(res)
     (fwd,) = sdpa_nodes(res)
     q_rows, k_rows = fwd.args[0].meta["val"].shape[2], fwd.args[1].meta["val"].shape[2]
@@ -118,6 +118,7 @@ def test_sequence_shard(causal):
         assert (q_rows, k_rows) == (4, 8)  # rows stay split, keys whole
         assert gathered and not any("query of" in g for g in gathered), gathered
         assert all(g.startswith("all_gather") or "backward" in g for g in gathered), gathered
+        assert not any("attn_mask" in g for g in gathered), gathered  # the mask's rows stay split
 
 
 def test_fallback_keeps_traced_layout(mesh4, monkeypatch):
