@@ -480,15 +480,18 @@ def replicate_fallback(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tu
             dst = pt.make_spec(ctx.mctx.mesh, [pt.Replicate()] * ctx.mctx.ndim, x.spec.shape, x.spec.stride, x.spec.tensor_meta.dtype)
             reason = f"input {i} of {_op_name(op)} (replicate fallback{': ' + why if why else ''})"
             node, _ = emit_redistribute(b, x.node, x.spec, dst, mask=x.mask, reason=reason, input_index=x.index, value_label=x.label)
-            # a gathered value is contiguous; the op may pass its layout on (see .layout)
-            leaves.append(restride_like(b, node, x.spec.shape, x.spec.stride))
+            # a gathered value is contiguous; the op may pass its layout on (see .layout).
+            # Only gathered copies: a value used as is may be one the op writes in place
+            leaves.append(restride_like(b, node, x.spec.shape, x.spec.stride) if node is not x.node else node)
             i += 1
         else:
             leaves.append(_global_leaf(x))
     l_args, l_kwargs = pytree.tree_unflatten(leaves, tree)
     result = b.call(op, *l_args, **l_kwargs)
     result.meta["spmd_fallback"] = why or "no sharding strategy"
-    traced = ctx.node.meta.get("val") if ctx.node is not None and ctx.node.target is op else None
+    # results that alias an input (views, in-place ops) keep their layout: a copy would cut the alias
+    aliases = pt.is_view_op(op) or bool(pt.written_args(op))
+    traced = ctx.node.meta.get("val") if ctx.node is not None and ctx.node.target is op and not aliases else None
     return _replicated_result(ctx, b, result, traced)
 
 
