@@ -24,7 +24,7 @@ def adamw(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
 
 
-def dp_plan(ndim: int = 1) -> sc.Plan:
+def dp_plan() -> sc.Plan:
     """Plain data parallel: parameters replicated, batch split along dim 0."""
     return sc.Plan()
 
