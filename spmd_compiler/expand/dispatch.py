@@ -22,6 +22,7 @@ from .. import _private_torch as pt
 from ..errors import SpmdError, UnsupportedOpError
 from .builder import OutTensor, SubgraphBuilder
 from .chunks import chunk_sizes
+from .layout import restride_like
 from .redistribute import emit_redistribute, logical_shape
 from .registry import get_rule
 from .values import DSymInt, MeshContext, placements_text
@@ -481,28 +482,40 @@ def replicate_fallback(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tu
             dst = pt.make_spec(ctx.mctx.mesh, [pt.Replicate()] * ctx.mctx.ndim, x.spec.shape, x.spec.stride, x.spec.tensor_meta.dtype)
             reason = f"input {i} of {_op_name(op)} (replicate fallback{': ' + why if why else ''})"
             node, _ = emit_redistribute(b, x.node, x.spec, dst, mask=x.mask, reason=reason, input_index=x.index, value_label=x.label)
-            leaves.append(node)
+            # a gathered value is contiguous; the op may pass its layout on (see .layout).
+            # Only gathered copies: a value used as is may be one the op writes in place
+            leaves.append(restride_like(b, node, x.spec.shape, x.spec.stride) if node is not x.node else node)
             i += 1
         else:
             leaves.append(_global_leaf(x))
     l_args, l_kwargs = pytree.tree_unflatten(leaves, tree)
     result = b.call(op, *l_args, **l_kwargs)
     result.meta["spmd_fallback"] = why or "no sharding strategy"
-    return _replicated_result(ctx, b, result)
+    # results that alias an input (views, in-place ops) keep their layout: a copy would cut the alias
+    aliases = pt.is_view_op(op) or bool(pt.written_args(op))
+    traced = ctx.node.meta.get("val") if ctx.node is not None and ctx.node.target is op and not aliases else None
+    return _replicated_result(ctx, b, result, traced)
 
 
-def _replicated_result(ctx: ExpandContext, b: SubgraphBuilder, node: fx.Node) -> Any:
-    def spec_of(v: torch.Tensor) -> Any:
-        return pt.make_spec(ctx.mctx.mesh, [pt.Replicate()] * ctx.mctx.ndim, v.shape, v.stride(), v.dtype)
+def _replicated_result(ctx: ExpandContext, b: SubgraphBuilder, node: fx.Node, traced: Any = None) -> Any:
+    """The result of an op run on whole tensors, each tensor laid out as ``traced`` (the
+    traced node's value, when known) was, so later ops see the traced layouts."""
+
+    def out(n: fx.Node, t: Any) -> OutTensor:
+        if isinstance(t, torch.Tensor) and [pt.size_hint(s) for s in t.shape] == list(n.meta["val"].shape):
+            n = restride_like(b, n, t.shape, t.stride())
+        v = n.meta["val"]
+        return _out_tensor(b, n, pt.make_spec(ctx.mctx.mesh, [pt.Replicate()] * ctx.mctx.ndim, v.shape, v.stride(), v.dtype), {})
 
     val = node.meta["val"]
     if isinstance(val, torch.Tensor):
-        return _out_tensor(b, node, spec_of(val), {})
+        return out(node, traced)
     if isinstance(val, (tuple, list)):
         res = []
-        for item in b.getitems(node):
+        traced_items = list(traced) if isinstance(traced, (tuple, list)) and len(traced) == len(val) else [None] * len(val)
+        for item, t in zip(b.getitems(node), traced_items):
             v = item.meta["val"]
-            res.append(_out_tensor(b, item, spec_of(v), {}) if isinstance(v, torch.Tensor) else v)
+            res.append(out(item, t) if isinstance(v, torch.Tensor) else v)
         return type(val)(res) if isinstance(val, tuple) else res
     return val
 

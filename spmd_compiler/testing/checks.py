@@ -220,7 +220,7 @@ def local_shape(global_shape: Sequence[int], placements: Sequence[Any], mesh_sha
 
 
 def _is_sharded(global_shape: Sequence[int], placements: Sequence[Any], mesh_shape: Sequence[int]) -> bool:
-    return any(p.is_shard() and mesh_shape[a] > 1 and global_shape[p.dim] >= 2 for a, p in enumerate(placements))
+    return any((p.is_shard() or isinstance(p, pt.StridedShard)) and mesh_shape[a] > 1 and global_shape[p.dim] >= 2 for a, p in enumerate(placements))
 
 
 # ----------------------------------------------------------------------------- programs

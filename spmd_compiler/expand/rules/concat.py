@@ -1,0 +1,90 @@
+"""Concatenation and splitting of fused projections (qkv) along a sharded dim.
+
+A fused ``qkv`` projection split by output features for tensor parallelism must give
+each rank its share of q, of k and of v: ``_StridedShard(d, split_factor=3)`` of the
+fused dim (GPT-2's ``c_attn``). DTensor gathers such a value before ``split``, and
+gathers the three ``Shard(d)`` gradients before ``cat`` in backward. Neither needs data
+from another rank:
+
+* ``split`` / ``split_with_sizes`` of a ``_StridedShard(d, k)`` dim into ``k`` equal
+  pieces: each piece is ``Shard(d)`` and each rank's local pieces are the local tensor
+  split into ``k`` equal parts;
+* ``cat`` along ``d`` of ``k`` tensors of equal size, each ``Shard(d)`` on a mesh axis:
+  the result is ``_StridedShard(d, k)`` on that axis, the local ``cat``.
+
+(Only where no other mesh axis splits ``d``.) ``cat`` also drops the legacy empty 1-D
+inputs that ``torch.cat`` skips (an empty KV cache, ``cat([tensor([]), x], -2)``),
+whose placements DTensor cannot line up with the others.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ... import _private_torch as pt
+from ..builder import SubgraphBuilder
+from ..dispatch import ExpandContext, TensorArg, _out_tensor, expand_op, generic_expand
+from ..registry import register_rule
+
+aten = torch.ops.aten
+
+
+def _only_axis(placements: Any, dim: int, kind: type) -> int | None:
+    """The one mesh axis whose placement is ``kind`` on ``dim``; None when another axis
+    also splits ``dim`` or none does."""
+    axes = [a for a, p in enumerate(placements) if getattr(p, "dim", None) == dim and (p.is_shard() or isinstance(p, pt.StridedShard))]
+    if len(axes) != 1 or type(placements[axes[0]]) is not kind:
+        return None
+    return axes[0]
+
+
+def _spec(spec: Any, axis: int, placement: Any, shape: Any) -> Any:
+    placements = list(spec.placements)
+    placements[axis] = placement
+    stride = torch.empty(tuple(shape), device="meta").stride()
+    return pt.make_spec(spec.mesh, placements, tuple(shape), stride, spec.tensor_meta.dtype)
+
+
+@register_rule(aten.cat.default)
+def _cat(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: dict) -> Any:
+    tensors, dim = list(args[0]), (args[1] if len(args) > 1 else kwargs.get("dim", 0))
+    if not all(isinstance(t, TensorArg) for t in tensors):
+        return generic_expand(ctx, b, op, args, kwargs)
+    kept = [t for t in tensors if not (len(t.spec.shape) == 1 and t.spec.shape[0] == 0)]
+    if kept and len(kept) < len(tensors) and any(len(t.spec.shape) > 1 for t in kept):
+        return expand_op(ctx, b, op, (kept, dim), {})  # torch.cat skips legacy empty inputs
+    ndim = len(tensors[0].spec.shape)
+    dim = dim % ndim if ndim else dim
+    first = tensors[0].spec
+    axis = _only_axis(first.placements, dim, pt.Shard)
+    same = all(tuple(t.spec.placements) == tuple(first.placements) and tuple(t.spec.shape) == tuple(first.shape) for t in tensors)
+    if axis is None or len(tensors) < 2 or not same:
+        return generic_expand(ctx, b, op, args, kwargs)
+    node = b.call(op, [t.node for t in tensors], dim)
+    shape = list(first.shape)
+    shape[dim] *= len(tensors)
+    return _out_tensor(b, node, _spec(first, axis, pt.StridedShard(dim, split_factor=len(tensors)), shape), {})
+
+
+@register_rule(aten.split.Tensor, aten.split_with_sizes.default)
+def _split(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: dict) -> Any:
+    x, sizes = args[0], args[1]
+    dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
+    if not isinstance(x, TensorArg) or any(not isinstance(s, int) for s in (sizes if isinstance(sizes, (list, tuple)) else [sizes])):
+        return generic_expand(ctx, b, op, args, kwargs)
+    dim = dim % len(x.spec.shape)
+    axis = _only_axis(x.spec.placements, dim, pt.StridedShard)
+    if axis is None:
+        return generic_expand(ctx, b, op, args, kwargs)
+    k, size = int(x.spec.placements[axis].split_factor), x.spec.shape[dim]
+    pieces = list(sizes) if isinstance(sizes, (list, tuple)) else [sizes] * -(-size // sizes)
+    if len(pieces) != k or size % k or any(p != size // k for p in pieces):
+        return generic_expand(ctx, b, op, args, kwargs)
+    local = b.local_chunk(size // k, axis)  # each block's piece on this rank
+    node = b.call(aten.split_with_sizes.default, x.node, [local] * k, dim)
+    shape = list(x.spec.shape)
+    shape[dim] = size // k
+    spec = _spec(x.spec, axis, pt.Shard(dim), shape)
+    return [_out_tensor(b, item, spec, {}) for item in b.getitems(node)]

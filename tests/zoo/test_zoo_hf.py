@@ -1,0 +1,140 @@
+"""Hugging Face models (random init from tiny configs, no downloads) under data parallel
+and FSDP-style plans, with SDPA and eager attention: 3 steps vs one device."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import transformers
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+from zoo_common import SDPA, SDPA_BACKWARD, adamw, attention_collectives, lm_step, ops_in, run_case
+
+import spmd_compiler as sc
+from spmd_compiler.testing import assert_distributed, assert_training_matches, fake_mesh
+
+VOCAB, SEQ, BATCH = 32, 8, 4
+
+
+def gpt2(attn: str) -> torch.nn.Module:
+    cfg = transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=16, n_embd=16, n_layer=1, n_head=2, attn_implementation=attn,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    )
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def llama(attn: str, **overrides) -> torch.nn.Module:
+    # grouped-query attention: 4 query heads share 2 key/value heads
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=16, attn_implementation=attn, bos_token_id=0, eos_token_id=0, **overrides,
+    )
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def bert(attn: str) -> torch.nn.Module:
+    cfg = transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        max_position_embeddings=16, attn_implementation=attn, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        pad_token_id=0,
+    )
+    return transformers.BertForMaskedLM(cfg)
+
+
+MODELS = {"gpt2": gpt2, "llama": llama, "bert": bert}
+
+
+@pytest.fixture(autouse=True)
+def _quiet_transformers():
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+
+
+def batches(n: int = 3) -> list:
+    return [(torch.randint(0, VOCAB, (BATCH, SEQ)), torch.randint(0, VOCAB, (BATCH, SEQ))) for _ in range(n)]
+
+
+@pytest.mark.parametrize("plan", ["dp", "fsdp"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_hf_model(name, attn, plan):
+    model = MODELS[name](attn).double()
+    res = run_case(lm_step, model, batches(), plan)
+    ops = ops_in(res)
+    if attn == "sdpa":  # the attention rule ran, with the batch split and no collective
+        assert {SDPA, SDPA_BACKWARD} <= ops, "expected SDPA's CPU flash ops in the program"
+        assert attention_collectives(res) == []
+    else:
+        assert SDPA not in ops
+
+
+@pytest.mark.parametrize("plan", ["dp", "fsdp"])
+def test_gpt2_four_ranks(plan):
+    res = run_case(lm_step, gpt2("sdpa").double(), batches(), plan, ranks=4)
+    assert attention_collectives(res) == []
+
+
+# ----------------------------------------------------------------------------- TP and 2-D
+
+def megatron_params(name: str, ndim: int) -> dict:
+    """Megatron by placement on the last mesh axis: q/k/v and MLP-in split by output
+    features, attention-out and MLP-out by input features. GPT-2's Conv1D weights are
+    (in, out), so column-parallel is Shard(1) there, and its fused ``c_attn`` gives each
+    rank its share of q, of k and of v: _StridedShard(1, split_factor=3)."""
+
+    def on(p):
+        return [Replicate()] * (ndim - 1) + [p]
+
+    if name == "gpt2":
+        h = "transformer.h.*."
+        return {
+            h + "attn.c_attn.weight": on(_StridedShard(1, split_factor=3)), h + "attn.c_attn.bias": on(_StridedShard(0, split_factor=3)),
+            h + "attn.c_proj.weight": on(Shard(0)), h + "mlp.c_fc.weight": on(Shard(1)), h + "mlp.c_fc.bias": on(Shard(0)),
+            h + "mlp.c_proj.weight": on(Shard(0)),
+        }
+    if name == "llama":
+        h = "model.layers.*."
+        return {
+            h + "self_attn.[qkv]_proj.weight": on(Shard(0)), h + "self_attn.o_proj.weight": on(Shard(1)),
+            h + "mlp.gate_proj.weight": on(Shard(0)), h + "mlp.up_proj.weight": on(Shard(0)), h + "mlp.down_proj.weight": on(Shard(1)),
+        }
+    h = "bert.encoder.layer.*."
+    return {
+        h + "attention.self.*.weight": on(Shard(0)), h + "attention.self.*.bias": on(Shard(0)),
+        h + "attention.output.dense.weight": on(Shard(1)), h + "intermediate.dense.weight": on(Shard(0)),
+        h + "intermediate.dense.bias": on(Shard(0)), h + "output.dense.weight": on(Shard(1)),
+    }
+
+
+SHARDED = {"gpt2": "transformer.h.0.attn.c_attn.weight", "llama": "model.layers.0.self_attn.q_proj.weight", "bert": "bert.encoder.layer.0.attention.self.query.weight"}
+# LlamaRMSNorm computes in float32 whatever the model's dtype; the TP residual stream,
+# all-reduced in another order, can round to a neighbouring float32 there (observed:
+# 7e-9 absolute, 5e-7 relative after 3 steps). The other models stay float64 throughout.
+TOLERANCE = {"llama": {"atol": 5e-8, "rtol": 5e-6}}
+
+
+@pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)], ids=["tp", "2d"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_hf_model_megatron(name, mesh_shape):
+    ndim = len(mesh_shape)
+    mesh = fake_mesh(mesh_shape, ("dp", "tp")[-ndim:])
+    plan = sc.Plan(params=megatron_params(name, ndim), default_input=[Shard(0), Replicate()] if ndim == 2 else [Replicate()])
+    res = assert_training_matches(lm_step, MODELS[name]("sdpa").double(), adamw, batches(), mesh, plan, **TOLERANCE.get(name, {}))
+    # Megatron: one tp all_reduce per sub-layer in forward (attention, MLP), no gathers
+    dist = assert_distributed(res, sharded=[SHARDED[name]], collectives={"forward/all_reduce/tp": 2, "all_gather": 0})
+    assert attention_collectives(res) == []
+    heads = {"gpt2": 2, "llama": 4, "bert": 2}[name]
+    step = res.sim.expansions[next(iter(res.sim.expansions))]
+    (fwd,) = [n for n in step.gm.graph.nodes if n.target is SDPA]
+    assert fwd.args[0].meta["val"].shape[1] == heads // 2, dist.describe()  # heads split over tp
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "Llama with use_cache=False under DP gathers the batch: create_causal_mask (modeling_llama.py:380) then "
+    "indexes a batch-shaped tensor by a batch arange, 'input 0 of index.Tensor: S(0)->R on dp' (2 all_gathers "
+    "in forward); DTensor has no strategy keeping such an index sharded. With the default use_cache=True the "
+    "mask takes another path and nothing is gathered"))
+def test_llama_without_cache_dp_without_gathers():
+    run_case(lm_step, llama("sdpa", use_cache=False).double(), batches(), "dp")
