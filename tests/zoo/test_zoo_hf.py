@@ -138,3 +138,33 @@ def test_hf_model_megatron(name, mesh_shape):
     "mask takes another path and nothing is gathered"))
 def test_llama_without_cache_dp_without_gathers():
     run_case(lm_step, llama("sdpa", use_cache=False).double(), batches(), "dp")
+
+
+# ----------------------------------------------------------------------------- dropout on
+
+
+def gpt2_with_dropout(attn: str) -> torch.nn.Module:
+    """GPT-2 as Hugging Face configures it by default: dropout 0.1 on embeddings,
+    residuals and attention probabilities (SDPA: inside the attention kernel)."""
+    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=16, n_layer=1, n_head=2, attn_implementation=attn,
+                                  bos_token_id=0, eos_token_id=0)
+    assert cfg.resid_pdrop == cfg.embd_pdrop == cfg.attn_pdrop == 0.1
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+@pytest.mark.parametrize("plan", ["dp", "tp"])
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_gpt2_with_dropout_equals_one_device(attn, plan):
+    """The RNG contract on third-party code: every dropout mask is the one device's
+    (docs/randomness.md), so training with dropout on matches one device under DP and
+    Megatron TP (replicated residual-stream dropout and head-sharded attention dropout)."""
+    torch.manual_seed(0)
+    model = gpt2_with_dropout(attn).double()
+    if plan == "dp":
+        mesh, p, sharded = fake_mesh((2,), ("dp",)), sc.Plan(), "batch[0]"
+    else:
+        mesh, p, sharded = fake_mesh((2,), ("tp",)), sc.Plan(params=megatron_params("gpt2", 1), default_input=[Replicate()]), SHARDED["gpt2"]
+    res = assert_training_matches(lm_step, model, adamw, batches(), mesh, p)
+    assert_distributed(res, sharded=[sharded], collectives=1)
+    draws = [n for n in res.sim.expansions[(0,)].gm.graph.nodes if getattr(n.target, "_nondeterministic_seeded", False)]
+    assert len(draws) >= 3  # embedding, attention and residual dropouts all draw
