@@ -179,3 +179,29 @@ def test_foreach_optimizers_trace_their_per_parameter_update(mesh4, make_opt):
     assert_distributed(res, sharded=["l1.weight", "l2.weight", "batch[0]"])
     ops = {str(n.target) for n in next(iter(res.sim.expansions.values())).gm.graph.nodes}
     assert not any("_foreach_" in o for o in ops)
+
+
+def test_written_arguments_redistributed_for_an_op_are_written_back():
+    """BatchNorm under Megatron TP normalizes feature-sharded activations, so its
+    replicated running statistics are narrowed to this rank's features for the kernel,
+    which updates them in place: that write must reach the replicated buffers (it was
+    lost: running_mean stayed 0 while parameters matched)."""
+    import torch.nn as nn
+
+    from spmd_compiler.testing import assert_distributed, assert_training_matches, fake_mesh
+    from spmd_compiler.testing.models import megatron_mlp_plan, mse_train_step
+
+    class BNMLP(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l1, self.bn, self.l2 = nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 8)
+
+        def forward(self, x):
+            return self.l2(torch.relu(self.bn(self.l1(x))))
+
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 8, generator=g, dtype=torch.float64), torch.randn(8, 8, generator=g, dtype=torch.float64)) for _ in range(3)]
+    res = assert_training_matches(mse_train_step, BNMLP().double(), lambda p: torch.optim.SGD(p, lr=0.1), batches,
+                                  fake_mesh((2,), ("tp",)), megatron_mlp_plan())  # compares buffers too
+    dist = assert_distributed(res, sharded=["l1.weight"])
+    assert dist.count("all_gather") >= 2, dist.describe()  # the updated statistics' shards, gathered into the buffers

@@ -304,7 +304,24 @@ def generic_expand(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple,
         leaves = [next(it) if isinstance(x, TensorArg) else _global_leaf(x) for x in flat]
         l_args, l_kwargs = pytree.tree_unflatten(leaves, tree)
     result = b.call(target_op, *l_args, **l_kwargs)
+    _write_back(b, op, args, kwargs, tensors, locals_, dst_specs)
     return wrap_result(b, result, out.output_spec, masks_by_buffer, ctx, op)
+
+
+def _write_back(b: SubgraphBuilder, op: Any, args: tuple, kwargs: dict, tensors: list, locals_: list, dst_specs: list) -> None:
+    """An argument the op writes in place (BatchNorm's running statistics, ``add_``'s
+    self) that was redistributed for it was written as a copy: the write goes back into
+    the argument's own layout and storage, where later reads of it look."""
+    for pos, name in pt.written_args(op):
+        arg = args[pos] if pos < len(args) else kwargs.get(name)
+        if not isinstance(arg, TensorArg):
+            continue
+        i = next(k for k, t in enumerate(tensors) if t is arg)
+        if locals_[i] is arg.node or any(p.is_partial() for p in arg.spec.placements):
+            continue
+        why = f"{name} written by {_op_name(op)} as {placements_text(dst_specs[i].placements)}, back into its {placements_text(arg.spec.placements)} layout"
+        back, _ = emit_redistribute(b, locals_[i], dst_specs[i], arg.spec, reason=why, input_index=arg.index, value_label=arg.label)
+        b.call(aten.copy_.default, arg.node, back)
 
 
 def _reduces_partial(src: Any, dst: Any) -> bool:
