@@ -12,6 +12,7 @@ import torch
 import torch.fx as fx
 
 import spmd_compiler as sc
+from spmd_compiler.testing.simulate import example_inputs
 from spmd_compiler.driver.fold import FoldPoint, find_fold, fold_guard_pass, resync_if_flagged
 from spmd_compiler.driver.guard import Resync, _is_effect
 from spmd_compiler.runtime.executor import compile_runner
@@ -39,22 +40,6 @@ def _program(mesh, kind: str = "gpt", plan=None, model=None) -> fx.GraphModule:
 
 def _collectives(gm: fx.GraphModule) -> Counter:
     return Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function" and getattr(n.target, "namespace", None) == "_c10d_functional")
-
-
-def _inputs(gm: fx.GraphModule) -> list:
-    g = torch.Generator().manual_seed(0)
-    out = []
-    for n in gm.graph.find_nodes(op="placeholder"):
-        v = n.meta["val"]
-        if not isinstance(v, torch.Tensor):
-            out.append(v)
-        elif v.dtype.is_floating_point:
-            out.append(torch.rand(v.shape, generator=g, dtype=v.dtype) + 0.5)
-        elif v.dtype == torch.bool:  # attention masks
-            out.append(torch.ones(v.shape, dtype=torch.bool).tril())
-        else:
-            out.append(torch.randint(0, 8, v.shape, generator=g, dtype=v.dtype))
-    return out
 
 
 @pytest.mark.parametrize("kind", ["gpt", "mlp"])
@@ -93,7 +78,7 @@ def test_mlp_wait_moves_up_before_the_gradient_all_reduce(mesh4):
 def test_folded_variant_computes_what_the_program_computes(mesh4, kind):
     gm = _program(mesh4, kind)
     folded = fold_guard_pass(gm, point=find_fold(gm, world_size=4))
-    a, b = _inputs(gm), _inputs(gm)
+    a, b = example_inputs(gm), example_inputs(gm)
     with torch.no_grad():
         want, got = compile_runner(gm)(*a), compile_runner(folded)(*b)
     assert len(want) == len(got) > 0
@@ -113,7 +98,7 @@ def test_gather_carries_the_check(mesh4):
     (coll,) = [n for n in folded.graph.nodes if n.target is c10d.all_gather_into_tensor.default and n.args[0].target is torch.ops.aten.constant_pad_nd.default]
     (check,) = [n for n in folded.graph.nodes if n.target is resync_if_flagged]
     assert check.args[1] == point.numel + 1 and coll.args[0].meta["val"].shape == (point.numel + 1,)
-    a, b = _inputs(gm), _inputs(gm)
+    a, b = example_inputs(gm), example_inputs(gm)
     with torch.no_grad():
         want, got = compile_runner(gm)(*a), compile_runner(folded)(*b)
     for x, y in zip([*want, *a], [*got, *b]):

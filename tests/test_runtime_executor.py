@@ -8,25 +8,10 @@ import torch
 import torch.fx as fx
 
 import spmd_compiler as sc
+from spmd_compiler.testing.simulate import example_inputs
 from spmd_compiler.optimize import default_passes, run_passes
 from spmd_compiler.runtime.executor import compile_runner
 from spmd_compiler.testing.models import GPT, gpt_fsdp_plan, gpt_tp_plan, train_step
-
-
-def _inputs(gm: fx.GraphModule, seed: int) -> list:
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for n in gm.graph.find_nodes(op="placeholder"):
-        v = n.meta["val"]
-        if not isinstance(v, torch.Tensor):
-            out.append(v)  # mesh coordinate
-        elif v.dtype.is_floating_point:
-            out.append(torch.rand(v.shape, generator=g, dtype=v.dtype) + 0.5)
-        elif v.dtype == torch.bool:  # attention masks
-            out.append(torch.ones(v.shape, dtype=torch.bool).tril())
-        else:
-            out.append(torch.randint(0, 8, v.shape, generator=g, dtype=v.dtype))
-    return out
 
 
 @pytest.mark.parametrize("plan", ["dp", "fsdp", "tp"])
@@ -40,7 +25,7 @@ def test_runner_matches_graph_module(mesh4, plan):
     step = sc.expand(traced, mesh4, plans[plan])
     gm, _ = run_passes(step.gm, default_passes())
     run = compile_runner(gm)
-    a, b = _inputs(gm, 0), _inputs(gm, 0)  # the step updates state in place: one copy each
+    a, b = example_inputs(gm, 0), example_inputs(gm, 0)  # the step updates state in place: one copy each
     with torch.no_grad():
         want, got = gm(*a), run(*b)
     assert len(want) == len(got)

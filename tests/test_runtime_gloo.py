@@ -19,7 +19,7 @@ import torch
 import spmd_compiler as sc
 from spmd_compiler.runtime.launch import WorkerError, run_processes
 from spmd_compiler.testing import assert_distributed
-from spmd_compiler.testing.models import MLP, megatron_mlp_plan, mse_train_step
+from spmd_compiler.testing.models import MLP, backward_step, megatron_mlp_plan, mse_train_step, optimizer_step
 
 pytestmark = pytest.mark.gloo
 
@@ -115,17 +115,6 @@ def test_2x2_dp_tp_matches_one_device():
         assert res["comms"] == {("forward", "all_reduce", "tp"), ("optimizer", "all_reduce", "dp"), ("output", "all_reduce", "dp")}, res["comms"]
 
 
-def _accumulate(model, optimizer, x, y):
-    loss = torch.nn.functional.mse_loss(model(x), y)
-    loss.backward()
-    return loss
-
-
-def _apply(model, optimizer):
-    optimizer.step()
-    optimizer.zero_grad()
-
-
 def _accumulation_over_calls(rank: int, world: int) -> dict:
     """Gradient accumulation over 4 calls of a compiled ``accumulate`` step, then a
     compiled ``apply`` step, twice, under DP and FSDP-style, against one device."""
@@ -135,16 +124,16 @@ def _accumulation_over_calls(rank: int, world: int) -> dict:
         model = MLP().double()
         ref = copy.deepcopy(model)
         opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
-        acc, app = sc.compile(_accumulate, mesh=(world,), plan=plan), sc.compile(_apply, mesh=(world,), plan=plan)
+        acc, app = sc.compile(backward_step, mesh=(world,), plan=plan), sc.compile(optimizer_step, mesh=(world,), plan=plan)
         errs, grads = [], []
         for i in range(6):  # calls 1-4 accumulate then apply; calls 5-6 accumulate
             x, y = _data(i)
-            errs.append(abs(acc(model, opt, x.chunk(world)[rank], y.chunk(world)[rank]).item() - _accumulate(ref, ref_opt, x, y).item()))
+            errs.append(abs(acc(model, opt, x.chunk(world)[rank], y.chunk(world)[rank]).item() - backward_step(ref, ref_opt, x, y).item()))
             g = model.l1.weight.grad  # what the user sees: a DTensor laid out like its parameter
             grads.append((type(g).__name__, str(g.placements), str(model.l1.weight.placements)))
             if i == 3:
                 app(model, opt)
-                _apply(ref, ref_opt)
+                optimizer_step(ref, ref_opt)
                 errs.append(float(any(p.grad is not None for p in model.parameters())))
         for p, q in zip(model.parameters(), ref.parameters()):
             errs.append((p.full_tensor() - q).abs().max().item())

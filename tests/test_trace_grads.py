@@ -14,7 +14,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 import spmd_compiler as sc
 from spmd_compiler.testing import SimulatedTraining, assert_distributed, assert_training_matches
-from spmd_compiler.testing.models import GPT, MLP, gpt_fsdp_plan, megatron_mlp_plan
+from spmd_compiler.testing.models import GPT, MLP, backward_step, gpt_fsdp_plan, megatron_mlp_plan, optimizer_step
 
 
 def two_backward_step(model, optimizer, ids, targets, ids2, targets2):
@@ -112,15 +112,7 @@ def test_accumulation_over_calls(mesh4, plan, set_to_none):
 def test_accumulation_with_two_compiled_steps(mesh4):
     """``accumulate`` (backward only) and ``apply`` (optimizer step) as two compiled steps
     on one model: the gradients one leaves are the other's inputs."""
-    def accumulate(model, optimizer, x, y):
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        return loss
-
-    def apply(model, optimizer):
-        optimizer.step()
-        optimizer.zero_grad()
-
+    accumulate, apply = backward_step, optimizer_step
     model = MLP().double()
     ref = MLP().double()
     ref.load_state_dict(model.state_dict())

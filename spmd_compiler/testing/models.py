@@ -25,6 +25,8 @@ from torch.distributed.tensor import Replicate, Shard
 from ..plan import Plan
 
 __all__ = [
+    "backward_step",
+    "optimizer_step",
     "MLP",
     "GPT",
     "GPTConfig",
@@ -201,3 +203,17 @@ def mse_train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.
     optimizer.step()
     optimizer.zero_grad()
     return loss
+
+
+def backward_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Half of gradient accumulation across calls: MSE loss and ``backward()`` only (the
+    gradients are left on the parameters)."""
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    return loss
+
+
+def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """The other half: apply the accumulated gradients and clear them."""
+    optimizer.step()
+    optimizer.zero_grad()

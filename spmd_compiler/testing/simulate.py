@@ -45,6 +45,7 @@ __all__ = [
     "run_lockstep",
     "group_axes_of",
     "check_replicas",
+    "example_inputs",
 ]
 
 c10d = torch.ops._c10d_functional
@@ -315,3 +316,24 @@ def check_replicas(name: str, placements: Sequence[Any], values: dict[tuple[int,
                         f"{name} is Replicate on mesh axis {a} but rank {coord[:a] + (j,) + coord[a + 1 :]} holds another "
                         f"value than rank {coord} (max difference {(v.double() - other.double()).abs().max().item():.3g})"
                     )
+
+
+def example_inputs(gm: fx.GraphModule, seed: int = 0) -> list[Any]:
+    """Made-up inputs for a per-rank graph's placeholders, from their fake values: floats
+    in [0.5, 1.5), hyperparameters (lr, betas, momentum) and 0-d floats in [0.1, 0.9),
+    small ints, lower-triangular bool masks, plain values as they are (the mesh coordinate)."""
+    g = torch.Generator().manual_seed(seed)
+    out: list[Any] = []
+    for n in gm.graph.find_nodes(op="placeholder"):
+        v = n.meta["val"]
+        if not isinstance(v, torch.Tensor):
+            out.append(v)
+        elif v.dtype.is_floating_point:
+            r = torch.rand(v.shape, generator=g, dtype=v.dtype)
+            hparam = getattr(n.meta.get("spmd_input"), "kind", None) == "hparam"
+            out.append(r * 0.8 + 0.1 if hparam or v.dim() == 0 else r + 0.5)
+        elif v.dtype == torch.bool:  # attention masks
+            out.append(torch.ones(v.shape, dtype=torch.bool).tril())
+        else:
+            out.append(torch.randint(0, 8, v.shape, generator=g, dtype=v.dtype))
+    return out
