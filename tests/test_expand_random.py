@@ -122,3 +122,15 @@ def test_rng_option_is_validated():
 
     with pytest.raises(ValueError, match="rng='philox'.*exact"):
         Options(rng="philox")
+
+
+def test_random_like_of_a_partial_value_draws_once():
+    """``rand_like`` of a Partial(sum) matmul result (row-parallel): a replicated draw of
+    the single-device numbers, not one per rank summed."""
+
+    def f(x, w):
+        return torch.rand_like(x @ w) + (x @ w)
+
+    x, w = torch.randn(4, 8, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+    run = run_spmd(f, [x, w], fake_mesh((2,), ("tp",)), [[Shard(1)], [Shard(0)]])
+    torch.testing.assert_close(run.outputs[0], run.reference[0], atol=1e-12, rtol=0)

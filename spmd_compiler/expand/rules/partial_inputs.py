@@ -32,11 +32,7 @@ _LIKE = [
     aten.zeros_like.default,
     aten.ones_like.default,
     aten.full_like.default,
-    aten.rand_like.default,
-    aten.randn_like.default,
-    aten.randint_like.default,
-    aten.randint_like.low_dtype,
-]
+]  # the random *_like ops: rules/random.py (a Partial input gives a replicated draw there too)
 
 
 def _partial_axes(spec: Any) -> list[int]:
