@@ -77,10 +77,7 @@ USES_SDPA = {"encoder_layer", "transformer", "mha_no_weights"}
 # need_weights=True runs MHA's own math on (seq, batch * heads, head_dim) tensors; the
 # view back to (seq * batch, dim) merges the split batch dim after the sequence dim, for
 # which DTensor's view strategy has no sharding, so the activation is gathered there
-DP_GATHERS = {"mha_weights", "cnn_batchnorm"}
-# BatchNorm: DTensor's batch-norm strategy needs the whole batch, so the activation is
-# gathered before _native_batch_norm_legit (and native_batch_norm_backward); a
-# SyncBatchNorm-like rule (all_reduce of per-channel sums) would not need to
+DP_GATHERS = {"mha_weights"}
 
 
 @pytest.mark.parametrize("plan", ["dp", "fsdp"])
@@ -107,16 +104,16 @@ def test_batchnorm_statistics_are_global():
     """Batch statistics are those of the global batch (as SyncBatchNorm): the running
     statistics after 3 steps equal one device's (assert_training_matches compares
     buffers), which per-rank statistics of 2 images each would not."""
-    res = run_case(mse_step, SmallCNN().double(), images(), "dp", ranks=4, dp_gathers=True)
+    res = run_case(mse_step, SmallCNN().double(), images(), "dp", ranks=4)
     assert res.sim.model.bn.num_batches_tracked.item() == 3
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BatchNorm under DP gathers the batch: DTensor has no batch-sharded strategy for "
-    "_native_batch_norm_legit / native_batch_norm_backward, so 'input 0 of _native_batch_norm_legit.default: "
-    "S(0)->R' all_gathers in forward (and in backward); a SyncBatchNorm rule would all_reduce per-channel sums"))
-def test_batchnorm_dp_without_gathers():
-    run_case(mse_step, SmallCNN().double(), images(), "dp")
+def test_batchnorm_dp_all_reduces_channel_sums_instead_of_gathering():
+    """expand/rules/batchnorm.py: the activation stays split; per step, the forward
+    all-reduces two per-channel sums (mean, variance) and the backward one stacked pair."""
+    res = run_case(mse_step, SmallCNN().double(), images(), "dp")
+    dist = assert_distributed(res, sharded=["batch[0]"], collectives={"all_gather": 0})
+    assert dist.count("forward/all_reduce") >= 2 and dist.count("backward/all_reduce") >= 1, dist.describe()
 
 
 # ----------------------------------------------------------------------------- TP
