@@ -273,8 +273,18 @@ def _strong_worker(rank: int, world: int, kind: str, args: Any) -> dict[str, Any
     out["ratio"][("inductor", "eager")] = statistics.median(x / y for x, y in zip(times["inductor"], times["eager"]))
     out["inductor_compile_s"] = round(sum(p.step.timings.get("backend inductor", 0.0) for p in ours["inductor"]._programs.values()), 1)
     out["inductor_fallback"] = getattr(getattr(ours["inductor"].last, "runner", None), "failed", None)
+    out["launches"] = {side: _launches(lambda i: run(side, i), args) for side in sides}
     out["top_ops"] = _top_ops(rank, lambda i: run("inductor", i), args) if args.profile else None
     return out
+
+
+def _launches(step: Any, args: Any) -> int:
+    """Collective launches (``c10d::`` ops under torch.profiler) in one step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step(args.warmup + args.steps)
+    return sum(e.count for e in prof.key_averages() if e.key.startswith("c10d::"))
 
 
 def _top_ops(rank: int, step: Any, args: Any, n: int = 5, top: int = 10) -> list[tuple[str, float]] | None:
@@ -306,10 +316,12 @@ def strong_main(args: Any) -> None:
         got = run_processes(_strong_worker, 2, kind, args, timeout=3600)[0]
         names = {"eager": 'ours, backend="eager"', "inductor": 'ours, backend="inductor"', **STRONG_PEERS[kind]}
         text += [f"## {kind}", "", "| side | median step ms | first step s (compile) |", "|---|---|---|"]
-        text += [f"| {names[s]} | {ms * 1e3:.1f} | {got['first'][s]:.1f} |" for s, ms in got["median"].items()]
+        text[-2:] = ["| side | median step ms | first step s (compile) | collective launches per step |", "|---|---|---|---|"]
+        text += [f"| {names[s]} | {ms * 1e3:.1f} | {got['first'][s]:.1f} | {got['launches'][s]} |" for s, ms in got["median"].items()]
         text += ["", "| ours / peer (paired median) | ratio |", "|---|---|"]
         text += [f"| {names[a]} / {names[b]} | {r:.2f} |" for (a, b), r in got["ratio"].items()]
-        text += ["", f"Inductor compile time of our programs (summed, rank 0): {got['inductor_compile_s']}; "
+        text += ["", "Collective launches: `c10d::` ops in one profiled step; ours include the step guard's one all_reduce.",
+                 f"Inductor compile time of our programs (summed, rank 0): {got['inductor_compile_s']}; "
                  f"fallback: {got['inductor_fallback'] or 'none'}.", ""]
         if got["top_ops"]:
             text += ['Top ops of the backend="inductor" step by self CPU time (rank 0, torch.profiler, ms per step):', "",
