@@ -29,9 +29,10 @@ the TP pair is repeated at several model widths to show where the ratio goes.
 ``--profile`` adds where the compiled step's time goes (torch.profiler on rank 0).
 Writes benchmarks/results/step_time.md.
 
-**Strongest peers** (``--strong``, dp and tp only, world 2): our ``backend="eager"`` and
+**Strongest peers** (``--strong``, dp, tp and fsdp, world 2): our ``backend="eager"`` and
 ``backend="inductor"`` against DDP and DDP + ``torch.compile`` (dp), and a hand-written
-Megatron TP without DTensor (tp; :mod:`peers`), all in one rotation; with ``--profile``
+Megatron TP without DTensor (tp; :mod:`peers`), FSDP2 and FSDP2 + ``torch.compile`` (fsdp),
+all in one rotation; with ``--profile``
 the inductor side's top ops. Writes benchmarks/results/step_time_inductor.md. Usage:
 
     python benchmarks/step_time.py [--steps 30] [--layers 2] [--dim 128] [--tp-dims 32 64 128 256] [--profile]
@@ -230,7 +231,8 @@ def _pair_worker(rank: int, world: int, kind: str, args: Any, dim: int, profile:
 
 
 STRONG_PEERS = {"dp": {"ddp": "DDP", "ddp_compiled": "DDP + torch.compile"},
-                "tp": {"megatron": "hand-written Megatron TP (no DTensor)"}}
+                "tp": {"megatron": "hand-written Megatron TP (no DTensor)"},
+                "fsdp": {"fsdp2": "FSDP2 fully_shard", "fsdp2_compiled": "FSDP2 + torch.compile"}}
 
 
 def _strong_worker(rank: int, world: int, kind: str, args: Any) -> dict[str, Any]:
@@ -242,7 +244,8 @@ def _strong_worker(rank: int, world: int, kind: str, args: Any) -> dict[str, Any
     torch.set_num_threads(1)
     model = GPT(_cfg(args))
     builders = {"ddp": lambda m: _peer("dp", m, world), "ddp_compiled": ddp_compiled,
-                "megatron": lambda m: megatron_tp(m, rank, world)}
+                "megatron": lambda m: megatron_tp(m, rank, world), "fsdp2": lambda m: _peer("fsdp", m, world),
+                "fsdp2_compiled": lambda m: torch.compile(_peer("fsdp", m, world))}
     plan, mesh = _plan(kind, world)
     ours = {"eager": sc.compile(train_step, mesh=mesh, plan=plan),
             "inductor": sc.compile(train_step, mesh=mesh, plan=plan, backend="inductor")}

@@ -21,8 +21,10 @@ A consumer it does not know keeps its ``.item()`` (and inductor's float32 scalar
 it rather than just before the program's first effect: a step that must resync still
 stops before any effect, but the flag's round trip no longer hides behind the forward.
 
-**Fallback.** If inductor cannot compile a program, that program runs on the eager runner
-instead, with one WARNING naming the reason; the step never fails for it.
+**Fallback.** If inductor's C++ vectorizer fails on a CPU program (an FSDP program on
+torch 2.13 trips an assertion in it), the program is compiled again with scalar C++
+kernels (logged at INFO). If inductor cannot compile it at all, that program runs on the
+eager runner instead, with one WARNING naming the reason; the step never fails for it.
 """
 
 from __future__ import annotations
@@ -155,12 +157,21 @@ class InductorRunner:
         """Compile for ``inputs``' shapes; None (after one WARNING) if inductor cannot."""
         t0 = time.perf_counter()
         hits, misses = pt.inductor_cache_counts()
-        try:
-            gm = fx.GraphModule(self.gm, self.gm.graph.__deepcopy__())  # the reference graph stays as it is
-            scalars_as_tensors(gm)
-            fn = pt.inductor_compile(gm, inputs)
-        except Exception as e:  # noqa: BLE001 -- any compile failure falls back, by contract
-            reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+        fn, reason = None, ""
+        for vectorize in (True, False):  # the C++ vectorizer fails on some graphs: retry with scalar kernels
+            try:
+                gm = fx.GraphModule(self.gm, self.gm.graph.__deepcopy__())  # the reference graph stays as it is
+                scalars_as_tensors(gm)
+                fn = pt.inductor_compile(gm, inputs, vectorize=vectorize)
+                break
+            except Exception as e:  # noqa: BLE001 -- any compile failure falls back, by contract
+                reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+                log.debug("inductor failed (vectorize=%s)", vectorize, exc_info=True)
+                if vectorize and any(isinstance(x, torch.Tensor) and x.device.type == "cpu" for x in inputs):
+                    log.info("inductor failed with vectorized C++ kernels (%s); retrying with scalar kernels", reason)
+                    continue
+                break
+        if fn is None:
             self.failed = reason
             log.warning("inductor could not compile the per-rank program (%s); this program runs on the eager runner "
                         "(backend='eager')", reason)
