@@ -1,9 +1,9 @@
 """backend="inductor" (spmd_compiler/runtime/inductor.py): the per-rank program compiled
-by inductor computes what one device computes (float64, 1e-12) under DP and TP on real
+by inductor computes what one device computes (float64, 1e-12) under DP, FSDP and TP on real
 gloo processes; host scalars reach its kernels in double precision; a program inductor
 cannot compile runs eagerly after one WARNING.
 
-The gloo test compiles four small programs with inductor's C++ backend (tens of seconds
+The gloo test compiles six small programs with inductor's C++ backend (tens of seconds
 on a loaded 2-core machine; the FX graph cache makes reruns faster).
 """
 
@@ -76,7 +76,7 @@ def test_uncompilable_program_falls_back_with_one_warning(caplog):
 
 def _data(step: int, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(100 + step)
-    if kind == "dp":
+    if kind in ("dp", "fsdp"):
         return torch.randn(8, 16, dtype=torch.float64, generator=g), torch.randn(8, 16, dtype=torch.float64, generator=g)
     ids = torch.randint(0, 32, (4, 8), generator=g)
     return ids, torch.roll(ids, -1, 1)
@@ -84,17 +84,18 @@ def _data(step: int, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _inductor_numerics(rank: int, world: int) -> dict:
     out = {}
-    for kind in ("dp", "tp"):
+    plans = {"dp": None, "fsdp": sc.Plan(params={"*": [sc.Shard(0)]}), "tp": gpt_tp_plan()}
+    for kind, plan in plans.items():
         torch.manual_seed(0)
-        model = MLP().double() if kind == "dp" else GPT(vocab=32, seq=8, dim=16, heads=2, layers=1).double()
-        fn = mse_train_step if kind == "dp" else train_step
+        model = MLP().double() if kind != "tp" else GPT(vocab=32, seq=8, dim=16, heads=2, layers=1).double()
+        fn = mse_train_step if kind != "tp" else train_step
         ref = copy.deepcopy(model)
         opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=0.01), torch.optim.AdamW(ref.parameters(), lr=0.01)
-        step = sc.compile(fn, mesh=(world,), plan=gpt_tp_plan() if kind == "tp" else None, backend="inductor")
+        step = sc.compile(fn, mesh=(world,), plan=plan, backend="inductor")
         errs = []
         for i in range(3):
             x, y = _data(i, kind)
-            if kind == "dp":
+            if kind != "tp":
                 x, y = x.chunk(world)[rank], y.chunk(world)[rank]
             loss = step(model, opt, x, y)
             errs.append(abs(loss.item() - fn(ref, ref_opt, *_data(i, kind)).item()))
@@ -107,8 +108,9 @@ def _inductor_numerics(rank: int, world: int) -> dict:
 
 
 @pytest.mark.gloo
-def test_inductor_matches_one_device_under_dp_and_tp():
-    for res in run_processes(_inductor_numerics, 2, timeout=900):
-        assert res["dp"] < 1e-12 and res["tp"] < 1e-12, res
-        assert res["dp_compiled"] and res["tp_compiled"], res  # inductor ran, no fallback
-        assert res["dp_seconds"] > 0 and res["tp_seconds"] > 0, res  # compile time reported separately
+def test_inductor_matches_one_device_under_dp_fsdp_and_tp():
+    for res in run_processes(_inductor_numerics, 2, timeout=1200):
+        for kind in ("dp", "fsdp", "tp"):
+            assert res[kind] < 1e-12, res
+            assert res[kind + "_compiled"], res  # inductor ran, no fallback
+            assert res[kind + "_seconds"] > 0, res  # compile time reported separately
