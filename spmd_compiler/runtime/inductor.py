@@ -21,8 +21,10 @@ A consumer it does not know keeps its ``.item()`` (and inductor's float32 scalar
 it rather than just before the program's first effect: a step that must resync still
 stops before any effect, but the flag's round trip no longer hides behind the forward.
 
-**Fallback.** If inductor's C++ vectorizer fails on a CPU program (an FSDP program on
-torch 2.13 trips an assertion in it), the program is compiled again with scalar C++
+**Bool collectives** run on uint8 copies (:func:`bool_collectives_as_uint8`): the C++
+vectorizer fails on a gathered bool mask (torch 2.13).
+
+**Fallback.** If inductor's C++ vectorizer fails on a CPU program anyway, the program is compiled again with scalar C++
 kernels (logged at INFO). If inductor cannot compile it at all, that program runs on the
 eager runner instead, with one WARNING naming the reason; the step never fails for it.
 """
@@ -40,7 +42,7 @@ import torch.fx as fx
 
 from .. import _private_torch as pt
 
-__all__ = ["InductorRunner", "scalars_as_tensors"]
+__all__ = ["InductorRunner", "bool_collectives_as_uint8", "scalars_as_tensors"]
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +140,30 @@ def scalars_as_tensors(gm: fx.GraphModule) -> int:
     return done
 
 
+def bool_collectives_as_uint8(gm: fx.GraphModule) -> int:
+    """Run collectives of bool tensors (an FSDP plan gathers the attention mask) on uint8
+    copies, converted back after their wait: inductor's C++ vectorizer fails on a bool
+    collective's output used as a ``where`` mask (torch 2.13). Returns how many."""
+    g, done = gm.graph, 0
+    for n in list(g.nodes):
+        if n.op != "call_function" or getattr(n.target, "namespace", None) != "_c10d_functional" or not n.args:
+            continue
+        x = n.args[0]
+        val = x.meta.get("val") if isinstance(x, fx.Node) else None
+        waits = [u for u in n.users if u.target is torch.ops._c10d_functional.wait_tensor.default]
+        if not (isinstance(val, torch.Tensor) and val.dtype == torch.bool and waits and len(waits) == len(n.users)):
+            continue
+        with g.inserting_before(n):
+            n.args = (g.call_function(aten._to_copy.default, (x,), {"dtype": torch.uint8}), *n.args[1:])
+        for w in waits:
+            with g.inserting_after(w):
+                back = g.call_function(aten._to_copy.default, (w,), {"dtype": torch.bool})
+            w.replace_all_uses_with(back, delete_user_cb=lambda u, back=back: u is not back)
+        done += 1
+    gm.recompile()
+    return done
+
+
 class InductorRunner:
     """Runs the per-rank program compiled by inductor, one compiled graph per input shape
     signature, with the same calling convention as :func:`compile_runner`'s guarded run
@@ -162,6 +188,7 @@ class InductorRunner:
             try:
                 gm = fx.GraphModule(self.gm, self.gm.graph.__deepcopy__())  # the reference graph stays as it is
                 scalars_as_tensors(gm)
+                bool_collectives_as_uint8(gm)
                 fn = pt.inductor_compile(gm, inputs, vectorize=vectorize)
                 break
             except Exception as e:  # noqa: BLE001 -- any compile failure falls back, by contract
