@@ -19,7 +19,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import spmd_compiler as sc
 from spmd_compiler.runtime.executor import compile_runner
-from spmd_compiler.runtime.inductor import InductorRunner, scalars_as_tensors
+from spmd_compiler.runtime.inductor import InductorRunner, bool_collectives_as_uint8, scalars_as_tensors
 from spmd_compiler.runtime.launch import run_processes
 from spmd_compiler.testing.models import GPT, MLP, gpt_tp_plan, mse_train_step, train_step
 
@@ -51,6 +51,22 @@ def test_scalars_become_float64_tensors():
     a, b = [x.clone() for x in args], [x.clone() for x in args]
     want, got = _adam_like(*a), rewritten(*b)
     assert torch.equal(want, got) and torch.equal(a[0], b[0])  # bit for bit on the eager kernels
+
+
+def test_bool_collectives_run_on_uint8():
+    c10d = torch.ops._c10d_functional
+    g = fx.Graph()
+    mask = g.placeholder("mask")
+    mask.meta["val"] = torch.ones(4, 8, dtype=torch.bool)
+    gathered = g.call_function(c10d.wait_tensor.default, (g.call_function(c10d.all_gather_into_tensor.default, (mask, 2, "0")),))
+    g.output([g.call_function(aten.bitwise_not.default, (gathered,))])
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    assert bool_collectives_as_uint8(gm) == 1
+    gather = next(n for n in gm.graph.nodes if n.target is c10d.all_gather_into_tensor.default)
+    assert gather.args[0].target is aten._to_copy.default and gather.args[0].kwargs["dtype"] is torch.uint8
+    use = next(n for n in gm.graph.nodes if n.target is aten.bitwise_not.default)
+    assert use.args[0].target is aten._to_copy.default and use.args[0].kwargs["dtype"] is torch.bool
+    assert use.args[0].args[0].target is c10d.wait_tensor.default
 
 
 def _unfused(x):
