@@ -31,6 +31,11 @@ def test_backend_option_is_validated():
         sc.compile(mse_train_step, mesh=(1,), backend="tvm")
 
 
+def test_pipelines_refuse_the_inductor_backend():
+    with pytest.raises(ValueError, match=r"backend='inductor' does not apply to pipelines yet"):
+        sc.compile(mse_train_step, mesh=(1,), backend="inductor", pipeline=sc.Pipeline(chunks=2))
+
+
 def _adam_like(p, lr_t, step_t, a, b):
     lr, step = lr_t.item(), step_t.item()  # what the traced optimizer does with its hyperparameters
     bc = 1 - 0.999 ** step
