@@ -27,6 +27,10 @@ vectorizer fails on a gathered bool mask (torch 2.13).
 **Fallback.** If inductor's C++ vectorizer fails on a CPU program anyway, the program is compiled again with scalar C++
 kernels (logged at INFO). If inductor cannot compile it at all, that program runs on the
 eager runner instead, with one WARNING naming the reason; the step never fails for it.
+
+**Known gap.** A collective that fails inside the compiled program (a dead peer, a
+timeout) surfaces as torch's own error, not a CollectiveError naming the node: the
+compiled code has no line per node to map the failure back to.
 """
 
 from __future__ import annotations
