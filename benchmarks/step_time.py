@@ -27,9 +27,16 @@ for the plan could show on this machine with these kernels, were communication f
 the TP pair is repeated at several model widths to show where the ratio goes.
 
 ``--profile`` adds where the compiled step's time goes (torch.profiler on rank 0).
-Writes benchmarks/results/step_time.md. Usage:
+Writes benchmarks/results/step_time.md.
+
+**Strongest peers** (``--strong``, dp, tp and fsdp, world 2): our ``backend="eager"`` and
+``backend="inductor"`` against DDP and DDP + ``torch.compile`` (dp), and a hand-written
+Megatron TP without DTensor (tp; :mod:`peers`), FSDP2 and FSDP2 + ``torch.compile`` (fsdp),
+all in one rotation; with ``--profile``
+the inductor side's top ops. Writes benchmarks/results/step_time_inductor.md. Usage:
 
     python benchmarks/step_time.py [--steps 30] [--layers 2] [--dim 128] [--tp-dims 32 64 128 256] [--profile]
+    python benchmarks/step_time.py --strong --kinds dp tp --layers 2 --dim 128 --steps 10 --profile
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # peers.py
 
 import spmd_compiler as sc  # noqa: E402
 from spmd_compiler.runtime.launch import run_processes  # noqa: E402
@@ -312,8 +320,17 @@ def main() -> None:
     p.add_argument("--kinds", nargs="+", default=["dp", "fsdp", "tp", "2d"])
     p.add_argument("--tp-dims", nargs="*", type=int, default=[32, 64, 128, 256])
     p.add_argument("--profile", action="store_true")
-    p.add_argument("--out", default=str(RESULTS), help="where to write the table (default: %(default)s)")
+    p.add_argument("--strong", action="store_true", help="our eager and inductor backends against hand-written Megatron TP, "
+                   "DDP and DDP + torch.compile (writes results/step_time_inductor.md)")
+    p.add_argument("--out", default=None, help="where to write the table (default: results/step_time.md, "
+                   "or results/step_time_inductor.md with --strong)")
     args = p.parse_args()
+    if args.strong:
+        args.out = args.out or str(RESULTS.with_name("step_time_inductor.md"))
+        from peers import strong_main
+
+        return strong_main(args)
+    args.out = args.out or str(RESULTS)
 
     rows, profiles = [], {}
     for kind in args.kinds:

@@ -598,3 +598,33 @@ def record_stack_traces_of(fn: Any) -> None:
     import inspect
 
     _register_stack_trace_anchor(inspect.unwrap(fn))
+
+
+# ----------------------------------------------------------------------------- inductor
+
+
+def inductor_compile(gm: "torch.fx.GraphModule", example_inputs: Sequence[Any], *, vectorize: bool = True) -> Callable[..., Any]:
+    """``gm`` compiled by inductor (through AOTAutograd, which functionalizes its in-place
+    ops and writes mutated inputs back), specialized to the shapes of ``example_inputs``
+    (real tensors and ints; nothing is run). The result is called with the inputs unboxed.
+
+    The example inputs are fakeified in a fake mode with a ShapeEnv and static shapes, so
+    an ``.item()`` left in the graph becomes an unbacked symbol rather than an error.
+    Compiled graphs go through inductor's FX graph cache (on disk, shared across processes).
+    ``vectorize=False`` makes the C++ backend emit scalar loops (no SIMD ISA), a way
+    around its vectorizer's failures.
+    """
+    from torch._inductor.compile_fx import compile_fx
+
+    mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=False)
+    fakes = [mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x for x in example_inputs]
+    patch = {} if vectorize else {"cpp.simdlen": 1}  # no ISA is 1 bit wide: scalar kernels
+    with torch._dynamo.config.patch(capture_scalar_outputs=True), torch._inductor.config.patch(patch), torch.no_grad():
+        return compile_fx(gm, fakes)
+
+
+def inductor_cache_counts() -> tuple[int, int]:
+    """(hits, misses) of inductor's FX graph cache in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]

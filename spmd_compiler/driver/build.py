@@ -25,6 +25,7 @@ __all__ = ["Options", "expand", "build_program", "optimize_program", "gc_paused"
 FALLBACKS = ("replicate", "error")
 SYMBOLIC = ("batch", "all", "none")
 RNG = ("exact", "fast")
+BACKENDS = ("eager", "inductor")
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,9 @@ class Options:
             number the single-device step draws (each rank draws the global tensor and
             keeps its slice); "fast" draws only local elements from per-shard seeds
             (Replicate values still agree across ranks; not the single-device numbers).
+        backend: what runs the per-rank program: "eager" (one aten call per node, from
+            generated straight-line Python) or "inductor" (the whole program compiled by
+            torch's inductor; a program it cannot compile runs eagerly, with a WARNING).
     """
 
     fallback: str = "replicate"
@@ -61,6 +65,7 @@ class Options:
     cache_size: int = 8
     timeout: float | None = 300.0
     rng: str = "exact"
+    backend: str = "eager"
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -70,6 +75,8 @@ class Options:
             raise ValueError(f"symbolic={self.symbolic!r}: expected one of {list(SYMBOLIC)}")
         if self.rng not in RNG:
             raise ValueError(f"rng={self.rng!r}: expected one of {list(RNG)} (see docs/randomness.md)")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend={self.backend!r}: expected one of {list(BACKENDS)} (the per-rank program's runner)")
         object.__setattr__(self, "passes_disabled", tuple(self.passes_disabled))
         if not isinstance(self.cache_size, int) or self.cache_size < 1:
             raise ValueError(f"cache_size={self.cache_size!r}: expected an int >= 1 (compiled programs to keep)")

@@ -28,6 +28,7 @@ from ..driver.guard import GuardError, Resync, first_effect
 from ..plan import Plan
 from ..trace.tracer import flatten_batch
 from .executor import compile_runner
+from .inductor import InductorRunner
 
 __all__ = ["compile", "CompiledStep"]
 
@@ -58,6 +59,13 @@ class CompiledStep(StepDriver):
         )
         return step, texts or {}
 
+    def _runner(self, step: Any, gm: Any) -> Any:
+        """The runner of ``gm`` (the program, or its variant carrying the step check)."""
+        eager = compile_runner(gm, guard=True, check_before=first_effect(gm))
+        if self.options.backend == "inductor":
+            return InductorRunner(gm, eager, timings=step.timings)
+        return eager
+
     def _run(self, step: Any, model: Any, optimizer: Any, batch: tuple, kwargs: dict, check: Callable[[], None]) -> Any:
         state = self._state(model, optimizer)
         leaves, _, _ = flatten_batch(batch, kwargs)
@@ -68,12 +76,14 @@ class CompiledStep(StepDriver):
             outs = [torch.zeros(v.shape, dtype=v.dtype, device=v.device) for v in vals]
         else:
             point = self._fold_point(step)
-            runner = getattr(step, "folded_runner" if point is not None else "runner", None)
-            if runner is None and point is not None:
-                folded = step.folded_gm = fold_guard_pass(step.gm, point=point)
-                runner = step.folded_runner = compile_runner(folded, guard=True, check_before=first_effect(folded))
-            elif runner is None:
-                runner = step.runner = compile_runner(step.gm, guard=True, check_before=first_effect(step.gm))
+            attr = "folded_runner" if point is not None else "runner"
+            runner = getattr(step, attr, None)
+            if runner is None:
+                gm = step.gm if point is None else fold_guard_pass(step.gm, point=point)
+                if point is not None:
+                    step.folded_gm = gm
+                runner = self._runner(step, gm)
+                setattr(step, attr, runner)
             try:
                 with torch.no_grad():
                     outs = runner(*inputs, _check=check)
@@ -95,8 +105,9 @@ class CompiledStep(StepDriver):
         return store_outputs(step, outs, state, optimizer, wrap)
 
     def _fold_point(self, step: Any) -> FoldPoint | None:
-        """The program's first collective over every rank, if the check can ride on it (gloo only)."""
-        if not self.fold_guard or self.explain or self._guard is None or not self._guard.can_fold:
+        """The program's first collective over every rank, if the check can ride on it (gloo
+        and the eager backend only: inductor's program is one call, checked before it)."""
+        if not self.fold_guard or self.explain or self._guard is None or not self._guard.can_fold or self.options.backend != "eager":
             return None
         if not hasattr(step, "fold_point"):
             step.fold_point = find_fold(step.gm, world_size=dist.get_world_size())
@@ -125,7 +136,9 @@ def compile(fn: Callable[..., Any] | None = None, *, mesh: Any, plan: Plan | Non
             ``passes_disabled`` (pass names to skip), ``bucket_mb`` (gradient bucket size,
             25), ``first_bucket_mb`` (size of each group's first bucket, 1 as in DDP;
             None: ``bucket_mb``), ``cache_size`` (programs kept, 8), ``timeout`` (seconds a
-            collective waits for the other ranks, 300; None: the process group's); and ``pipeline`` (a :class:`spmd_compiler.Pipeline`: run
+            collective waits for the other ranks, 300; None: the process group's), ``backend``
+            ("eager" | "inductor": what runs the per-rank program, default "eager";
+            :mod:`spmd_compiler.runtime.inductor`); and ``pipeline`` (a :class:`spmd_compiler.Pipeline`: run
             the step as a pipeline over one mesh axis; the plan then gives placements for
             the other axes).
     """
@@ -140,6 +153,9 @@ def compile(fn: Callable[..., Any] | None = None, *, mesh: Any, plan: Plan | Non
                 f"fix: pipeline=spmd_compiler.Pipeline(chunks=4, schedule='1F1B')"
             )
 
+        if options.get("backend", "eager") != "eager":
+            raise ValueError(f"backend={options['backend']!r} does not apply to pipelines yet (their stages run eagerly); "
+                             f"fix: leave backend unset, or compile without pipeline=")
         cls: Any = lambda f, **kw: PipelinedStep(f, pipeline=pipeline, **kw)  # noqa: E731
     else:
         cls = CompiledStep
