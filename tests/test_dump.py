@@ -18,6 +18,16 @@ from spmd_compiler.dump.writer import write_dump
 from spmd_compiler.testing.models import GPT, MLP, gpt_2d_plan, megatron_mlp_plan, train_step
 
 
+
+def _forward_line() -> int:
+    """The line of MLP.forward's return in spmd_compiler/testing/models.py."""
+    import inspect
+
+    from spmd_compiler.testing.models import MLP
+
+    lines, start = inspect.getsourcelines(MLP.forward)
+    return start + next(i for i, text in enumerate(lines) if "return self.l2" in text)
+
 def mse_step(model, optimizer, x, y):
     loss = torch.nn.functional.mse_loss(model(x), y)
     loss.backward()
@@ -47,12 +57,13 @@ def test_megatron_mlp_dump_files(megatron_dump):
     assert comm["kind"] == "all_reduce" and comm["phase"] == "forward" and comm["axis_name"] == "dp"
     assert comm["origin"] == "addmm_1" and comm["value"] == "relu @ t_1" and comm["transition"] == "P(sum)->R"
     assert comm["bytes"] == 8 * 16 * 4  # [8, 16] float32 per rank
-    assert comm["source"].endswith("models.py:46 in forward: return self.l2(torch.relu(self.l1(x)))")
+    line = _forward_line()
+    assert comm["source"].endswith(f"models.py:{line} in forward: return self.l2(torch.relu(self.l1(x)))")
     assert "all_reduce <- relu @ t_1: P(sum)->R on 'dp' for addmm_1" in expanded
     summary = json.loads((folder / "comm_summary.json").read_text())
     assert summary["rows"] == [{"phase": "forward", "kind": "all_reduce", "axis": "dp", "count": 1, "bytes": 512, "wire_bytes": 768}]
     traced = (folder / "traced.py").read_text()
-    assert "# ---------------- backward ----------------" in traced and "models.py:46" in traced
+    assert "# ---------------- backward ----------------" in traced and f"models.py:{line}" in traced
 
 
 @pytest.mark.slow
