@@ -14,13 +14,18 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
+from . import _private_torch as pt
+
 __all__ = ["Plan", "ResolvedPlan", "normalize_placements"]
+
+log = logging.getLogger(__name__)
 
 PlacementsLike = Any  # Placement | Sequence[Placement]
 
@@ -254,28 +259,36 @@ def _resolve(plan: Plan, traced: Any, mesh: Any) -> ResolvedPlan:
                     "or pass Plan(strict=False) to allow patterns that match nothing."
                 )
 
-    def for_fqn(fqn: str) -> tuple[tuple[Placement, ...], str]:
+    def for_fqn(fqn: str) -> tuple[tuple[Placement, ...], str, bool]:
+        """(placements, source, whether they come from a pattern or default_param)."""
         if fqn in exact:
-            return exact[fqn], f"plan[{fqn!r}]"
+            return exact[fqn], f"plan[{fqn!r}]", False
         aliases = [a for a, c in state.aliases.items() if c == fqn]
         for a in aliases:
             if a in exact:
-                return exact[a], f"plan[{a!r}]"
+                return exact[a], f"plan[{a!r}]", False
         for pat, pl in patterns:
             if fnmatch.fnmatchcase(fqn, pat) or any(fnmatch.fnmatchcase(a, pat) for a in aliases):
-                return pl, f"plan[{pat!r}]"
-        return default_param, "default_param"
+                return pl, f"plan[{pat!r}]", True
+        return default_param, "default_param", True
 
     batch = iter(plan.batch_placements([i for i in traced.inputs if i.kind == "batch"], ndim))
     placements, sources = [], []
+    fitted: list[str] = []
     for inp in traced.inputs:
         if inp.kind in ("param", "buffer"):
-            pl, src = for_fqn(inp.name)
+            pl, src, wild = for_fqn(inp.name)
+            if wild:
+                pl, src = _fit_wildcard(inp, pl, src, fitted)
         elif inp.kind == "grad":  # stored like its parameter (FSDP: sharded, as after a reduce-scatter)
-            pl, src = for_fqn(inp.name)
+            pl, src, wild = for_fqn(inp.name)
+            if wild:
+                pl, src = _fit_wildcard(inp, pl, src, [])
             src = f"follows param {inp.name!r}"
         elif inp.kind == "optim":
-            pl, src = for_fqn(inp.name)
+            pl, src, wild = for_fqn(inp.name)
+            if wild:
+                pl, src = _fit_wildcard(inp, pl, src, [])
             param_shape = next(i.shape for i in traced.inputs if i.kind == "param" and i.name == inp.name)
             if tuple(inp.shape) != tuple(param_shape):
                 pl, src = replicate, f"replicated (optimizer state of shape {list(inp.shape)})"
@@ -287,7 +300,31 @@ def _resolve(plan: Plan, traced: Any, mesh: Any) -> ResolvedPlan:
             pl, src = next(batch)
         placements.append(_check_dims(inp, tuple(pl), src))
         sources.append(src)
+    if fitted:
+        log.debug("plan patterns left %d tensors Replicate where they have no dim to split: %s", len(fitted), "; ".join(fitted))
     return ResolvedPlan(tuple(placements), tuple(sources))
+
+
+def _fit_wildcard(inp: Any, placements: tuple[Placement, ...], source: str, fitted: list[str]) -> tuple[tuple[Placement, ...], str]:
+    """A pattern (``"*"``, a glob) or ``default_param`` shards only what can be sharded:
+    ``Shard(d)`` on a tensor without dim ``d`` (a 0-d buffer such as BatchNorm's
+    ``num_batches_tracked``, a bias under ``Shard(1)``) becomes Replicate on that mesh
+    axis, recorded in ``fitted`` for a DEBUG log. An exact FQN entry is never changed:
+    one that names a dim the tensor lacks is an error (:func:`_check_dims`)."""
+    ndim = len(inp.shape)
+    out, axes = [], []
+    for axis, p in enumerate(placements):
+        d = getattr(p, "dim", None)
+        if d is not None and isinstance(p, (Shard, pt.StridedShard)) and not -ndim <= d < ndim:
+            out.append(Replicate())
+            axes.append(axis)
+        else:
+            out.append(p)
+    if not axes:
+        return placements, source
+    why = "a 0-d tensor" if ndim == 0 else f"a {ndim}-d tensor"
+    fitted.append(f"{inp.label} {list(inp.shape)} on mesh axes {axes} ({why})")
+    return tuple(out), f"{source}, Replicate on mesh axes {axes} ({why} has no dim to split there)"
 
 
 def _batch_placements(plan: Plan, batch_inputs: list[Any], ndim: int) -> list[tuple[tuple[Placement, ...], str]]:
@@ -334,7 +371,7 @@ def _check_dims(inp: Any, placements: tuple[Placement, ...], source: str = "the 
                 dims = f"a dim in [0, {ndim - 1}] (or [{-ndim}, -1])" if ndim else "none (a 0-d tensor has no dim to split)"
                 where = (
                     f"Plan(inputs={{{inp.name!r}: ...}}) sets it" if inp.kind == "batch"
-                    else f"an entry for {inp.name!r} overrides a pattern"
+                    else f"in the plan entry {source.split(',')[0]}; patterns such as '*' replicate tensors they cannot split"
                 )
                 raise ValueError(
                     f"{what}: Shard({p.dim}) on mesh axis {axis} is out of range for a {ndim}-d tensor; expected "
