@@ -5,9 +5,10 @@ A plan maps FQN patterns to placements (one per mesh axis, torch's ``Shard``,
 module FQN. Optimizer state follows its parameter. Batch inputs are each rank's local
 shard, as in DDP, and default to ``Shard(0)`` on the first mesh axis.
 
-Example (Megatron MLP on a 1-D mesh)::
+Examples (1-D mesh)::
 
-    plan = Plan(params={"l1.*": [Shard(0)], "l2.weight": [Shard(1)]})
+    Plan(params={"l1.*": [Shard(0)], "l2.weight": [Shard(1)]}, default_input=[Replicate()])  # Megatron MLP
+    Plan(params={"*": [Shard(0)]}, fsdp_axes=("dp",))  # FSDP: stored sharded, gathered for compute
 """
 
 from __future__ import annotations
@@ -77,7 +78,10 @@ class Plan:
     Attributes:
         params: FQN glob pattern (``"layers.*.w1.weight"``; ``*`` also matches dots) to
             placements, for parameters and buffers. An exact FQN beats a pattern; among
-            patterns the first listed wins. A value may instead be a ParallelStyle
+            patterns the first listed wins. A pattern (and ``default_param``) shards only
+            what can be split: on a tensor without the dim it names (a 0-d buffer such as
+            BatchNorm's ``num_batches_tracked``) it gives Replicate on that mesh axis
+            (logged at DEBUG); an exact FQN entry that does so is a ValueError. A value may instead be a ParallelStyle
             (``ColwiseParallel()``, ``RowwiseParallel()``, ``SequenceParallel()``) keyed
             by module FQN pattern, meaning what it means in ``parallelize_module``,
             applied on mesh axis ``style_axis``.
@@ -92,8 +96,13 @@ class Plan:
         fsdp_axes: mesh axes (names or indices) with FSDP semantics: a parameter sharded
             on one of them is stored sharded but all-gathered (Replicate on that axis)
             before its use in forward and again in backward, and its gradient is
-            reduce-scattered into the shard, as ``fully_shard`` does. Without it, DTensor
-            picks per op whether to gather the parameter or to shard the activation.
+            reduce-scattered into the shard, as ``fully_shard`` does. Without it a sharded
+            parameter is an operand like any other: it stays sharded for compute and
+            DTensor redistributes the other operands to match it, so on an axis where the
+            batch is split along dim 0 the batch and activations are gathered instead of
+            the parameters. That is exact but rarely what is meant, and the compile logs
+            one WARNING naming the axis, the bytes and this option (FSDP:
+            ``Plan(params={"*": [Shard(0)]}, fsdp_axes=("dp",))``).
         activation_sharding: how an op's strategy is chosen among DTensor's candidates.
             ``"follow"`` (default): an op's result is sharded on a mesh axis only where
             one of its inputs already is, so shards start at the plan and propagate (a
