@@ -283,21 +283,29 @@ def _resolve(plan: Plan, traced: Any, mesh: Any) -> ResolvedPlan:
 
     batch = iter(plan.batch_placements([i for i in traced.inputs if i.kind == "batch"], ndim))
     placements, sources = [], []
+    # a pattern shards, on each mesh axis, the tensors it matches that have the dim it
+    # names; one whose dim no tensor it matches has is an error, not a silent Replicate
+    splits: dict[str, set[int]] = {}
+    for inp in traced.inputs:
+        if inp.kind in ("param", "buffer"):
+            pl, src, wild = for_fqn(inp.name)
+            if wild:
+                splits.setdefault(src, set()).update(a for a, p in enumerate(pl) if _has_dim(inp, p))
     fitted: list[str] = []
     for inp in traced.inputs:
         if inp.kind in ("param", "buffer"):
             pl, src, wild = for_fqn(inp.name)
             if wild:
-                pl, src = _fit_wildcard(inp, pl, src, fitted)
+                pl, src = _fit_wildcard(inp, pl, src, splits.get(src, set()), fitted)
         elif inp.kind == "grad":  # stored like its parameter (FSDP: sharded, as after a reduce-scatter)
             pl, src, wild = for_fqn(inp.name)
             if wild:
-                pl, src = _fit_wildcard(inp, pl, src, [])
+                pl, src = _fit_wildcard(inp, pl, src, splits.get(src, set()), [])
             src = f"follows param {inp.name!r}"
         elif inp.kind == "optim":
             pl, src, wild = for_fqn(inp.name)
             if wild:
-                pl, src = _fit_wildcard(inp, pl, src, [])
+                pl, src = _fit_wildcard(inp, pl, src, splits.get(src, set()), [])
             param_shape = next(i.shape for i in traced.inputs if i.kind == "param" and i.name == inp.name)
             if tuple(inp.shape) != tuple(param_shape):
                 pl, src = replicate, f"replicated (optimizer state of shape {list(inp.shape)})"
@@ -314,17 +322,26 @@ def _resolve(plan: Plan, traced: Any, mesh: Any) -> ResolvedPlan:
     return ResolvedPlan(tuple(placements), tuple(sources))
 
 
-def _fit_wildcard(inp: Any, placements: tuple[Placement, ...], source: str, fitted: list[str]) -> tuple[tuple[Placement, ...], str]:
+def _has_dim(inp: Any, p: Placement) -> bool:
+    """Whether ``p`` is a shard of a dim ``inp`` has."""
+    d = getattr(p, "dim", None)
+    ndim = len(inp.shape)
+    return isinstance(p, (Shard, pt.StridedShard)) and d is not None and -ndim <= d < ndim
+
+
+def _fit_wildcard(
+    inp: Any, placements: tuple[Placement, ...], source: str, splits: set[int], fitted: list[str]
+) -> tuple[tuple[Placement, ...], str]:
     """A pattern (``"*"``, a glob) or ``default_param`` shards only what can be sharded:
     ``Shard(d)`` on a tensor without dim ``d`` (a 0-d buffer such as BatchNorm's
     ``num_batches_tracked``, a bias under ``Shard(1)``) becomes Replicate on that mesh
-    axis, recorded in ``fitted`` for a DEBUG log. An exact FQN entry is never changed:
+    axis, recorded in ``fitted`` for a DEBUG log, provided the pattern splits some other
+    tensor it matches on that axis (``splits``). An exact FQN entry is never changed:
     one that names a dim the tensor lacks is an error (:func:`_check_dims`)."""
     ndim = len(inp.shape)
     out, axes = [], []
     for axis, p in enumerate(placements):
-        d = getattr(p, "dim", None)
-        if d is not None and isinstance(p, (Shard, pt.StridedShard)) and not -ndim <= d < ndim:
+        if isinstance(p, (Shard, pt.StridedShard)) and not _has_dim(inp, p) and axis in splits:
             out.append(Replicate())
             axes.append(axis)
         else:
@@ -380,7 +397,8 @@ def _check_dims(inp: Any, placements: tuple[Placement, ...], source: str = "the 
                 dims = f"a dim in [0, {ndim - 1}] (or [{-ndim}, -1])" if ndim else "none (a 0-d tensor has no dim to split)"
                 where = (
                     f"Plan(inputs={{{inp.name!r}: ...}}) sets it" if inp.kind == "batch"
-                    else f"in the plan entry {source.split(',')[0]}; patterns such as '*' replicate tensors they cannot split"
+                    else f"in {source}" if source.startswith(f"plan[{inp.name!r}]")
+                    else f"{source}: no tensor it matches has that dim"
                 )
                 raise ValueError(
                     f"{what}: Shard({p.dim}) on mesh axis {axis} is out of range for a {ndim}-d tensor; expected "

@@ -31,7 +31,7 @@ def test_tutorial_plan_without_fsdp_axes_is_warned_once(caplog):
     msg = msgs[0]
     assert "on mesh axis 'dp', where the batch is split along dim 0, but 'dp' is not in fsdp_axes" in msg
     assert "in_batch_0" in msg  # the batch itself is gathered
-    assert "With fsdp_axes=('dp',) the parameters would be gathered instead (about 8.4 KiB in 4 all_gathers per step)" in msg
+    assert "With 'dp' in fsdp_axes the parameters would be gathered instead (about 8.4 KiB in 4 all_gathers per step)" in msg
     assert "fix: for FSDP (parameters stored sharded, gathered for compute) write Plan(..., fsdp_axes=('dp',))" in msg
 
 
@@ -57,3 +57,11 @@ def test_2d_plan_warns_only_for_the_axis_without_fsdp(caplog):
     caplog.clear()
     msgs, _ = _advice(sc.Plan(params={"*": [Shard(0), Replicate()]}, default_input=[Shard(0), Replicate()], fsdp_axes=("dp",)), caplog, mesh)
     assert msgs == []
+
+
+def test_2d_fsdp_on_one_axis_warns_for_the_other_with_both_in_the_fix(caplog):
+    mesh = fake_mesh((2, 2), ("dp", "tp"))
+    plan = sc.Plan(params={"*": [Shard(0), Shard(0)]}, default_input=[Shard(0), Shard(0)], fsdp_axes=("dp",))
+    msgs, _ = _advice(plan, caplog, mesh)
+    assert len(msgs) == 1 and "mesh axis 'tp'" in msgs[0], msgs
+    assert "fsdp_axes=('dp', 'tp')" in msgs[0] and "default_input=[Shard(dim=0), Replicate()]" in msgs[0]

@@ -87,8 +87,8 @@ def activation_gather_advice(ex: Any) -> tuple[str, str] | None:
         if size == 1 or axis in ex.fsdp_axes:
             continue
         params = [(i, pl) for i, pl in inputs if i.kind == "param" and _is_shard(pl[axis])]
-        data_parallel = any(i.kind == "batch" and isinstance(pl[axis], pt.Shard) and pl[axis].dim == 0 for i, pl in inputs)
-        if not params or not data_parallel:
+        batch = [pl for i, pl in inputs if i.kind == "batch" and isinstance(pl[axis], pt.Shard) and pl[axis].dim == 0]
+        if not params or not batch:
             continue
         if derived is None:
             derived = _state_derived(ex.traced.gm.graph)
@@ -107,17 +107,18 @@ def activation_gather_advice(ex: Any) -> tuple[str, str] | None:
         fsdp, num_fsdp = _fsdp_bytes(ex, params, axis)
         values = sorted(gathered, key=lambda v: -gathered[v])
         named = ", ".join(values[:_NAMED]) + (f" and {len(values) - _NAMED} more" if len(values) > _NAMED else "")
-        replicate = [pt.Replicate()] * ex.mctx.ndim
+        whole = [pt.Replicate() if a == axis else p for a, p in enumerate(batch[0])]
+        fix_axes = tuple(ex.mctx.axis_names[a] for a in sorted((*ex.fsdp_axes, axis)))
         return name, (
             f"spmd_compiler: the plan shards {len(params)} parameter(s) (e.g. {params[0][0].name}) on mesh axis "
             f"{name!r}, where the batch is split along dim 0, but {name!r} is not in fsdp_axes: the parameters stay "
             f"sharded for compute, and activations and the batch are redistributed (all_gather, all_to_all) to match them "
             f"({format_bytes(sum(gathered.values()))} per rank per step in forward and backward, {len(values)} values: "
-            f"{named}). With fsdp_axes=({name!r},) the parameters would be gathered instead "
+            f"{named}). With {name!r} in fsdp_axes the parameters would be gathered instead "
             f"(about {format_bytes(fsdp)} in {num_fsdp} all_gathers per step) and no activation would be. "
-            f"fix: for FSDP (parameters stored sharded, gathered for compute) write Plan(..., fsdp_axes=({name!r},)); "
+            f"fix: for FSDP (parameters stored sharded, gathered for compute) write Plan(..., fsdp_axes={fix_axes!r}); "
             f"for tensor parallelism give every rank the whole batch on that axis (Plan(..., default_input="
-            f"{replicate!r})); to keep activation sharding, silence this logger ({__name__})"
+            f"{whole!r})); to keep activation sharding, silence this logger ({__name__})"
         )
     return None
 
