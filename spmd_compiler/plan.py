@@ -81,7 +81,8 @@ class Plan:
             patterns the first listed wins. A pattern (and ``default_param``) shards only
             what can be split: on a tensor without the dim it names (a 0-d buffer such as
             BatchNorm's ``num_batches_tracked``) it gives Replicate on that mesh axis
-            (logged at DEBUG); an exact FQN entry that does so is a ValueError. A value may instead be a ParallelStyle
+            (logged at DEBUG); an exact FQN entry that does so is a ValueError, as is a
+            pattern whose dim none of the tensors it matches has. A value may instead be a ParallelStyle
             (``ColwiseParallel()``, ``RowwiseParallel()``, ``SequenceParallel()``) keyed
             by module FQN pattern, meaning what it means in ``parallelize_module``,
             applied on mesh axis ``style_axis``.
