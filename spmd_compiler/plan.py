@@ -5,22 +5,28 @@ A plan maps FQN patterns to placements (one per mesh axis, torch's ``Shard``,
 module FQN. Optimizer state follows its parameter. Batch inputs are each rank's local
 shard, as in DDP, and default to ``Shard(0)`` on the first mesh axis.
 
-Example (Megatron MLP on a 1-D mesh)::
+Examples (1-D mesh)::
 
-    plan = Plan(params={"l1.*": [Shard(0)], "l2.weight": [Shard(1)]})
+    Plan(params={"l1.*": [Shard(0)], "l2.weight": [Shard(1)]}, default_input=[Replicate()])  # Megatron MLP
+    Plan(params={"*": [Shard(0)]}, fsdp_axes=("dp",))  # FSDP: stored sharded, gathered for compute
 """
 
 from __future__ import annotations
 
 import difflib
 import fnmatch
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
+from . import _private_torch as pt
+
 __all__ = ["Plan", "ResolvedPlan", "normalize_placements"]
+
+log = logging.getLogger(__name__)
 
 PlacementsLike = Any  # Placement | Sequence[Placement]
 
@@ -72,7 +78,11 @@ class Plan:
     Attributes:
         params: FQN glob pattern (``"layers.*.w1.weight"``; ``*`` also matches dots) to
             placements, for parameters and buffers. An exact FQN beats a pattern; among
-            patterns the first listed wins. A value may instead be a ParallelStyle
+            patterns the first listed wins. A pattern (and ``default_param``) shards only
+            what can be split: on a tensor without the dim it names (a 0-d buffer such as
+            BatchNorm's ``num_batches_tracked``) it gives Replicate on that mesh axis
+            (logged at DEBUG); an exact FQN entry that does so is a ValueError, as is a
+            pattern whose dim none of the tensors it matches has. A value may instead be a ParallelStyle
             (``ColwiseParallel()``, ``RowwiseParallel()``, ``SequenceParallel()``) keyed
             by module FQN pattern, meaning what it means in ``parallelize_module``,
             applied on mesh axis ``style_axis``.
@@ -87,8 +97,13 @@ class Plan:
         fsdp_axes: mesh axes (names or indices) with FSDP semantics: a parameter sharded
             on one of them is stored sharded but all-gathered (Replicate on that axis)
             before its use in forward and again in backward, and its gradient is
-            reduce-scattered into the shard, as ``fully_shard`` does. Without it, DTensor
-            picks per op whether to gather the parameter or to shard the activation.
+            reduce-scattered into the shard, as ``fully_shard`` does. Without it a sharded
+            parameter is an operand like any other: it stays sharded for compute and
+            DTensor redistributes the other operands to match it, so on an axis where the
+            batch is split along dim 0 the batch and activations are gathered instead of
+            the parameters. That is exact but rarely what is meant, and the compile logs
+            one WARNING naming the axis, the bytes and this option (FSDP:
+            ``Plan(params={"*": [Shard(0)]}, fsdp_axes=("dp",))``).
         activation_sharding: how an op's strategy is chosen among DTensor's candidates.
             ``"follow"`` (default): an op's result is sharded on a mesh axis only where
             one of its inputs already is, so shards start at the plan and propagate (a
@@ -254,28 +269,44 @@ def _resolve(plan: Plan, traced: Any, mesh: Any) -> ResolvedPlan:
                     "or pass Plan(strict=False) to allow patterns that match nothing."
                 )
 
-    def for_fqn(fqn: str) -> tuple[tuple[Placement, ...], str]:
+    def for_fqn(fqn: str) -> tuple[tuple[Placement, ...], str, bool]:
+        """(placements, source, whether they come from a pattern or default_param)."""
         if fqn in exact:
-            return exact[fqn], f"plan[{fqn!r}]"
+            return exact[fqn], f"plan[{fqn!r}]", False
         aliases = [a for a, c in state.aliases.items() if c == fqn]
         for a in aliases:
             if a in exact:
-                return exact[a], f"plan[{a!r}]"
+                return exact[a], f"plan[{a!r}]", False
         for pat, pl in patterns:
             if fnmatch.fnmatchcase(fqn, pat) or any(fnmatch.fnmatchcase(a, pat) for a in aliases):
-                return pl, f"plan[{pat!r}]"
-        return default_param, "default_param"
+                return pl, f"plan[{pat!r}]", True
+        return default_param, "default_param", True
 
     batch = iter(plan.batch_placements([i for i in traced.inputs if i.kind == "batch"], ndim))
     placements, sources = [], []
+    # a pattern shards, on each mesh axis, the tensors it matches that have the dim it
+    # names; one whose dim no tensor it matches has is an error, not a silent Replicate
+    splits: dict[str, set[int]] = {}
     for inp in traced.inputs:
         if inp.kind in ("param", "buffer"):
-            pl, src = for_fqn(inp.name)
+            pl, src, wild = for_fqn(inp.name)
+            if wild:
+                splits.setdefault(src, set()).update(a for a, p in enumerate(pl) if _has_dim(inp, p))
+    fitted: list[str] = []
+    for inp in traced.inputs:
+        if inp.kind in ("param", "buffer"):
+            pl, src, wild = for_fqn(inp.name)
+            if wild:
+                pl, src = _fit_wildcard(inp, pl, src, splits.get(src, set()), fitted)
         elif inp.kind == "grad":  # stored like its parameter (FSDP: sharded, as after a reduce-scatter)
-            pl, src = for_fqn(inp.name)
+            pl, src, wild = for_fqn(inp.name)
+            if wild:
+                pl, src = _fit_wildcard(inp, pl, src, splits.get(src, set()), [])
             src = f"follows param {inp.name!r}"
         elif inp.kind == "optim":
-            pl, src = for_fqn(inp.name)
+            pl, src, wild = for_fqn(inp.name)
+            if wild:
+                pl, src = _fit_wildcard(inp, pl, src, splits.get(src, set()), [])
             param_shape = next(i.shape for i in traced.inputs if i.kind == "param" and i.name == inp.name)
             if tuple(inp.shape) != tuple(param_shape):
                 pl, src = replicate, f"replicated (optimizer state of shape {list(inp.shape)})"
@@ -287,7 +318,40 @@ def _resolve(plan: Plan, traced: Any, mesh: Any) -> ResolvedPlan:
             pl, src = next(batch)
         placements.append(_check_dims(inp, tuple(pl), src))
         sources.append(src)
+    if fitted:
+        log.debug("plan patterns left %d tensors Replicate where they have no dim to split: %s", len(fitted), "; ".join(fitted))
     return ResolvedPlan(tuple(placements), tuple(sources))
+
+
+def _has_dim(inp: Any, p: Placement) -> bool:
+    """Whether ``p`` is a shard of a dim ``inp`` has."""
+    d = getattr(p, "dim", None)
+    ndim = len(inp.shape)
+    return isinstance(p, (Shard, pt.StridedShard)) and d is not None and -ndim <= d < ndim
+
+
+def _fit_wildcard(
+    inp: Any, placements: tuple[Placement, ...], source: str, splits: set[int], fitted: list[str]
+) -> tuple[tuple[Placement, ...], str]:
+    """A pattern (``"*"``, a glob) or ``default_param`` shards only what can be sharded:
+    ``Shard(d)`` on a tensor without dim ``d`` (a 0-d buffer such as BatchNorm's
+    ``num_batches_tracked``, a bias under ``Shard(1)``) becomes Replicate on that mesh
+    axis, recorded in ``fitted`` for a DEBUG log, provided the pattern splits some other
+    tensor it matches on that axis (``splits``). An exact FQN entry is never changed:
+    one that names a dim the tensor lacks is an error (:func:`_check_dims`)."""
+    ndim = len(inp.shape)
+    out, axes = [], []
+    for axis, p in enumerate(placements):
+        if isinstance(p, (Shard, pt.StridedShard)) and not _has_dim(inp, p) and axis in splits:
+            out.append(Replicate())
+            axes.append(axis)
+        else:
+            out.append(p)
+    if not axes:
+        return placements, source
+    why = "a 0-d tensor" if ndim == 0 else f"a {ndim}-d tensor"
+    fitted.append(f"{inp.label} {list(inp.shape)} on mesh axes {axes} ({why})")
+    return tuple(out), f"{source}, Replicate on mesh axes {axes} ({why} has no dim to split there)"
 
 
 def _batch_placements(plan: Plan, batch_inputs: list[Any], ndim: int) -> list[tuple[tuple[Placement, ...], str]]:
@@ -334,7 +398,8 @@ def _check_dims(inp: Any, placements: tuple[Placement, ...], source: str = "the 
                 dims = f"a dim in [0, {ndim - 1}] (or [{-ndim}, -1])" if ndim else "none (a 0-d tensor has no dim to split)"
                 where = (
                     f"Plan(inputs={{{inp.name!r}: ...}}) sets it" if inp.kind == "batch"
-                    else f"an entry for {inp.name!r} overrides a pattern"
+                    else f"in {source}" if source.startswith(f"plan[{inp.name!r}]")
+                    else f"{source}: no tensor it matches has that dim"
                 )
                 raise ValueError(
                     f"{what}: Shard({p.dim}) on mesh axis {axis} is out of range for a {ndim}-d tensor; expected "

@@ -83,3 +83,60 @@ def test_inputs_by_index_and_path(traced_adam, mesh4):
     assert got["batch[0]"] == (Shard(1),)
     with pytest.raises(ValueError, match="names no batch tensor"):
         sc.Plan(inputs={"batch[7]": [Shard(0)]}).resolve(traced_adam, mesh4)
+
+
+def _bn_model():
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 8)).double()
+
+
+def _mse_step(model, optimizer, x, y):
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+@pytest.fixture
+def traced_bn():
+    model = _bn_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return sc.trace(_mse_step, model, opt, torch.randn(8, 8, dtype=torch.float64), torch.randn(8, 8, dtype=torch.float64))
+
+
+def test_wildcard_never_shards_a_0d_tensor(traced_bn, mesh4, caplog):
+    with caplog.at_level("DEBUG", logger="spmd_compiler.plan"):
+        resolved = sc.Plan(params={"*": [Shard(0)]}).resolve(traced_bn, mesh4)
+    got = _by_label(traced_bn, resolved)
+    assert got["1.num_batches_tracked"] == (Replicate(),)
+    assert got["1.running_mean"] == (Shard(0),) and got["0.weight"] == (Shard(0),)
+    assert "1.num_batches_tracked [] on mesh axes [0] (a 0-d tensor)" in caplog.text
+    src = dict(zip([i.label for i in traced_bn.inputs], resolved.sources))["1.num_batches_tracked"]
+    assert "plan['*'], Replicate on mesh axes [0]" in src
+
+
+def test_wildcard_shard_dim_a_tensor_lacks_replicates(traced_bn, mesh2x2):
+    plan = sc.Plan(params={"*.[wb][ei]*": [Replicate(), Shard(1)]}, default_param=[Shard(0), Replicate()])
+    got = _by_label(traced_bn, plan.resolve(traced_bn, mesh2x2))
+    assert got["0.weight"] == (Replicate(), Shard(1))
+    assert got["0.bias"] == (Replicate(), Replicate())  # a 1-d bias has no dim 1
+    assert got["1.running_mean"] == (Shard(0), Replicate())  # default_param
+    assert got["1.num_batches_tracked"] == (Replicate(), Replicate())  # default_param on a 0-d buffer
+
+
+def test_exact_entry_sharding_a_0d_tensor_is_an_error(traced_bn, mesh4):
+    with pytest.raises(ValueError, match=r"1.num_batches_tracked \(shape \[\]\) gets placements \[Shard\(dim=0\)\] from "
+                                         r"plan\['1.num_batches_tracked'\].*fix: .*Replicate\(\)"):
+        sc.Plan(params={"*": [Shard(0)], "1.num_batches_tracked": [Shard(0)]}).resolve(traced_bn, mesh4)
+
+
+@pytest.mark.parametrize("fsdp_axes", [(), ("dp",)])
+def test_batchnorm_model_under_wildcard_shard_trains_as_one_device(fsdp_axes):
+    from spmd_compiler.testing import assert_distributed, assert_training_matches, fake_mesh
+
+    batches = [(torch.randn(8, 8, dtype=torch.float64), torch.randn(8, 8, dtype=torch.float64)) for _ in range(2)]
+    res = assert_training_matches(
+        _mse_step, _bn_model(), lambda p: torch.optim.AdamW(p, lr=1e-2), batches, fake_mesh((2,), ("dp",)),
+        sc.Plan(params={"*": [Shard(0)]}, fsdp_axes=fsdp_axes),
+    )
+    assert_distributed(res, sharded=["0.weight", "1.running_mean"])

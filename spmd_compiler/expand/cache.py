@@ -54,13 +54,15 @@ class ExpansionCache:
     """Recipes by key, with hit/miss counters.
 
     One cache may serve several expansions on the same mesh (a recompile for new shapes
-    reuses the recipes of unchanged layers).
+    reuses the recipes of unchanged layers). ``warned`` holds the keys of the warnings
+    already logged by those expansions, so each is logged once per compiled step.
     """
 
     enabled: bool = True
     hits: int = 0
     misses: int = 0
     _store: dict = field(default_factory=dict)
+    warned: set = field(default_factory=set)
 
     def lookup(self, key: Any, coordinate: tuple[int, ...]) -> Recipe | None:
         if not self.enabled:

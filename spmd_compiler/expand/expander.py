@@ -23,6 +23,7 @@ from .tree import leaves, tree_map
 from .. import _private_torch as pt
 from ..errors import SpmdError, add_context, describe_node
 from . import dispatch
+from .advice import log_advice
 from .builder import Recipe, SubgraphBuilder, local_fake
 from .cache import ExpansionCache, abstract_key
 from ..trace.markers import MARKER
@@ -176,6 +177,7 @@ class Expansion:
         missing = [i.label for i in self.traced.inputs if _input_key(i) not in self._inputs_by_key]
         assert not missing, f"traced inputs without a placeholder: {missing}"
         self.input_values = [self._inputs_by_key[_input_key(i)] for i in self.traced.inputs]
+        log_advice(self, self.cache.warned)
         self.stats.seconds = time.perf_counter() - start
         self.stats.cache = self.cache.stats()
 
