@@ -155,3 +155,18 @@ def test_harness_and_compile_agree_on_symbolic_sizes(symbolic):
     assert _symbolic_dims(harness.traced) == expected
     ops = [[str(n.target) for n in e.gm.graph.nodes] for e in (compiled, harness)]
     assert ops[0] == ops[1]
+
+
+@pytest.mark.parametrize("symbolic", ["batch", "all"])
+def test_assert_spmd_matches_traces_what_compile_traces(symbolic):
+    """assert_spmd_matches / run_spmd go through compile()'s program builder too: under
+    "batch" only the sharded dim is a symbol, and the slice from a size is taken."""
+    from spmd_compiler.testing import assert_spmd_matches
+
+    def shift(x):
+        t = x.shape[1]
+        return x[:, : t - 1] * x[:, 1:]
+
+    x = torch.randn(4, 6, 3, dtype=torch.float64)
+    run = assert_spmd_matches(shift, [x], fake_mesh((2,), ("dp",)), [[sc.Shard(0)]], symbolic=symbolic)
+    assert _symbolic_dims(run.traced) == ([[True, False, False]] if symbolic == "batch" else [[True, True, True]])
