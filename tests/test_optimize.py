@@ -276,10 +276,8 @@ def test_a_pass_that_breaks_the_graph_is_named_in_a_short_error():
     assert "fix for now: compile(..., passes_disabled=('breaks_order',))" in text and "please report it" in text
 
 
-def _drops_an_input_pass(gm):
-    """A broken pass: removes a placeholder the runtime binds a value to."""
-    unused = gm.graph.placeholder("extra")
-    gm.graph.erase_node(unused)
+def _renames_an_input_pass(gm):
+    """A broken pass: renames a placeholder the runtime binds a value to by name."""
     first = next(n for n in gm.graph.nodes if n.op == "placeholder")
     first.name = "renamed"
     return gm
@@ -291,7 +289,9 @@ def test_a_pass_must_keep_the_programs_inputs_and_outputs():
     traced = sc.trace(lambda m, o, x: m(x).sum(), MLP(4, 8), None, torch.randn(2, 4))
     check_program(traced.gm)  # a traced program is valid
     with pytest.raises(sc.SpmdError, match=r"'renames' left an invalid program: the program's inputs changed: expected \['p_l1_weight'"):
-        run_passes(traced.gm, [PassSpec("renames", _drops_an_input_pass)])
+        run_passes(traced.gm, [PassSpec("renames", _renames_an_input_pass)])
+    with pytest.raises(sc.SpmdError, match="'forgets_return' left an invalid program: expected the pass to return an fx.GraphModule, got NoneType"):
+        run_passes(traced.gm, [PassSpec("forgets_return", lambda gm: None)])
 
 
 def test_a_pass_whose_graph_fails_lint_keeps_the_message_short():

@@ -171,7 +171,10 @@ def run_passes(
         interface = _Interface.of(gm)
         start = time.perf_counter()
         try:
-            gm = spec.fn(gm, **spec.options)
+            out = spec.fn(gm, **spec.options)
+            if not isinstance(out, fx.GraphModule):
+                raise PassCheckError(f"expected the pass to return an fx.GraphModule, got {type(out).__name__}")
+            gm = out
             check_program(gm, interface)
             gm.recompile()
         except Exception as e:
