@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import copy
+
+import pytest
 import torch
 import torch.nn as nn
 
 import spmd_compiler as sc
-from spmd_compiler.testing import assert_distributed, assert_training_matches
+from spmd_compiler.testing import SimulatedTraining, assert_distributed, assert_training_matches, fake_mesh
 
 aten = torch.ops.aten
 
@@ -79,3 +82,91 @@ def test_arange_of_an_uneven_batch(mesh4):
     model = SizeModel().double()
     batches = [(torch.randn(10, 2, 3, dtype=torch.float64),) for _ in range(2)]
     assert_training_matches(size_step, model, lambda p: torch.optim.SGD(p, lr=0.1), batches, mesh4)
+
+
+def test_dsymint_compares_on_global_values():
+    import pytest
+
+    s = sc.DSymInt(8, 2, axes=(0,))
+    assert s >= 8 and s > 7 and s <= 8 and s < 9 and 7 < s and s == 8 and s != 2
+    assert sc.DSymInt(7, 7) < s and s >= sc.DSymInt(8, 8)
+    assert s != sc.DSymInt(8, 8)  # another rank's view of the size: not the same DSymInt
+    assert hash(s) == hash(8) and {s: "x"}[8] == "x"
+    with pytest.raises(TypeError, match="compares a DSymInt with a number or a DSymInt"):
+        s < "8"
+
+
+class Shift(nn.Module):
+    """Next-token style: ``h[:, : t - 1]`` with ``t = x.shape[1]`` (slice_backward's end is a size)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[1]
+        h = self.lin(x)
+        return h[:, : t - 1] * h[:, 1:]
+
+
+def _shift_batches():
+    return [(torch.randn(4, 6, 4, dtype=torch.float64),) for _ in range(2)]
+
+
+@pytest.mark.parametrize("dim", [0, 1])  # the batch split by rows, or along the sliced dim (t itself sharded)
+@pytest.mark.parametrize("symbolic", ["batch", "all"])
+def test_slice_end_computed_from_a_size(symbolic, dim):
+    # was: TypeError: '>=' not supported between instances of 'DSymInt' and 'int' (symbolic="all")
+    mesh = fake_mesh((2,), ("dp",))
+    res = assert_training_matches(size_step, Shift().double(), lambda p: torch.optim.SGD(p, lr=0.1), _shift_batches(), mesh,
+                                  sc.Plan(default_input=[sc.Shard(dim)]), symbolic=symbolic)
+    assert_distributed(res, sharded=["batch[0]"], collectives={"all_gather": 0} if dim == 0 else None)
+
+
+def _symbolic_dims(traced):
+    return [
+        [isinstance(s, torch.SymInt) for s in n.meta["val"].shape]
+        for n in traced.gm.graph.nodes if n.op == "placeholder" and n.meta["spmd_input"].kind == "batch"
+    ]
+
+
+@pytest.mark.parametrize("symbolic", ["batch", "all"])
+def test_harness_and_compile_agree_on_symbolic_sizes(symbolic):
+    """The harness must accept exactly the programs compile() accepts: both trace the same
+    dims as symbols and build the same per-rank program."""
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = Shift().double()
+    batch = _shift_batches()[0]
+    twin = copy.deepcopy(model)
+    sim = SimulatedTraining(size_step, twin, torch.optim.SGD(twin.parameters(), lr=0.1), fake_mesh((2,), ("dp",)), symbolic=symbolic)
+    sim.step(*batch)
+    try:
+        mesh = fake_mesh((2,), ("dp",))
+        step = sc.compile(size_step, mesh=mesh, symbolic=symbolic, check_ranks=False)
+        step(model, torch.optim.SGD(model.parameters(), lr=0.1), batch[0][:2])
+        compiled = step.last
+    finally:
+        dist.destroy_process_group()
+    harness = sim.expansions[(0,)]
+    assert _symbolic_dims(compiled.traced) == _symbolic_dims(harness.traced)
+    expected = [[True, False, False]] if symbolic == "batch" else [[True, True, True]]  # only the sharded dim under "batch"
+    assert _symbolic_dims(harness.traced) == expected
+    ops = [[str(n.target) for n in e.gm.graph.nodes] for e in (compiled, harness)]
+    assert ops[0] == ops[1]
+
+
+@pytest.mark.parametrize("symbolic", ["batch", "all"])
+def test_assert_spmd_matches_traces_what_compile_traces(symbolic):
+    """assert_spmd_matches / run_spmd go through compile()'s program builder too: under
+    "batch" only the sharded dim is a symbol, and the slice from a size is taken."""
+    from spmd_compiler.testing import assert_spmd_matches
+
+    def shift(x):
+        t = x.shape[1]
+        return x[:, : t - 1] * x[:, 1:]
+
+    x = torch.randn(4, 6, 3, dtype=torch.float64)
+    run = assert_spmd_matches(shift, [x], fake_mesh((2,), ("dp",)), [[sc.Shard(0)]], symbolic=symbolic)
+    assert _symbolic_dims(run.traced) == ([[True, False, False]] if symbolic == "batch" else [[True, True, True]])

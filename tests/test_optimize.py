@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 
 import pytest
 import torch
@@ -266,9 +267,48 @@ def test_a_pass_that_breaks_the_graph_is_named_in_a_short_error():
     traced = sc.trace(lambda m, o, x: m(x).sum(), MLP(4, 8), None, torch.randn(2, 4))
     gm = traced.gm
     assert len(gm.graph.nodes) > 4
-    with pytest.raises(SpmdError, match=r"optimization pass 'breaks_order' failed: .*passes_disabled=\['breaks_order'\]") as info:
+    with pytest.raises(SpmdError, match=r"optimization pass 'breaks_order' left an invalid program: node 'addmm' reads 't' before") as info:
         run_passes(gm, [PassSpec("breaks_order", _breaks_order_pass)])
-    assert len(str(info.value)) < 800 and len(str(info.value).splitlines()) < 40
+    text = str(info.value)
+    assert len(text) < 2000 and len(text.splitlines()) < 40
+    assert "graph node: %addmm" in text and "reads:      %t " in text  # the node and the value it reads too early
+    assert "user code:" in text and "models.py" in text  # the user's line the node came from
+    assert "fix for now: compile(..., passes_disabled=('breaks_order',))" in text and "please report it" in text
+
+
+def _renames_an_input_pass(gm):
+    """A broken pass: renames a placeholder the runtime binds a value to by name."""
+    first = next(n for n in gm.graph.nodes if n.op == "placeholder")
+    first.name = "renamed"
+    return gm
+
+
+def test_a_pass_must_keep_the_programs_inputs_and_outputs():
+    from spmd_compiler.optimize import PassSpec, check_program, run_passes
+
+    traced = sc.trace(lambda m, o, x: m(x).sum(), MLP(4, 8), None, torch.randn(2, 4))
+    check_program(traced.gm)  # a traced program is valid
+    with pytest.raises(sc.SpmdError, match=r"'renames' left an invalid program: the program's inputs changed: expected \['p_l1_weight'"):
+        run_passes(traced.gm, [PassSpec("renames", _renames_an_input_pass)])
+    with pytest.raises(sc.SpmdError, match="'forgets_return' left an invalid program: expected the pass to return an fx.GraphModule, got NoneType"):
+        run_passes(traced.gm, [PassSpec("forgets_return", lambda gm: None)])
+
+
+def test_a_pass_whose_graph_fails_lint_keeps_the_message_short():
+    from spmd_compiler.optimize import PassSpec, run_passes
+
+    def bad_target(gm):  # reads an attribute the module lacks: lint refuses it
+        out = next(n for n in gm.graph.nodes if n.op == "output")
+        with gm.graph.inserting_before(out), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            gm.graph.get_attr("missing")
+        return gm
+
+    traced = sc.trace(lambda m, o, x: m(x).sum(), MLP(4, 8), None, torch.randn(2, 4))
+    with pytest.raises(sc.SpmdError, match="'bad_target' left an invalid program") as info:
+        run_passes(traced.gm, [PassSpec("bad_target", bad_target)])
+    assert len(str(info.value).splitlines()) < 40 and len(str(info.value)) < 2000
+    assert "graph node: %missing " in str(info.value)
 
 
 # plans where the default passes once broke a program: sizes 1 over 2 ranks (uneven, some

@@ -101,3 +101,102 @@ def test_gathers_of_views_made_late_are_left_alone(mesh2x2):
     for fused in _gathers(gm):
         for member in fused.meta.get("spmd_copy_in", []):
             assert all(pos[a] < pos[fused] for a in member.all_input_nodes)
+
+
+# issue #16: weights stored Shard(1) (a tied embedding/head) and an nn.Embedding feeding
+# Hugging Face's Conv1D ((in, out) weights) under FSDP-style plans. Gathers of any shard
+# dim (movedim before the collective, padding for uneven shards) are fused; one whose
+# input is made too late is left out, and the pass runner checks the result.
+class Conv1D(torch.nn.Module):
+    """Hugging Face's Conv1D: a Linear whose weight is stored (in, out)."""
+
+    def __init__(self, nf: int, nx: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(nx, nf) * 0.02)
+        self.bias = torch.nn.Parameter(torch.zeros(nf))
+
+    def forward(self, x):
+        size_out = x.size()[:-1] + (self.weight.size(-1),)
+        return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(size_out)
+
+
+class EmbedConv1D(torch.nn.Module):
+    def __init__(self, vocab: int = 32, dim: int = 16) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, dim)
+        self.head = Conv1D(vocab, dim)
+
+    def forward(self, ids):
+        return self.head(self.emb(ids))
+
+
+def _adamw(p):
+    return torch.optim.AdamW(p, lr=0.01)
+
+
+def _lm_batches(n=2, vocab=32):
+    return [(torch.randint(0, vocab, (8, 8)), torch.randint(0, vocab, (8, 8))) for _ in range(n)]
+
+
+def _members(res):
+    gm = next(iter(res.sim.expansions.values())).gm
+    return {n.meta["spmd_param_gather"]: n.meta["spmd_comm"]["value"] for n in _gathers(gm) if "spmd_param_gather" in n.meta}
+
+
+def test_tied_embedding_stored_shard1_is_gathered_in_its_unit(mesh4):
+    from torch.distributed.tensor import Shard
+
+    model = GPT(vocab=32, seq=8, dim=16, heads=2, layers=1, tie_embeddings=True).double()
+    plan = sc.Plan(params={"tok.weight": [Shard(1)], "*": [Shard(0)]}, default_input=[Shard(0)], fsdp_axes=(0,))
+    res = assert_training_matches(train_step, model, _adamw, _lm_batches(), mesh4, plan)
+    assert_distributed(res, sharded=["tok.weight", "blocks.0.fc.weight"])
+    assert "p_tok_weight" in _members(res)[""]  # movedim'd to gather along dim 1, fused with the root unit
+
+
+@pytest.mark.parametrize("fsdp_axes", [(), (0,)])
+def test_embedding_into_conv1d_every_parameter_shard0(mesh4, fsdp_axes):
+    # without fsdp_axes this failed the pass's lint: "Argument 't' of Node 'movedim_int' was
+    # used before it has been defined" (the gather of t(weight), made in backward, fused early)
+    from torch.distributed.tensor import Shard
+
+    plan = sc.Plan(params={"*": [Shard(0)]}, default_input=[Shard(0)], fsdp_axes=fsdp_axes)
+    res = assert_training_matches(train_step, EmbedConv1D().double(), _adamw, _lm_batches(), mesh4, plan)
+    assert_distributed(res, sharded=["emb.weight", "head.weight"])
+    if fsdp_axes:
+        assert sorted(_members(res)[""][5:-1].split(", ")) == ["p_emb_weight", "p_head_bias", "p_head_weight"]  # unit[...]
+
+
+def test_tied_embedding_under_tp_and_fsdp(mesh2x2):
+    # failed the pass's lint before: "Argument 't_23' ... used before it has been defined"
+    from torch.distributed.tensor import Replicate, Shard
+
+    from spmd_compiler.testing.models import _tp_params
+
+    params = {**_tp_params(2, 1), "tok.weight": [Shard(0), Shard(1)], "*": [Shard(0), Replicate()]}
+    plan = sc.Plan(params=params, default_input=[Shard(0), Replicate()], fsdp_axes=(0,))
+    model = GPT(vocab=32, seq=8, dim=16, heads=2, layers=1, tie_embeddings=True).double()
+    res = assert_training_matches(train_step, model, _adamw, _lm_batches(), mesh2x2, plan)
+    assert_distributed(res, sharded=["tok.weight", "blocks.0.fc.weight"])
+    assert {"", "blocks.0"} <= set(_members(res))
+
+
+def test_a_gather_is_not_moved_past_a_write_to_its_input(mesh4):
+    """A member gathered before the unit's first use keeps reading its input as it was
+    then: with an in-place write in between, it stays out of the fused gather."""
+    from spmd_compiler.optimize.graph_utils import new_node
+
+    step = _fsdp_step(mesh4, layers=1)
+    gm = sc.optimize.remove_redundant_collectives_pass(step.gm)
+    pos = positions(gm)
+    gathers = {n.meta["spmd_comm"]["value"]: n for n in _gathers(gm)}
+    first = min(gathers.values(), key=lambda g: min(pos[u] for w in g.users for u in w.users))
+    param = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.name == first.meta["spmd_comm"]["value"])
+    use = min((u for w in first.users for u in w.users), key=lambda u: pos[u])
+    with gm.graph.inserting_before(use):
+        write = new_node(gm.graph, torch.ops.aten.mul_.Tensor, (param, 2.0))
+    gm = bucket_parameter_gathers_pass(gm)
+    gm.graph.lint()
+    pos = positions(gm)
+    assert first in gm.graph.nodes and pos[first] < pos[write]  # still its own gather, before the write
+    fused = [n for n in _gathers(gm) if n.meta.get("spmd_param_gather") == unit_of(param.meta["spmd_input"].name)]
+    assert fused and all(param.name not in n.meta["spmd_comm"]["value"] for n in fused)

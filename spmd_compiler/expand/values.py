@@ -81,6 +81,12 @@ class DSymInt:
     ``axes`` lists the mesh axes over which the size is split; when empty, the local
     value equals the global one. Arithmetic keeps the split only through multiplication
     by an unsplit value (``batch * seq``); anything else gives a plain global size.
+
+    Comparisons are on global values, as the single-device program made them: ``<``,
+    ``<=``, ``>``, ``>=`` with a number or another DSymInt, and ``==``/``!=`` with an int
+    (``end >= size`` in a rule asks about the global tensor). Two DSymInts are equal only
+    when global value, local value and axes all agree (the same size on this rank); the
+    hash is the global value's, so a DSymInt equal to an int hashes like it.
     """
 
     global_value: int
@@ -102,10 +108,41 @@ class DSymInt:
     def key(self) -> tuple:
         return ("dsym", self.global_value, self.local_value, self.axes)
 
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, DSymInt):
+            return (self.global_value, self.local_value, self.axes) == (other.global_value, other.local_value, other.axes)
+        if isinstance(other, int):
+            return self.global_value == other
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.global_value)
+
+    def __lt__(self, other: Any) -> bool:
+        return self.global_value < _comparable(other, "<")
+
+    def __le__(self, other: Any) -> bool:
+        return self.global_value <= _comparable(other, "<=")
+
+    def __gt__(self, other: Any) -> bool:
+        return self.global_value > _comparable(other, ">")
+
+    def __ge__(self, other: Any) -> bool:
+        return self.global_value >= _comparable(other, ">=")
+
     def __repr__(self) -> str:
         if not self.axes:
             return f"DSymInt({self.global_value})"
         return f"DSymInt(global={self.global_value}, local={self.local_value}, axes={self.axes})"
+
+
+def _comparable(other: Any, op: str) -> int | float:
+    """The global value to compare a DSymInt with; a TypeError naming both for the rest."""
+    if isinstance(other, DSymInt):
+        return other.global_value
+    if isinstance(other, (int, float)):
+        return other
+    raise TypeError(f"'{op}' compares a DSymInt with a number or a DSymInt (on global values), got {type(other).__name__} {other!r}")
 
 
 def _g(x: Any) -> Any:

@@ -4,13 +4,15 @@ from .bucketing import bucket_gradients_pass
 from .gathers import bucket_parameter_gathers_pass
 from .overlap import overlap_pass
 from .redundant import cse_pass, fold_gather_narrow_pass, remove_redundant_collectives_pass
-from .runner import DEFAULT_PASSES, PassRecord, PassSpec, default_passes, run_passes
+from .runner import DEFAULT_PASSES, PassCheckError, PassRecord, PassSpec, check_program, default_passes, run_passes
 from .schedule import schedule_for_overlap_pass
 
 __all__ = [
     "run_passes",
     "PassSpec",
     "PassRecord",
+    "PassCheckError",
+    "check_program",
     "default_passes",
     "DEFAULT_PASSES",
     "remove_redundant_collectives_pass",

@@ -55,12 +55,17 @@ def _param_of(n: fx.Node) -> str | None:
     return None
 
 
+def _sources(m: fx.Node) -> set[fx.Node]:
+    """The values gather ``m`` and its prep chain read from outside the chain."""
+    inside = set(prep_chain(m)) | {m}
+    return {a for x in inside for a in x.all_input_nodes if a not in inside}
+
+
 def _ready(m: fx.Node, pos: dict[fx.Node, float], writes: dict[Any, list[fx.Node]]) -> float:
     """Where gather ``m`` could start at the earliest: after every input of its prep chain
-    and after every write to their storage that precedes it."""
-    chain = prep_chain(m)
-    inside = set(chain) | {m}
-    sources = {a for x in inside for a in x.all_input_nodes if a not in inside}
+    (whatever the shard dim: ``movedim`` for ``Shard(1)``, padding for uneven shards) and
+    after every write to their storage that precedes it."""
+    sources = _sources(m)
     ready = max((pos[a] for a in sources), default=-1.0)
     for a in sources:
         for w in writes.get(alias_root(a), ()):
@@ -82,7 +87,19 @@ def _fusable(members: list[fx.Node], pos: dict[fx.Node, float], writes: dict[Any
     members = sorted(members, key=lambda m: _ready(m, pos, writes))
     while len(members) > 1 and _ready(members[-1], pos, writes) >= min(_need(m, pos) for m in members):
         members.pop()
+    # a gather moved later, to the first use, must not read its input after a write to it
+    # that came between (the parameter as updated, not as gathered)
+    while len(members) > 1:
+        at = min(_need(m, pos) for m in members)  # where _fuse places the fused gather
+        kept = [m for m in members if not _written_between(m, pos[m], at, pos, writes)]
+        if len(kept) == len(members):
+            break
+        members = kept  # a later first use: check the rest again
     return members
+
+
+def _written_between(m: fx.Node, start: float, end: float, pos: dict[fx.Node, float], writes: dict[Any, list[fx.Node]]) -> bool:
+    return any(start < pos[w] < end for a in _sources(m) for w in writes.get(alias_root(a), ()))
 
 
 def _fuse(gm: fx.GraphModule, members: list[fx.Node], unit: str, pos: dict[fx.Node, float]) -> None:

@@ -3,7 +3,9 @@
 Every pass has the shape ``fn(gm, *, <options>) -> gm``. :func:`run_passes` applies a
 list of them in order, skips the disabled ones by name, logs each with its time and the
 number of nodes and collectives before and after, can hand each intermediate graph to a
-callback (dumps write one file per pass), and re-raises a failure naming the pass.
+callback (dumps write one file per pass), checks each pass's output graph
+(:func:`check_program`), and re-raises a failure naming the pass, the node, the user's
+source line and a fix, in a few lines (never the whole graph).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch.fx as fx
 from ..errors import SpmdError, describe_node
 from ..expand.values import placements_text
 
-__all__ = ["PassSpec", "PassRecord", "run_passes", "DEFAULT_PASSES", "default_passes"]
+__all__ = ["PassSpec", "PassRecord", "PassCheckError", "run_passes", "check_program", "DEFAULT_PASSES", "default_passes"]
 
 log = logging.getLogger(__name__)
 
@@ -49,21 +51,74 @@ def _count(gm: fx.GraphModule) -> tuple[int, int]:
     return len(nodes), sum(1 for n in nodes if "spmd_comm" in n.meta)
 
 
+class PassCheckError(SpmdError):
+    """A pass returned a graph that is not a valid per-rank program (``node``: where)."""
+
+    def __init__(self, message: str, node: fx.Node | None = None, argument: fx.Node | None = None) -> None:
+        super().__init__(message)
+        self.node = node
+        self.argument = argument
+
+
+@dataclass(frozen=True)
+class _Interface:
+    """What the runtime binds values by: the placeholders, in order, and the output count."""
+
+    inputs: tuple[str, ...]
+    num_outputs: int
+
+    @classmethod
+    def of(cls, gm: fx.GraphModule) -> "_Interface":
+        nodes = list(gm.graph.nodes)
+        out = next((n for n in reversed(nodes) if n.op == "output"), None)
+        ret = out.args[0] if out is not None and out.args else ()
+        return cls(tuple(n.name for n in nodes if n.op == "placeholder"), len(ret) if isinstance(ret, (list, tuple)) else 1)
+
+
+def check_program(gm: fx.GraphModule, interface: _Interface | None = None) -> None:
+    """Raise :class:`PassCheckError` unless every node's inputs are defined before it in
+    ``gm`` (the per-rank program's value order), the placeholders and output count are
+    ``interface``'s, and ``graph.lint()`` passes."""
+    seen: set[fx.Node] = set()
+    for n in gm.graph.nodes:
+        for a in n.all_input_nodes:
+            if a not in seen:
+                where = "after it" if a.graph is gm.graph and not getattr(a, "_erased", False) else "nowhere (erased or from another graph)"
+                raise PassCheckError(f"node {n.name!r} reads {a.name!r} before it is defined ({a.name!r} is {where})", n, a)
+        seen.add(n)
+    if interface is not None:
+        now = _Interface.of(gm)
+        if now.inputs != interface.inputs:
+            raise PassCheckError(f"the program's inputs changed: expected {list(interface.inputs)}, got {list(now.inputs)}")
+        if now.num_outputs != interface.num_outputs:
+            raise PassCheckError(f"the program's outputs changed: expected {interface.num_outputs}, got {now.num_outputs}")
+    try:
+        gm.graph.lint()
+    except Exception as e:  # lint's message embeds the whole graph: keep its first line
+        raise PassCheckError(_first_line(e)) from e
+
+
+def _first_line(e: BaseException, limit: int = 300) -> str:
+    first = (str(e).strip().splitlines() or [""])[0]
+    return first if len(first) <= limit else first[: limit - 3] + "..."
+
+
 def _named_node(gm: fx.GraphModule, e: BaseException, text: str) -> fx.Node | None:
     """The node a pass failure is about: the one the exception carries, else the first
-    node of ``gm`` the message names (``Node 'add_3'``, ``Argument 't_1'``)."""
+    node of ``gm`` the message names (``Node 'add_3'``, ``Argument 't_1'``, ``Node get_attr_1``)."""
     node = getattr(e, "spmd_node", None) or getattr(e, "node", None)
     if isinstance(node, fx.Node):
         return node
     names = {n.name: n for n in gm.graph.nodes}
-    return next((names[m] for m in re.findall(r"'([A-Za-z_][\w.]*)'", text) if m in names), None)
+    found = [a or b for a, b in re.findall(r"'([A-Za-z_][\w.]*)'|Node ([A-Za-z_]\w*)", text)]
+    return next((names[m] for m in found if m in names), None)
 
 
-def _node_context(node: fx.Node | None) -> str:
+def _node_context(node: fx.Node | None, label: str = "graph node") -> str:
     """The node, its placements and where it came from, for a pass failure."""
     if node is None:
         return ""
-    out = describe_node(node)
+    out = describe_node(node).replace("graph node:", f"{label}:".ljust(11), 1)
     spec = node.meta.get("spmd_spec")
     if spec is not None:
         out += f"\n  placements: {placements_text(spec.placements)} {list(spec.shape)}"
@@ -73,6 +128,25 @@ def _node_context(node: fx.Node | None) -> str:
     return out
 
 
+def pass_failure(name: str, gm: fx.GraphModule, e: BaseException) -> SpmdError:
+    """The error for pass ``name`` raising ``e`` or leaving an invalid graph: the pass,
+    what went wrong, the node and the user's line, and a way out, in a few short lines."""
+    first = _first_line(e)
+    node = _named_node(gm, e, first)
+    what = f"left an invalid program: {first}" if isinstance(e, PassCheckError) else f"failed: {type(e).__name__}: {first}"
+    context = _node_context(node)
+    argument = getattr(e, "argument", None)
+    if isinstance(argument, fx.Node):
+        context += _node_context(argument, "reads")
+    lines = [f"optimization pass {name!r} {what}"]
+    lines += [line for line in context.strip("\n").splitlines() if line not in lines]  # a shared source line once
+    lines += [
+        "  this is a bug in spmd-compiler (passes take any program expansion makes); please report it with this message",
+        f"  fix for now: compile(..., passes_disabled=({name!r},)) compiles without this pass",
+    ]
+    return SpmdError("\n".join(line if len(line) <= 400 else line[:397] + "..." for line in lines))
+
+
 def run_passes(
     gm: fx.GraphModule,
     passes: Sequence[PassSpec],
@@ -80,7 +154,10 @@ def run_passes(
     disabled: Sequence[str] = (),
     after_pass: Callable[[str, fx.GraphModule], None] | None = None,
 ) -> tuple[fx.GraphModule, list[PassRecord]]:
-    """Apply ``passes`` to ``gm`` in order; returns the final graph and one record per pass run."""
+    """Apply ``passes`` to ``gm`` in order; returns the final graph and one record per pass run.
+
+    Every pass's output is checked (:func:`check_program`): a pass either transforms the
+    program into a valid one or fails here, named, with the node and a way out."""
     known = {p.name for p in passes}
     unknown = [d for d in disabled if d not in known]
     if unknown:
@@ -91,21 +168,17 @@ def run_passes(
             log.info("pass %s: disabled", spec.name)
             continue
         n0, c0 = _count(gm)
+        interface = _Interface.of(gm)
         start = time.perf_counter()
         try:
-            gm = spec.fn(gm, **spec.options)
-            gm.graph.lint()  # the pass's output is checked under its name too
+            out = spec.fn(gm, **spec.options)
+            if not isinstance(out, fx.GraphModule):
+                raise PassCheckError(f"expected the pass to return an fx.GraphModule, got {type(out).__name__}")
+            gm = out
+            check_program(gm, interface)
             gm.recompile()
         except Exception as e:
-            first = (str(e).strip().splitlines() or [""])[0]
-            first = first if len(first) <= 300 else first[:297] + "..."  # lint errors embed the whole graph
-            node = _named_node(gm, e, first)
-            # passes take any graph expansion makes: whatever the plan, a failure is ours
-            raise SpmdError(
-                f"optimization pass {spec.name!r} failed: {type(e).__name__}: {first}; this is a bug in spmd-compiler, "
-                f"please report it; fix for now: passes_disabled=[{spec.name!r}] compiles without this pass"
-                + _node_context(node)
-            ) from e
+            raise pass_failure(spec.name, gm, e) from e
         elapsed = time.perf_counter() - start
         n1, c1 = _count(gm)
         records.append(PassRecord(spec.name, elapsed, n0, n1, c0, c1))

@@ -65,7 +65,9 @@ def _slice_backward(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple
     grad, sizes, dim, start, end, step = (list(args) + [None] * 6)[:6]
     global_sizes = [s.global_value if isinstance(s, DSymInt) else int(s) for s in sizes]
     dim = dim % len(global_sizes)
-    full = (start in (0, None)) and (end is None or end >= global_sizes[dim]) and step in (1, None)
+    # start/end/step may be DSymInts (``x[:, : t - 1]`` with ``t = x.shape[1]``): global values
+    g_start, g_end, g_step = (v.global_value if isinstance(v, DSymInt) else v for v in (start, end, step))
+    full = g_start in (0, None) and (g_end is None or g_end >= global_sizes[dim]) and g_step in (1, None)
     sharded_here = any(getattr(p, "dim", None) == dim and p.is_shard() for p in grad.spec.placements)
     if not (full and sharded_here):
         return generic_expand(ctx, b, op, args, kwargs)
