@@ -357,6 +357,42 @@ MUTANTS: list[Mutant] = [
         (ORDERS,),
         "stage_rank looks up this rank's own coordinate instead of the stage's: sends go to the wrong rank",
     ),
+    # ------------------------------------------------------------------ randomness
+    Mutant(
+        "random-local-draw", "spmd_compiler/expand/rules/random.py",
+        "ones = b.call(aten.ones.default, list(shape), dtype=out_val.dtype, device=out_val.device)",
+        "ones = b.call(aten.ones.default, list(b.local_shape(shape, dst.placements)), dtype=out_val.dtype, device=out_val.device)",
+        ("tests/test_expand_random.py::test_dropout_and_draws_equal_one_device_bit_for_bit",),
+        "dropout draws each rank's local shape instead of the global one (and slices nothing off)",
+    ),
+    Mutant(
+        "random-no-replay", "spmd_compiler/trace/rng.py",
+        "                replays.append((node, live[cursor]))",
+        "                live.append(node)",
+        ("tests/test_trace_rng.py",),
+        "activation checkpointing's recompute draws fresh random numbers instead of replaying the forward's",
+    ),
+    Mutant(
+        "rng-no-restore", "spmd_compiler/driver/rng.py",
+        "        if own is not None and dist.get_rank() != 0:",
+        "        if own is not None and dist.get_rank() < 0:",
+        ("tests/test_runtime_rng.py::test_per_rank_seeds_draw_from_rank0_and_keep_the_others_streams",),
+        "ranks that drew from rank 0's generator keep its state instead of getting their own back",
+    ),
+    Mutant(
+        "batchnorm-local-stats", "spmd_compiler/expand/rules/batchnorm.py",
+        "        (total,), _ = replicate_axes(self.ctx, self.b, (s,), {}, axes, why)",
+        "        total = s",
+        ("tests/zoo/test_zoo_torch_nn.py::test_batchnorm_statistics_are_global",),
+        "BatchNorm on a batch-sharded input normalizes with each rank's own statistics",
+    ),
+    Mutant(
+        "expand-no-write-back", "spmd_compiler/expand/dispatch.py",
+        "    _write_back(b, op, args, kwargs, tensors, locals_, dst_specs)\n",
+        "\n",
+        ("tests/test_expand_numerics.py::test_written_arguments_redistributed_for_an_op_are_written_back",),
+        "an op's in-place write into a redistributed copy of its argument is lost",
+    ),
 ]
 
 
@@ -523,43 +559,7 @@ def main() -> int:
             "",
             "| id | module | result | s | first failing test | mutant |",
             "|---|---|---|---|---|---|",
-            # ------------------------------------------------------------------ randomness
-    Mutant(
-        "random-local-draw", "spmd_compiler/expand/rules/random.py",
-        "ones = b.call(aten.ones.default, list(shape), dtype=out_val.dtype, device=out_val.device)",
-        "ones = b.call(aten.ones.default, list(b.local_shape(shape, dst.placements)), dtype=out_val.dtype, device=out_val.device)",
-        ("tests/test_expand_random.py::test_dropout_and_draws_equal_one_device_bit_for_bit",),
-        "dropout draws each rank's local shape instead of the global one (and slices nothing off)",
-    ),
-    Mutant(
-        "random-no-replay", "spmd_compiler/trace/rng.py",
-        "                replays.append((node, live[cursor]))",
-        "                live.append(node)",
-        ("tests/test_trace_rng.py",),
-        "activation checkpointing's recompute draws fresh random numbers instead of replaying the forward's",
-    ),
-    Mutant(
-        "rng-no-restore", "spmd_compiler/driver/rng.py",
-        "        if own is not None and dist.get_rank() != 0:",
-        "        if own is not None and dist.get_rank() < 0:",
-        ("tests/test_runtime_rng.py::test_per_rank_seeds_draw_from_rank0_and_keep_the_others_streams",),
-        "ranks that drew from rank 0's generator keep its state instead of getting their own back",
-    ),
-    Mutant(
-        "batchnorm-local-stats", "spmd_compiler/expand/rules/batchnorm.py",
-        "        (total,), _ = replicate_axes(self.ctx, self.b, (s,), {}, axes, why)",
-        "        total = s",
-        ("tests/zoo/test_zoo_torch_nn.py::test_batchnorm_statistics_are_global",),
-        "BatchNorm on a batch-sharded input normalizes with each rank's own statistics",
-    ),
-    Mutant(
-        "expand-no-write-back", "spmd_compiler/expand/dispatch.py",
-        "    _write_back(b, op, args, kwargs, tensors, locals_, dst_specs)\n",
-        "\n",
-        ("tests/test_expand_numerics.py::test_written_arguments_redistributed_for_an_op_are_written_back",),
-        "an op's in-place write into a redistributed copy of its argument is lost",
-    ),
-]
+        ]
         for m, result, secs, failing in rows:
             lines.append(f"| {m.id} | {m.module} | {result} | {secs:.0f} | {failing.replace('|', '/') or '-'} | {m.description} |")
         RESULTS.parent.mkdir(parents=True, exist_ok=True)
