@@ -367,8 +367,8 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "random-no-replay", "spmd_compiler/trace/rng.py",
-        "                replays.append((node, live[cursor]))",
-        "                live.append(node)",
+        "            replays.append((node, live[cursor]))",
+        "            live.append(node)",
         ("tests/test_trace_rng.py",),
         "activation checkpointing's recompute draws fresh random numbers instead of replaying the forward's",
     ),
