@@ -7,7 +7,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 import spmd_compiler as sc
-from spmd_compiler.testing.models import MLP
+from spmd_compiler.testing.models import MLP, mse_train_step
 
 
 def step(model, optimizer, x):
@@ -89,19 +89,11 @@ def _bn_model():
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 8)).double()
 
 
-def _mse_step(model, optimizer, x, y):
-    loss = torch.nn.functional.mse_loss(model(x), y)
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss
-
-
 @pytest.fixture
 def traced_bn():
     model = _bn_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    return sc.trace(_mse_step, model, opt, torch.randn(8, 8, dtype=torch.float64), torch.randn(8, 8, dtype=torch.float64))
+    return sc.trace(mse_train_step, model, opt, torch.randn(8, 8, dtype=torch.float64), torch.randn(8, 8, dtype=torch.float64))
 
 
 def test_wildcard_never_shards_a_0d_tensor(traced_bn, mesh4, caplog):
@@ -136,7 +128,7 @@ def test_batchnorm_model_under_wildcard_shard_trains_as_one_device(fsdp_axes):
 
     batches = [(torch.randn(8, 8, dtype=torch.float64), torch.randn(8, 8, dtype=torch.float64)) for _ in range(2)]
     res = assert_training_matches(
-        _mse_step, _bn_model(), lambda p: torch.optim.AdamW(p, lr=1e-2), batches, fake_mesh((2,), ("dp",)),
+        mse_train_step, _bn_model(), lambda p: torch.optim.AdamW(p, lr=1e-2), batches, fake_mesh((2,), ("dp",)),
         sc.Plan(params={"*": [Shard(0)]}, fsdp_axes=fsdp_axes),
     )
     assert_distributed(res, sharded=["0.weight", "1.running_mean"])
