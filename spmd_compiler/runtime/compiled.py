@@ -138,7 +138,8 @@ def compile(fn: Callable[..., Any] | None = None, *, mesh: Any, plan: Plan | Non
             None: ``bucket_mb``), ``cache_size`` (programs kept, 8), ``timeout`` (seconds a
             collective waits for the other ranks, 300; None: the process group's), ``backend``
             ("eager" | "inductor": what runs the per-rank program, default "eager";
-            :mod:`spmd_compiler.runtime.inductor`); and ``pipeline`` (a :class:`spmd_compiler.Pipeline`: run
+            :mod:`spmd_compiler.runtime.inductor`), ``rng`` ("exact" | "fast": how random ops
+            draw, docs/randomness.md; default "exact", the single-device numbers); and ``pipeline`` (a :class:`spmd_compiler.Pipeline`: run
             the step as a pipeline over one mesh axis; the plan then gives placements for
             the other axes).
     """
