@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..expand import ExpansionCache, MeshContext, expand_graph
+from ..expand.rules.random import RNG_MODES as RNG
 from ..plan import Plan
 from ..rebuild import ExpandedStep, finalize
 from ..trace import trace
@@ -24,7 +25,6 @@ __all__ = ["Options", "expand", "build_program", "optimize_program", "gc_paused"
 
 FALLBACKS = ("replicate", "error")
 SYMBOLIC = ("batch", "all", "none")
-RNG = ("exact", "fast")
 BACKENDS = ("eager", "inductor")
 
 
