@@ -1,24 +1,37 @@
-"""Scaled dot-product attention on shards.
+"""Scaled dot-product attention on shards: one rule for every fused SDPA kernel.
 
-``F.scaled_dot_product_attention`` on CPU is traced as
-``_scaled_dot_product_flash_attention_for_cpu`` (and its ``_backward``), for which DTensor
-has no strategy. Attention is independent per batch row and per head, so:
+``F.scaled_dot_product_attention`` is traced as one of torch's fused kernels and its
+``_backward``: ``_scaled_dot_product_flash_attention_for_cpu`` on CPU; on CUDA
+``_scaled_dot_product_flash_attention``, ``_scaled_dot_product_efficient_attention``
+or ``_scaled_dot_product_cudnn_attention``, whichever torch picks. DTensor has no
+strategy for the CPU kernel; for the CUDA ones its strategies gather the whole query for
+a sequence shard, and its efficient and cuDNN backward strategies fail (the philox
+seed/offset outputs get no placement), so every backward ran on gathered tensors. The
+table ``_ROLES`` names what each argument and output of each kernel is, and one rule
+lays them out. Attention is independent per batch row and per head, so:
 
 * **batch** (``Shard(0)`` of the query) and **head** (``Shard(1)``) shards stay local:
-  key, value, the mask, the output and the saved ``logsumexp`` are laid out the same
-  way and no collective is issued. Grouped keys/values (fewer key heads than query
+  key, value, the mask or bias, the output and the saved ``logsumexp`` are laid out the
+  same way and no collective is issued. Grouped keys/values (fewer key heads than query
   heads) split by heads only when both head counts divide evenly, so each rank keeps
   whole groups.
 * a **sequence** shard of the query (``Shard(2)``) gathers key and value (each query
-  row attends to every key); output and ``logsumexp`` stay sharded by query rows. In
-  backward the query gradient stays sharded and the key/value gradients are
-  ``Partial(sum)`` (each rank's rows contribute). With ``is_causal`` the mask is
-  relative to local row numbers, so a sequence-sharded query is gathered too.
-* anything else (a head-dim shard, a Partial value, dropout) runs on whole tensors
-  on that mesh axis.
+  row attends to every key); output and ``logsumexp`` stay sharded by query rows, and
+  ``max_q`` is the local row count. In backward the query gradient stays sharded and the
+  key/value gradients are ``Partial(sum)`` (each rank's rows contribute). With
+  ``is_causal`` the mask is relative to local row numbers, so a sequence-sharded query
+  is gathered too. The efficient kernel pads ``logsumexp`` rows to a multiple of 32, so
+  it keeps a sequence shard only when every rank's rows are a multiple of 32.
+* a bias gradient (efficient kernel) is sharded like the bias; where the bias is
+  broadcast over a split dim it is ``Partial(sum)``.
+* anything else (a head-dim shard, a Partial value) runs on whole tensors on that mesh
+  axis; the scalar outputs (philox seed/offset, ``rng_state``) are Replicate.
+* dropout (``dropout_p > 0``), a debug mask and variable-length inputs (``cum_seq_*``)
+  run on whole tensors on every rank (the replicate fallback): a kernel that draws
+  sees the global tensors, so it draws what one device draws.
 
-The CUDA variants (flash, efficient, cuDNN) have DTensor strategies that already keep
-batch and head shards local; they go through DTensor.
+Numerics are tested through the CPU kernel; the CUDA kernels' layouts are tested on fake
+CUDA tensors (their meta kernels), since they cannot run here.
 """
 
 from __future__ import annotations
@@ -30,25 +43,48 @@ import torch
 
 from ... import _private_torch as pt
 from ..builder import SubgraphBuilder
-from ..dispatch import ExpandContext, TensorArg, generic_expand, wrap_result
+from ..dispatch import ExpandContext, TensorArg, replicate_fallback, wrap_result
 from ..layout import restride_like
 from ..redistribute import emit_redistribute
 from ..registry import register_rule
+from ..values import DSymInt
 
 aten = torch.ops.aten
 
-# argument roles: "q" is laid out like the query's rows (batch, heads, query rows),
-# "kv" like key/value (batch, heads, key rows); outputs likewise
-_ROLES = {
-    aten._scaled_dot_product_flash_attention_for_cpu.default: (
-        {"query": "q", "key": "kv", "value": "kv", "attn_mask": "mask"},
-        ("q", "q"),
-    ),
-    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: (
-        {"grad_out": "q", "query": "q", "key": "kv", "value": "kv", "out": "q", "logsumexp": "q", "attn_mask": "mask"},
-        ("q", "kv", "kv"),
-    ),
+# Roles. Arguments (by schema name): "q" is laid out like the query's rows (batch,
+# heads, query rows), "kv" like key/value (batch, heads, key rows), "mask" like a mask
+# broadcast against (batch, heads, query rows, key rows), "rep" whole (philox state),
+# "varlen" must be None (dense inputs), "max_q"/"max_k" the local row counts. Outputs,
+# per output: "q", "kv" (a key/value gradient), "mask" (the bias gradient), "rep",
+# "max_q"/"max_k" (ints). Arguments not named here are plain values passed through.
+_FWD_OUT = ("q", "q", "rep", "rep", "max_q", "max_k", "rep", "rep", "rep")
+_BWD_FLASH = {"grad_out": "q", "query": "q", "key": "kv", "value": "kv", "out": "q", "logsumexp": "q",
+              "cum_seq_q": "varlen", "cum_seq_k": "varlen", "max_q": "max_q", "max_k": "max_k",
+              "philox_seed": "rep", "philox_offset": "rep"}
+_QKV = {"query": "q", "key": "kv", "value": "kv"}
+_VARIANTS = {
+    "_scaled_dot_product_flash_attention_for_cpu": ({**_QKV, "attn_mask": "mask"}, ("q", "q")),
+    "_scaled_dot_product_flash_attention_for_cpu_backward": (
+        {"grad_out": "q", **_QKV, "out": "q", "logsumexp": "q", "attn_mask": "mask"}, ("q", "kv", "kv")),
+    "_scaled_dot_product_flash_attention": (dict(_QKV), _FWD_OUT),
+    "_scaled_dot_product_flash_attention_backward": (_BWD_FLASH, ("q", "kv", "kv")),
+    "_scaled_dot_product_efficient_attention": ({**_QKV, "attn_bias": "mask"}, ("q", "q", "rep", "rep")),
+    "_scaled_dot_product_efficient_attention_backward": (
+        {"grad_out_": "q", **_QKV, "attn_bias": "mask", "out": "q", "logsumexp": "q", "philox_seed": "rep",
+         "philox_offset": "rep"}, ("q", "kv", "kv", "mask")),
+    "_scaled_dot_product_cudnn_attention": ({**_QKV, "attn_bias": "mask"}, _FWD_OUT),
+    "_scaled_dot_product_cudnn_attention_backward": ({**_BWD_FLASH, "attn_bias": "mask"}, ("q", "kv", "kv")),
 }
+# logsumexp rows padded to a multiple of this (the efficient kernel's kAlignLSE)
+_LSE_ROW_BLOCK = {"_scaled_dot_product_efficient_attention": 32, "_scaled_dot_product_efficient_attention_backward": 32}
+
+
+def _lookup(name: str) -> Any:
+    packet = getattr(aten, name, None)  # a kernel this torch lacks is skipped
+    return getattr(packet, "default", None)
+
+
+_ROLES = {op: (name, *roles) for name, roles in _VARIANTS.items() if (op := _lookup(name)) is not None}
 
 BATCH, HEADS, SEQ = 0, 1, 2
 
@@ -60,7 +96,7 @@ def _bind(op: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
     return bound
 
 
-def _modes(ctx: ExpandContext, q: TensorArg, k: TensorArg, causal: bool) -> list[int | None]:
+def _modes(ctx: ExpandContext, q: TensorArg, k: TensorArg, causal: bool, row_block: int) -> list[int | None]:
     """Per mesh axis: the query dim kept sharded (BATCH, HEADS, SEQ) or None (whole)."""
     mesh = ctx.mctx.shape
     modes: list[int | None] = []
@@ -73,13 +109,17 @@ def _modes(ctx: ExpandContext, q: TensorArg, k: TensorArg, causal: bool) -> list
     ways = math.prod(mesh[a] for a, m in enumerate(modes) if m == HEADS)
     if heads_q != heads_k and (heads_q % ways or heads_k % ways):
         modes = [None if m == HEADS else m for m in modes]  # a rank would split a key/value group
+    rows = q.spec.shape[SEQ]
+    ways = math.prod(mesh[a] for a, m in enumerate(modes) if m == SEQ)
+    if row_block > 1 and (rows % ways or (rows // ways) % row_block):
+        modes = [None if m == SEQ else m for m in modes]  # padded logsumexp rows would not line up
     return modes
 
 
 def _placements(role: str, modes: list[int | None], spec: Any, q_shape: Any) -> list[Any]:
     out: list[Any] = []
     for dim in modes:
-        if dim is None or (role == "kv" and dim == SEQ):
+        if dim is None or role == "rep" or (role == "kv" and dim == SEQ):
             out.append(pt.Replicate())
         elif role == "mask":  # broadcast against (batch, heads, query rows, key rows)
             mdim = dim - (4 - len(spec.shape))
@@ -90,16 +130,23 @@ def _placements(role: str, modes: list[int | None], spec: Any, q_shape: Any) -> 
     return out
 
 
-def _output_placements(role: str, modes: list[int | None]) -> list[Any]:
+def _output_placements(role: str, modes: list[int | None], mask: list[Any] | None) -> list[Any]:
     out: list[Any] = []
-    for dim in modes:
-        if dim is None:
+    for axis, dim in enumerate(modes):
+        if dim is None or role == "rep":
             out.append(pt.Replicate())
         elif role == "kv" and dim == SEQ:
             out.append(pt.Partial())  # each rank's query rows add to every key's gradient
+        elif role == "mask":  # sharded like the bias; a bias broadcast over the split: partial sums
+            assert mask is not None, "a bias gradient without a bias"
+            out.append(mask[axis] if mask[axis].is_shard() else pt.Partial())
         else:
             out.append(pt.Shard(dim))
     return out
+
+
+def _global(x: Any) -> Any:
+    return x.global_value if isinstance(x, DSymInt) else pt.size_hint(x)
 
 
 def _global_results(ctx: ExpandContext, op: Any, bound: dict[str, Any], device: Any) -> Any:
@@ -107,37 +154,69 @@ def _global_results(ctx: ExpandContext, op: Any, bound: dict[str, Any], device: 
     with ctx.fake_mode:
         vals = {
             name: torch.empty_strided(tuple(x.spec.shape), tuple(x.spec.stride), dtype=x.spec.tensor_meta.dtype, device=device)
-            if isinstance(x, TensorArg) else pt.size_hint(x)
+            if isinstance(x, TensorArg) else _global(x)
             for name, x in bound.items()
         }
         return op(**vals)
 
 
+def _whole_reason(roles: dict[str, str], bound: dict[str, Any]) -> str:
+    """Why this call runs on whole tensors, or '' when the shards can stay."""
+    if bound.get("dropout_p", 0.0):
+        return "dropout inside attention: the kernel draws on whole tensors, as on one device"
+    if bound.get("return_debug_mask", False):
+        return "attention with return_debug_mask=True"
+    if any(roles.get(n) == "varlen" and v is not None for n, v in bound.items()):
+        return "variable-length attention (cum_seq_q/cum_seq_k)"
+    if not all(isinstance(bound.get(n), TensorArg) for n in ("query", "key", "value")):
+        return "attention without tensor query/key/value"
+    return ""
+
+
 @register_rule(*_ROLES)
 def _attention(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: dict) -> Any:
-    roles, out_roles = _ROLES[op]
+    name, roles, out_roles = _ROLES[op]
     bound = _bind(op, args, kwargs)
+    why = _whole_reason(roles, bound)
+    if why:
+        return replicate_fallback(ctx, b, op, args, kwargs, why=why)
     q, k = bound["query"], bound["key"]
-    if bound.get("dropout_p", 0.0) or not all(isinstance(bound.get(n), TensorArg) for n in ("query", "key", "value")):
-        return generic_expand(ctx, b, op, args, kwargs)  # random dropout: no shard-local meaning
-    modes = _modes(ctx, q, k, bool(bound.get("is_causal", False)))
-    name = str(op).replace("aten.", "")
+    modes = _modes(ctx, q, k, bool(bound.get("is_causal", False)), _LSE_ROW_BLOCK.get(name, 1))
     local: dict[str, Any] = {}
+    mask_placements = None
     for arg, x in bound.items():
         if not isinstance(x, TensorArg):
-            local[arg] = pt.size_hint(x)
+            local[arg] = x.local_value if isinstance(x, DSymInt) else pt.size_hint(x)
             continue
-        dst = pt.make_spec(ctx.mctx.mesh, _placements(roles[arg], modes, x.spec, q.spec.shape), x.spec.shape, x.spec.stride, x.spec.tensor_meta.dtype)
+        placements = _placements(roles[arg], modes, x.spec, q.spec.shape)
+        if roles[arg] == "mask":
+            mask_placements = placements
+        dst = pt.make_spec(ctx.mctx.mesh, placements, x.spec.shape, x.spec.stride, x.spec.tensor_meta.dtype)
         node, _ = emit_redistribute(b, x.node, x.spec, dst, mask=x.mask, reason=f"{arg} of {name} (attention layout)",
                                     input_index=x.index, value_label=x.label)
         if node is not x.node:  # a gathered value is contiguous: back to the traced layout
             node = restride_like(b, node, x.spec.shape, x.spec.stride)
         local[arg] = node
+    rows = {"max_q": local["query"].meta["val"].shape[SEQ], "max_k": local["key"].meta["val"].shape[SEQ]}
+    for arg, role in roles.items():
+        if role in rows and arg in local:
+            local[arg] = int(rows[role])  # this rank's rows, whatever the trace passed
     positional = [a.name for a in op._schema.arguments if not a.kwarg_only and a.name in local]
     node = b.call(op, *(local.pop(n) for n in positional), **local)
     results = _global_results(ctx, op, bound, q.local.device)
     specs = [
-        pt.make_spec(ctx.mctx.mesh, _output_placements(role, modes), r.shape, r.stride(), r.dtype)
+        pt.make_spec(ctx.mctx.mesh, _output_placements(role, modes, mask_placements), r.shape, r.stride(), r.dtype)
+        if isinstance(r, torch.Tensor) else None
         for role, r in zip(out_roles, results)
     ]
-    return wrap_result(b, node, specs, {}, ctx, op)
+    out = wrap_result(b, node, specs, {}, ctx, op)
+    if "max_q" not in out_roles:
+        return out
+    seq_axes = tuple(a for a, m in enumerate(modes) if m == SEQ and ctx.mctx.shape[a] > 1)
+    out = list(out)
+    for i, role in enumerate(out_roles):
+        if role in rows:
+            g, l = int(results[i]), int(node.meta["val"][i])
+            axes = seq_axes if role == "max_q" else ()
+            out[i] = DSymInt(g, l, axes, f"{name}.{role}") if axes else g
+    return tuple(out)
