@@ -35,9 +35,9 @@ SDPA_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.defaul
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, dim: int = 16, heads: int = 4, causal: bool = True, mask: bool = False, seq: int = 8) -> None:
+    def __init__(self, dim: int = 16, heads: int = 4, causal: bool = True, mask: bool = False, seq: int = 8, dropout: float = 0.0) -> None:
         super().__init__()
-        self.heads, self.causal = heads, causal
+        self.heads, self.causal, self.dropout = heads, causal, dropout
         self.q, self.k, self.v, self.out = (nn.Linear(dim, dim) for _ in range(4))
         # an additive float mask broadcast over batch and heads (padding-like)
         self.register_buffer("mask", torch.randn(seq, seq).double() if mask else None, persistent=False)
@@ -45,7 +45,7 @@ class SelfAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
         q, k, v = (f(x).view(b, t, self.heads, d // self.heads).transpose(1, 2) for f in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, is_causal=self.causal)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, is_causal=self.causal, dropout_p=self.dropout)
         return self.out(y.transpose(1, 2).reshape(b, t, d))
 
 
@@ -129,6 +129,20 @@ def test_sequence_shard(causal, mask):
         assert gathered and not any("query of" in g for g in gathered), gathered
         assert all(g.startswith("all_gather") or "backward" in g for g in gathered), gathered
         assert not any("attn_mask" in g for g in gathered), gathered  # the mask's rows stay split
+
+
+def test_dropout_stays_sharded_and_exact():
+    """With dropout and gradients, CPU SDPA is traced as its math path (no fused kernel):
+    matmuls, softmax and a ``native_dropout`` of the attention weights, which draws the
+    single-device numbers on shards (expand/rules/random.py). Heads stay split: the only
+    collective is the Megatron forward all_reduce."""
+    mesh = fake_mesh((2,), ("tp",))
+    plan = sc.Plan(params={"[qkv].weight": [Shard(0)], "[qkv].bias": [Shard(0)], "out.weight": [Shard(1)]}, default_input=[Replicate()])
+    sgd = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
+    res = assert_training_matches(step, SelfAttention(causal=False, dropout=0.3).double(), sgd, batches(n=1), mesh, plan)
+    assert_distributed(res, collectives={"all_gather": 0, "forward/all_reduce": 1})
+    traced = next(iter(res.sim.expansions.values())).traced.gm.graph
+    assert aten.native_dropout.default in {n.target for n in traced.nodes} and not sdpa_nodes(res)
 
 
 def test_fallback_keeps_traced_layout(mesh4, monkeypatch):
