@@ -234,6 +234,21 @@ def local_call(ex, op) -> dict:
     return dict(zip([a.name for a in op._schema.arguments], node.args))
 
 
+def test_roles_name_every_tensor_argument_and_output():
+    """The rule's table matches this torch's schemas: every kernel is registered, every
+    role names an argument, every tensor argument and row count has a role, one role per
+    output."""
+    from spmd_compiler.expand.rules import attention
+
+    assert {op for op in attention._ROLES} == {SDPA, SDPA_BACKWARD, *(op for _, *ops in KERNELS.values() for op in ops)}
+    for op, (name, roles, out_roles) in attention._ROLES.items():
+        args = {a.name: str(a.type) for a in op._schema.arguments}
+        assert set(roles) <= set(args), name
+        assert {n for n, t in args.items() if "Tensor" in t} == {n for n, r in roles.items() if r not in ("max_q", "max_k")}, name
+        assert {n for n in ("max_q", "max_k") if n in args} == {n for n, r in roles.items() if r in ("max_q", "max_k")}, name
+        assert len(out_roles) == len(op._schema.returns), name
+
+
 LAYOUTS = {"batch": ((4,), [Shard(0)], (1, 4)), "heads": ((2,), [Shard(1)], (4, 2)), "2d": ((2, 2), [Shard(0), Shard(1)], (2, 2))}
 
 
@@ -320,11 +335,13 @@ def test_efficient_attention_bias(bias, dim):
 
 
 @pytest.mark.parametrize("kernel", list(KERNELS))
-def test_cuda_dropout_runs_on_whole_tensors(kernel):
+def test_cuda_dropout_runs_on_whole_tensors(kernel, caplog):
     """A kernel with dropout draws its mask inside: on a shard it would draw other numbers
-    than one device (DTensor's strategies keep the batch split), so it runs whole."""
+    than one device (DTensor's strategies keep the batch split), so it runs whole, with a
+    warning."""
     _, fwd, bwd = KERNELS[kernel]
     ex = cuda_expansion(kernel, fake_mesh((2,)), [Shard(0)], p=0.1)
+    assert f"{fwd} runs on gathered inputs: dropout inside attention" in caplog.text
     assert {n.target for n in ex.graph.nodes if "dropout" in n.meta.get("spmd_fallback", "")} == {fwd, bwd}
     assert results(ex, fwd)[0] == ("R", (4, 4, 64, 8))
 
@@ -338,3 +355,42 @@ def test_cuda_symbolic_row_counts(kernel):
     assert [n.target for n in ex.traced.gm.graph.nodes if n.target is aten.sym_size.int]  # the symbolic path
     assert (local_call(ex, bwd)["max_q"], local_call(ex, bwd)["max_k"]) == (32, 64)
     assert results(ex, bwd)[:3] == [("S(2)", (4, 4, 32, 8)), ("P(sum)", (4, 4, 64, 8)), ("P(sum)", (4, 4, 64, 8))]
+
+
+class FlashAttention(nn.Module):
+    """Self-attention calling the CUDA flash kernel directly (autograd adds its backward)."""
+
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.out = (nn.Linear(dim, dim) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = (f(x).view(b, t, self.heads, d // self.heads).transpose(1, 2) for f in (self.q, self.k, self.v))
+        return self.out(FLASH(q, k, v)[0].transpose(1, 2).reshape(b, t, d))
+
+
+def test_cuda_kernel_compiles_whole_step_on_meta(monkeypatch):
+    """The whole pipeline (trace with symbolic sizes, autograd's backward call, expand,
+    rebuild, passes) on ``meta`` tensors, compile only: a sequence-split batch gathers
+    key and value once (backward reuses the forward's gathers) and the backward kernel
+    gets this rank's 32 of 64 rows."""
+    monkeypatch.setenv("SPMD_COMPILER_EXPLAIN", "1")  # compile, never run
+    with torch.device("meta"):
+        model = FlashAttention().half()
+    x = torch.empty(4, 32, 32, device="meta", dtype=torch.float16)  # this rank's half of 64 rows
+    def square_step(model, optimizer, x):  # mse_loss on meta warns about broadcast_tensors' autograd
+        loss = model(x).square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    step_fn = sc.compile(square_step, mesh=fake_mesh((2,), ("sp",)), plan=sc.Plan(default_input=[Shard(1)]))
+    step_fn(model, torch.optim.SGD(model.parameters(), lr=0.1), x)
+    gathered = sorted(n.meta["spmd_comm"]["reason"].split(" of ")[0] for n in step_fn.last.collectives()
+                      if "scaled_dot_product" in n.meta["spmd_comm"]["reason"])
+    assert gathered == ["key", "value"]
+    (bwd,) = [n for n in step_fn.last.gm.graph.nodes if n.target is FLASH_BACKWARD]
+    assert bwd.args[1].meta["val"].shape == (4, 4, 32, 8) and bwd.args[8] == 32  # query rows, max_q

@@ -138,8 +138,7 @@ def _output_placements(role: str, modes: list[int | None], mask: list[Any] | Non
         elif role == "kv" and dim == SEQ:
             out.append(pt.Partial())  # each rank's query rows add to every key's gradient
         elif role == "mask":  # sharded like the bias; a bias broadcast over the split: partial sums
-            assert mask is not None, "a bias gradient without a bias"
-            out.append(mask[axis] if mask[axis].is_shard() else pt.Partial())
+            out.append(pt.Replicate() if mask is None else mask[axis] if mask[axis].is_shard() else pt.Partial())
         else:
             out.append(pt.Shard(dim))
     return out
@@ -170,6 +169,9 @@ def _whole_reason(roles: dict[str, str], bound: dict[str, Any]) -> str:
         return "variable-length attention (cum_seq_q/cum_seq_k)"
     if not all(isinstance(bound.get(n), TensorArg) for n in ("query", "key", "value")):
         return "attention without tensor query/key/value"
+    unknown = [n for n, v in bound.items() if isinstance(v, TensorArg) and n not in roles]
+    if unknown:
+        return f"tensor arguments {unknown} this torch added, which the attention rule has no role for"
     return ""
 
 
@@ -179,6 +181,8 @@ def _attention(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwa
     bound = _bind(op, args, kwargs)
     why = _whole_reason(roles, bound)
     if why:
+        if any(isinstance(x, TensorArg) and not all(p.is_replicate() for p in x.spec.placements) for x in bound.values()):
+            ctx.warn_once((op, why), "spmd_compiler: %s runs on gathered inputs: %s", op, why)
         return replicate_fallback(ctx, b, op, args, kwargs, why=why)
     q, k = bound["query"], bound["key"]
     modes = _modes(ctx, q, k, bool(bound.get("is_causal", False)), _LSE_ROW_BLOCK.get(name, 1))
