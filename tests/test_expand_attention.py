@@ -192,7 +192,8 @@ KERNELS = {"flash": (_flash, FLASH, FLASH_BACKWARD), "efficient": (_efficient, E
            "cudnn": (_cudnn, CUDNN, CUDNN_BACKWARD)}
 
 
-def cuda_expansion(kernel, mesh, placements, *, heads=4, kv_heads=4, seq=64, bias=None, causal=False, p=0.0, symbolic=False):
+def cuda_expansion(kernel, mesh, placements, *, heads=4, kv_heads=4, seq=64, bias=None, causal=False, p=0.0, symbolic=False,
+                   fallback="replicate"):
     """Trace ``kernel`` forward and backward on fake CUDA float16 tensors (batch 4, head dim
     8) and expand it for rank 0 with q, k, v and grad_out placed as ``placements`` and the
     bias (``(4, heads, seq, seq)`` or ``(1, ...)`` when given) Replicate. ``symbolic``:
@@ -216,7 +217,7 @@ def cuda_expansion(kernel, mesh, placements, *, heads=4, kv_heads=4, seq=64, bia
         node.meta["spmd_input"] = inp
     traced = type("Traced", (), {"gm": gm, "inputs": inputs})
     planned = [[Replicate()] * mesh.ndim if i.name == "bias" else placements for i in inputs]
-    return expand_graph(traced, MeshContext.of(mesh, (0,) * mesh.ndim), planned, cache=ExpansionCache())
+    return expand_graph(traced, MeshContext.of(mesh, (0,) * mesh.ndim), planned, cache=ExpansionCache(), fallback=fallback)
 
 
 def comms(ex) -> list[str]:
@@ -342,6 +343,8 @@ def test_cuda_dropout_runs_on_whole_tensors(kernel, caplog):
     _, fwd, bwd = KERNELS[kernel]
     ex = cuda_expansion(kernel, fake_mesh((2,)), [Shard(0)], p=0.1)
     assert f"{fwd} runs on gathered inputs: dropout inside attention" in caplog.text
+    with pytest.raises(sc.UnsupportedOpError, match="would run on gathered inputs: dropout"):
+        cuda_expansion(kernel, fake_mesh((2,)), [Shard(0)], p=0.1, fallback="error")
     assert {n.target for n in ex.graph.nodes if "dropout" in n.meta.get("spmd_fallback", "")} == {fwd, bwd}
     assert results(ex, fwd)[0] == ("R", (4, 4, 64, 8))
 

@@ -43,7 +43,8 @@ import torch
 
 from ... import _private_torch as pt
 from ..builder import SubgraphBuilder
-from ..dispatch import ExpandContext, TensorArg, replicate_fallback, wrap_result
+from ...errors import UnsupportedOpError
+from ..dispatch import ExpandContext, TensorArg, input_placements_text, replicate_fallback, wrap_result
 from ..layout import restride_like
 from ..redistribute import emit_redistribute
 from ..registry import register_rule
@@ -182,6 +183,8 @@ def _attention(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwa
     why = _whole_reason(roles, bound)
     if why:
         if any(isinstance(x, TensorArg) and not all(p.is_replicate() for p in x.spec.placements) for x in bound.values()):
+            if ctx.fallback == "error":
+                raise UnsupportedOpError(op, input_placements_text(args, kwargs), ctx.node, f"it would run on gathered inputs: {why}")
             ctx.warn_once((op, why), "spmd_compiler: %s runs on gathered inputs: %s", op, why)
         return replicate_fallback(ctx, b, op, args, kwargs, why=why)
     q, k = bound["query"], bound["key"]
