@@ -1,0 +1,89 @@
+"""Indexing a sharded tensor by its own row numbers: ``x[arange(b)[:, None], j]``.
+
+Hugging Face's ``create_causal_mask`` (``use_cache=False``, or any packed-sequence
+check) evaluates its mask functions on a batch-shaped tensor indexed by
+``arange(batch)[:, None, None, None]`` and a replicated sequence index. With the batch
+split, DTensor has no strategy that keeps the indexed tensor sharded and gathers it.
+
+When the index of a sharded dim ``d`` is a position tensor (:mod:`..positions`, an
+arange over the same global size, split the same way), each rank's index holds exactly
+the global numbers of the rows it has: the local result is the indexed tensor's local
+rows taken at ``index - offset`` (this rank's first row), sharded where the index is.
+This is exact for uneven splits too (4 rows over 3 ranks: 2, 2, 0). Everything else
+goes to DTensor.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ... import _private_torch as pt
+from ..builder import SubgraphBuilder
+from ..dispatch import ExpandContext, TensorArg, _out_tensor, generic_expand
+from ..registry import register_rule
+
+aten = torch.ops.aten
+
+_INDEX_DTYPES = (torch.int64, torch.int32)
+
+
+def _local_rows_plan(ctx: ExpandContext, x: TensorArg, indices: list[Any]) -> tuple[int, int, int] | None:
+    """``(axis, d, k)`` when ``x`` is sharded on mesh ``axis`` only, along dim ``d``, and
+    ``indices[d]`` is a position tensor along its dim ``k`` of the same global size,
+    sharded there on ``axis`` only; every other index replicated and of size 1 where it
+    broadcasts against dim ``k``. None otherwise."""
+    sharded = [(a, p) for a, p in enumerate(x.spec.placements) if not p.is_replicate()]
+    if len(sharded) != 1 or type(sharded[0][1]) is not pt.Shard:
+        return None
+    axis, d = sharded[0][0], sharded[0][1].dim
+    if d >= len(indices) or not isinstance(indices[d], TensorArg) or indices[d].positions is None:
+        return None
+    idx, k = indices[d], indices[d].positions
+    want = [pt.Replicate()] * ctx.mctx.ndim
+    want[axis] = pt.Shard(k)
+    if tuple(idx.spec.placements) != tuple(want) or idx.spec.shape[k] != x.spec.shape[d]:
+        return None
+    tensors = [i for i in indices if i is not None]
+    if any(not isinstance(i, TensorArg) or i.spec.tensor_meta.dtype not in _INDEX_DTYPES for i in tensors):
+        return None
+    b_ndim = max(len(i.spec.shape) for i in tensors)
+    kb = k + b_ndim - len(idx.spec.shape)  # dim k of the index within the broadcast shape
+    for other in tensors:
+        if other is idx:
+            continue
+        if not all(p.is_replicate() for p in other.spec.placements):
+            return None
+        j = kb - (b_ndim - len(other.spec.shape))
+        if j >= 0 and other.spec.shape[j] != 1:
+            return None
+    return axis, d, kb
+
+
+@register_rule(aten.index.Tensor)
+def _index(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: dict) -> Any:
+    x, indices = args[0], list(args[1])
+    found = _local_rows_plan(ctx, x, indices) if not kwargs else None
+    if found is None:
+        return generic_expand(ctx, b, op, args, kwargs)
+    axis, d, kb = found
+    size = int(x.spec.shape[d])
+    b.local_chunk(size, axis)  # marks the recipe per-rank when the split is uneven
+    offset = b.shard_offset(size, axis, size % ctx.mctx.shape[axis] != 0)
+    local_rows = b.call(aten.sub.Tensor, indices[d].node, offset)
+    node = b.call(op, x.node, [local_rows if j == d else (i.node if i is not None else None) for j, i in enumerate(indices)])
+    # the global result: advanced indexing puts the broadcast index dims where the indexed
+    # dims were when those are adjacent, else first
+    present = [j for j, i in enumerate(indices) if i is not None]
+    adjacent = present == list(range(present[0], present[-1] + 1))
+    out_dim = (present[0] if adjacent else 0) + kb
+    meta = torch.empty_strided(tuple(x.spec.shape), tuple(x.spec.stride), dtype=x.spec.tensor_meta.dtype, device="meta")
+    meta_indices = [
+        torch.empty(tuple(i.spec.shape), dtype=i.spec.tensor_meta.dtype, device="meta") if i is not None else None for i in indices
+    ]
+    out = aten.index.Tensor(meta, meta_indices)
+    placements = [pt.Replicate()] * ctx.mctx.ndim
+    placements[axis] = pt.Shard(out_dim)
+    spec = pt.make_spec(ctx.mctx.mesh, placements, tuple(out.shape), tuple(out.stride()), out.dtype)
+    return _out_tensor(b, node, spec, {})
