@@ -42,8 +42,9 @@ def mesh(n: int) -> Any:
 
 def run_case(step: Any, model: torch.nn.Module, batches: list, plan_name: str, ranks: int = 2, *, dp_gathers: bool = False) -> Any:
     """Train ``model`` under ``plan_name`` ("dp" or "fsdp") and check it; returns the
-    TrainingComparison. Under "dp" nothing but gradients and the loss may move
-    (``dp_gathers``: activations may be gathered too, for known gaps)."""
+    TrainingComparison. Under "dp" nothing but gradients and the loss may move, under
+    "fsdp" nothing is gathered but parameters: no batch, no buffer, no mask built from
+    one (``dp_gathers``: activations may be gathered too, for known gaps)."""
     plan = dp_plan() if plan_name == "dp" else fsdp_plan()
     res = assert_training_matches(step, model, adamw, batches, mesh(ranks), plan)
     dist = assert_distributed(res, sharded=["batch[0]"], collectives=1)
@@ -51,9 +52,21 @@ def run_case(step: Any, model: torch.nn.Module, batches: list, plan_name: str, r
         weights = [n for n, p in model.named_parameters() if p.dim() == 2]
         assert_distributed(res, sharded=weights[:3])
         assert dist.count("forward/all_gather") >= 1, dist.describe()  # parameters gathered for use
+        if not dp_gathers:
+            assert gathered(res, but="FSDP: gather") == [], dist.describe()
     elif not dp_gathers:
         assert dist.count("all_gather") == 0, dist.describe()  # nothing but gradients moves
     return res
+
+
+def gathered(res: Any, but: str = "") -> list[str]:
+    """The reasons of every rank's all_gathers, except those starting with ``but``."""
+    return [
+        n.meta["spmd_comm"]["reason"]
+        for e in res.sim.expansions.values()
+        for n in e.collectives()
+        if "all_gather" in str(n.target) and not (but and n.meta["spmd_comm"]["reason"].startswith(but))
+    ]
 
 
 def ops_in(res: Any) -> set[Any]:
