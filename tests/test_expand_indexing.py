@@ -67,3 +67,18 @@ def test_written_row_numbers_are_not_positions():
     ids = torch.randint(0, 5, (4, 6))
     run = assert_spmd_matches(rows_then_written, [ids], fake_mesh((2,), ("dp",)), [[sc.Shard(0)]], atol=0, rtol=0)
     assert any("index.Tensor" in r for r in _collectives(run)), _collectives(run)
+
+
+def last_token_logits(logits, ids):
+    """Sequence-classification pooling: each row's logits at its count of non-zero tokens - 1, a
+    per-row index split like the rows."""
+    last = (ids != 0).long().sum(-1).clamp(min=1) - 1
+    return logits[torch.arange(logits.shape[0]), last]
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_per_row_index_split_like_the_rows(ranks):
+    logits, ids = torch.randn(4, 6, 3, dtype=torch.float64), torch.randint(0, 3, (4, 6))
+    mesh = fake_mesh((ranks,), ("dp",))
+    run = assert_spmd_matches(last_token_logits, [logits, ids], mesh, [[sc.Shard(0)], [sc.Shard(0)]], atol=0, rtol=0)
+    assert _collectives(run) == []

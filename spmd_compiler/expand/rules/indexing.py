@@ -2,8 +2,10 @@
 
 Hugging Face's ``create_causal_mask`` (``use_cache=False``, or any packed-sequence
 check) evaluates its mask functions on a batch-shaped tensor indexed by
-``arange(batch)[:, None, None, None]`` and a replicated sequence index. With the batch
-split, DTensor has no strategy that keeps the indexed tensor sharded and gathers it.
+``arange(batch)[:, None, None, None]`` and a replicated sequence index; its
+sequence-classification heads pool ``logits[arange(batch), last_token]`` with a
+per-row index. With the batch split, DTensor has no strategy that keeps the indexed
+tensor sharded and gathers it.
 
 When the index of a sharded dim ``d`` is a position tensor (:mod:`..positions`, an
 arange over the same global size, split the same way), each rank's index holds exactly
@@ -32,8 +34,9 @@ _INDEX_DTYPES = (torch.int64, torch.int32)
 def _local_rows_plan(ctx: ExpandContext, x: TensorArg, indices: list[Any]) -> tuple[int, int, int] | None:
     """``(axis, d, k)`` when ``x`` is sharded on mesh ``axis`` only, along dim ``d``, and
     ``indices[d]`` is a position tensor along its dim ``k`` of the same global size,
-    sharded there on ``axis`` only; every other index replicated and of size 1 where it
-    broadcasts against dim ``k``. None otherwise."""
+    sharded there on ``axis`` only; every other index either replicated and of size 1
+    where it broadcasts against dim ``k``, or split there exactly as dim ``k`` is. None
+    otherwise. (``kb`` is dim ``k`` in the broadcast shape, returned instead of ``k``.)"""
     sharded = [(a, p) for a, p in enumerate(x.spec.placements) if not p.is_replicate()]
     if len(sharded) != 1 or type(sharded[0][1]) is not pt.Shard:
         return None
@@ -53,10 +56,14 @@ def _local_rows_plan(ctx: ExpandContext, x: TensorArg, indices: list[Any]) -> tu
     for other in tensors:
         if other is idx:
             continue
-        if not all(p.is_replicate() for p in other.spec.placements):
+        j = kb - (b_ndim - len(other.spec.shape))  # its dim that meets dim k (broadcast)
+        if j < 0 or other.spec.shape[j] == 1:  # the same for every row: replicated
+            if all(p.is_replicate() for p in other.spec.placements):
+                continue
             return None
-        j = kb - (b_ndim - len(other.spec.shape))
-        if j >= 0 and other.spec.shape[j] != 1:
+        # one value per row (``logits[arange(b), last_token]``): split as the rows are
+        want[axis] = pt.Shard(j)
+        if tuple(other.spec.placements) != tuple(want) or other.spec.shape[j] != x.spec.shape[d]:
             return None
     return axis, d, kb
 
