@@ -82,3 +82,35 @@ def test_per_row_index_split_like_the_rows(ranks):
     mesh = fake_mesh((ranks,), ("dp",))
     run = assert_spmd_matches(last_token_logits, [logits, ids], mesh, [[sc.Shard(0)], [sc.Shard(0)]], atol=0, rtol=0)
     assert _collectives(run) == []
+
+
+class ReversedTokens(torch.nn.Module):
+    """Each row's tokens in reverse order, ``h[arange(b)[:, None], arange(t).flip(0)]``: the
+    gradient goes back through ``index_put`` by the same rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4, dtype=torch.float64))
+
+    def forward(self, x):
+        rows = torch.arange(x.shape[0])[:, None]
+        return (x * self.w)[rows, torch.arange(x.shape[1]).flip(0)]
+
+
+def _sum_step(model, optimizer, x, y):
+    loss = ((model(x) - y) ** 2).sum()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_gradient_through_rows_stays_local(ranks):
+    from spmd_compiler.testing import assert_distributed, assert_training_matches
+
+    batches = [(torch.randn(4, 5, 4, dtype=torch.float64), torch.randn(4, 5, 4, dtype=torch.float64)) for _ in range(2)]
+    res = assert_training_matches(_sum_step, ReversedTokens(), lambda p: torch.optim.SGD(p, lr=0.1), batches, fake_mesh((ranks,), ("dp",)), sc.Plan())
+    # the loss and the gradient of w are all-reduced; nothing else moves
+    assert_distributed(res, sharded=["batch[0]"], collectives={"all_gather": 0, "all_reduce": 2})
+    assert aten.index_put.default in {n.target for n in res.sim.expansions[(0,)].gm.graph.nodes}

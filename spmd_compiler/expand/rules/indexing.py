@@ -10,7 +10,8 @@ tensor sharded and gathers it.
 When the index of a sharded dim ``d`` is a position tensor (:mod:`..positions`, an
 arange over the same global size, split the same way), each rank's index holds exactly
 the global numbers of the rows it has: the local result is the indexed tensor's local
-rows taken at ``index - offset`` (this rank's first row), sharded where the index is.
+rows taken at ``index - offset`` (this rank's first row), sharded where the index is;
+``index_put`` (its backward, ``x[rows] = v``) writes each rank's own rows the same way.
 This is exact for uneven splits too (4 rows over 3 ranks: 2, 2, 0). Everything else
 goes to DTensor.
 """
@@ -68,6 +69,28 @@ def _local_rows_plan(ctx: ExpandContext, x: TensorArg, indices: list[Any]) -> tu
     return axis, d, kb
 
 
+def _local_indices(ctx: ExpandContext, b: SubgraphBuilder, x: TensorArg, indices: list[Any], axis: int, d: int) -> list[Any]:
+    """The recipe's index list with ``indices[d]`` turned into this rank's local rows."""
+    size = int(x.spec.shape[d])
+    b.local_chunk(size, axis)  # marks the recipe per-rank when the split is uneven
+    offset = b.shard_offset(size, axis, size % ctx.mctx.shape[axis] != 0)
+    local_rows = b.call(aten.sub.Tensor, indices[d].node, offset)
+    return [local_rows if j == d else (i.node if i is not None else None) for j, i in enumerate(indices)]
+
+
+def _indexed(x: TensorArg, indices: list[Any], kb: int) -> tuple[torch.Tensor, int]:
+    """The global ``x[indices]`` on the meta device, and its dim that dim ``kb`` of the
+    broadcast index shape becomes: advanced indexing puts the broadcast dims where the
+    indexed dims were when those are adjacent, else first."""
+    present = [j for j, i in enumerate(indices) if i is not None]
+    adjacent = present == list(range(present[0], present[-1] + 1))
+    meta = torch.empty_strided(tuple(x.spec.shape), tuple(x.spec.stride), dtype=x.spec.tensor_meta.dtype, device="meta")
+    meta_indices = [
+        torch.empty(tuple(i.spec.shape), dtype=i.spec.tensor_meta.dtype, device="meta") if i is not None else None for i in indices
+    ]
+    return aten.index.Tensor(meta, meta_indices), (present[0] if adjacent else 0) + kb
+
+
 @register_rule(aten.index.Tensor)
 def _index(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: dict) -> Any:
     x, indices = args[0], list(args[1])
@@ -75,22 +98,32 @@ def _index(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs:
     if found is None:
         return generic_expand(ctx, b, op, args, kwargs)
     axis, d, kb = found
-    size = int(x.spec.shape[d])
-    b.local_chunk(size, axis)  # marks the recipe per-rank when the split is uneven
-    offset = b.shard_offset(size, axis, size % ctx.mctx.shape[axis] != 0)
-    local_rows = b.call(aten.sub.Tensor, indices[d].node, offset)
-    node = b.call(op, x.node, [local_rows if j == d else (i.node if i is not None else None) for j, i in enumerate(indices)])
-    # the global result: advanced indexing puts the broadcast index dims where the indexed
-    # dims were when those are adjacent, else first
-    present = [j for j, i in enumerate(indices) if i is not None]
-    adjacent = present == list(range(present[0], present[-1] + 1))
-    out_dim = (present[0] if adjacent else 0) + kb
-    meta = torch.empty_strided(tuple(x.spec.shape), tuple(x.spec.stride), dtype=x.spec.tensor_meta.dtype, device="meta")
-    meta_indices = [
-        torch.empty(tuple(i.spec.shape), dtype=i.spec.tensor_meta.dtype, device="meta") if i is not None else None for i in indices
-    ]
-    out = aten.index.Tensor(meta, meta_indices)
+    node = b.call(op, x.node, _local_indices(ctx, b, x, indices, axis, d))
+    out, out_dim = _indexed(x, indices, kb)
     placements = [pt.Replicate()] * ctx.mctx.ndim
     placements[axis] = pt.Shard(out_dim)
     spec = pt.make_spec(ctx.mctx.mesh, placements, tuple(out.shape), tuple(out.stride()), out.dtype)
     return _out_tensor(b, node, spec, {})
+
+
+@register_rule(aten.index_put.default)
+def _index_put(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: dict) -> Any:
+    """``x[rows, ...] = values`` (or ``+=``, the backward of the index above): each rank
+    writes its own rows, taking the values of those rows, when ``values`` is split like
+    the index result or the same for every row."""
+    x, indices, values = args[0], list(args[1]), args[2]
+    found = _local_rows_plan(ctx, x, indices) if isinstance(values, TensorArg) and not kwargs else None
+    if found is not None:
+        axis, d, kb = found
+        out, out_dim = _indexed(x, indices, kb)
+        j = out_dim - (out.dim() - len(values.spec.shape))  # the dim of values that meets the rows
+        want = [pt.Replicate()] * ctx.mctx.ndim
+        if j >= 0 and values.spec.shape[j] != 1:
+            want[axis] = pt.Shard(j)
+            fits = values.spec.shape[j] == out.shape[out_dim]
+        else:
+            fits = True
+        if fits and tuple(values.spec.placements) == tuple(want):
+            node = b.call(op, x.node, _local_indices(ctx, b, x, indices, axis, d), values.node, *args[3:])
+            return _out_tensor(b, node, x.spec, {})
+    return generic_expand(ctx, b, op, args, kwargs)
