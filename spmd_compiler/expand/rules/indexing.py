@@ -33,11 +33,11 @@ _INDEX_DTYPES = (torch.int64, torch.int32)
 
 
 def _local_rows_plan(ctx: ExpandContext, x: TensorArg, indices: list[Any]) -> tuple[int, int, int] | None:
-    """``(axis, d, k)`` when ``x`` is sharded on mesh ``axis`` only, along dim ``d``, and
+    """``(axis, d, kb)`` when ``x`` is sharded on mesh ``axis`` only, along dim ``d``, and
     ``indices[d]`` is a position tensor along its dim ``k`` of the same global size,
     sharded there on ``axis`` only; every other index either replicated and of size 1
     where it broadcasts against dim ``k``, or split there exactly as dim ``k`` is. None
-    otherwise. (``kb`` is dim ``k`` in the broadcast shape, returned instead of ``k``.)"""
+    otherwise; ``kb`` is dim ``k`` within the broadcast shape of the indices."""
     sharded = [(a, p) for a, p in enumerate(x.spec.placements) if not p.is_replicate()]
     if len(sharded) != 1 or type(sharded[0][1]) is not pt.Shard:
         return None
