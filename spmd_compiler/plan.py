@@ -103,7 +103,10 @@ class Plan:
             batch is split along dim 0 the batch and activations are gathered instead of
             the parameters. That is exact but rarely what is meant, and the compile logs
             one WARNING naming the axis, the bytes and this option (FSDP:
-            ``Plan(params={"*": [Shard(0)]}, fsdp_axes=("dp",))``).
+            ``Plan(params={"*": [Shard(0)]}, fsdp_axes=("dp",))``). On these axes a
+            pattern or ``default_param`` shards parameters only, as ``fully_shard``:
+            the buffers it matches (BatchNorm statistics, masks, rotary frequencies)
+            are Replicate there; an exact FQN entry shards a buffer as it says.
         activation_sharding: how an op's strategy is chosen among DTensor's candidates.
             ``"follow"`` (default): an op's result is sharded on a mesh axis only where
             one of its inputs already is, so shards start at the plan and propagate (a
@@ -293,11 +296,14 @@ def _resolve(plan: Plan, traced: Any, mesh: Any) -> ResolvedPlan:
             if wild:
                 splits.setdefault(src, set()).update(a for a, p in enumerate(pl) if _has_dim(inp, p))
     fitted: list[str] = []
+    fsdp = plan.fsdp_axis_indices(mesh)
     for inp in traced.inputs:
         if inp.kind in ("param", "buffer"):
             pl, src, wild = for_fqn(inp.name)
             if wild:
                 pl, src = _fit_wildcard(inp, pl, src, splits.get(src, set()), fitted)
+                if inp.kind == "buffer" and fsdp:
+                    pl, src = _fsdp_buffer(pl, src, fsdp)
         elif inp.kind == "grad":  # stored like its parameter (FSDP: sharded, as after a reduce-scatter)
             pl, src, wild = for_fqn(inp.name)
             if wild:
@@ -328,6 +334,18 @@ def _has_dim(inp: Any, p: Placement) -> bool:
     d = getattr(p, "dim", None)
     ndim = len(inp.shape)
     return isinstance(p, (Shard, pt.StridedShard)) and d is not None and -ndim <= d < ndim
+
+
+def _fsdp_buffer(placements: tuple[Placement, ...], source: str, fsdp: tuple[int, ...]) -> tuple[tuple[Placement, ...], str]:
+    """Under ``fsdp_axes`` a pattern or ``default_param`` shards parameters only, as
+    ``fully_shard`` does: a buffer it matches (BatchNorm statistics, a causal mask,
+    rotary frequencies, position ids) is Replicate on the FSDP axes, whole on every rank
+    and never gathered. An exact FQN entry still shards a buffer where it says."""
+    axes = [a for a in fsdp if not placements[a].is_replicate()]
+    if not axes:
+        return placements, source
+    out = tuple(Replicate() if a in axes else p for a, p in enumerate(placements))
+    return out, f"{source}, Replicate on FSDP axes {axes} (a buffer: FSDP shards parameters)"
 
 
 def _fit_wildcard(

@@ -40,6 +40,9 @@ def test_one_gather_per_unit(mesh4):
     gm = bucket_parameter_gathers_pass(gm)
     after = _gathers(gm)
     assert len(before) == sum(1 for i in step.traced.inputs if i.kind == "param")  # one per parameter
+    # and nothing else: the causal-mask buffer stays whole under the plan's "*" (it used to be
+    # gathered for masked_fill in forward and backward of every block, every step)
+    assert [n for n in gm.graph.nodes if is_collective(n) and "all_gather" in str(n.target) and not is_param_gather(n)] == []
     units = sorted(n.meta["spmd_param_gather"] for n in after)
     assert units == ["", "blocks.0", "blocks.1"]
     assert sum(n.meta["spmd_comm"]["bytes"] for n in after) == sum(n.meta["spmd_comm"]["bytes"] for n in before)

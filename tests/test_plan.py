@@ -122,8 +122,27 @@ def test_exact_entry_sharding_a_0d_tensor_is_an_error(traced_bn, mesh4):
         sc.Plan(params={"*": [Shard(0)], "1.num_batches_tracked": [Shard(0)]}).resolve(traced_bn, mesh4)
 
 
+def test_fsdp_wildcard_shards_parameters_only(traced_bn, mesh2x2):
+    """Under fsdp_axes a pattern or default_param leaves buffers whole on the FSDP axes
+    (as fully_shard); the other axes and exact entries mean what they say."""
+    plan = sc.Plan(params={"*": [Shard(0), Replicate()], "1.running_var": [Shard(0), Replicate()]},
+                   default_param=[Replicate(), Shard(0)], fsdp_axes=("dp",))
+    resolved = plan.resolve(traced_bn, mesh2x2)
+    got = _by_label(traced_bn, resolved)
+    assert got["0.weight"] == got["1.weight"] == (Shard(0), Replicate())
+    assert got["1.running_mean"] == got["1.num_batches_tracked"] == (Replicate(), Replicate())
+    assert got["1.running_var"] == (Shard(0), Replicate())  # named exactly: sharded as asked
+    src = dict(zip([i.label for i in traced_bn.inputs], resolved.sources))["1.running_mean"]
+    assert src == "plan['*'], Replicate on FSDP axes [0] (a buffer: FSDP shards parameters)"
+    # without fsdp_axes the same wildcard shards the buffer, as a DTensor operand
+    assert _by_label(traced_bn, sc.Plan(params={"*": [Shard(0), Replicate()]}).resolve(traced_bn, mesh2x2))["1.running_mean"] == (Shard(0), Replicate())
+
+
 @pytest.mark.parametrize("fsdp_axes", [(), ("dp",)])
 def test_batchnorm_model_under_wildcard_shard_trains_as_one_device(fsdp_axes):
+    """Also the plain FSDP plan: its wildcard keeps the BatchNorm statistics whole, so
+    the batch stays split: one gather per module's parameters, the global statistics
+    by 2 all_reduces, nothing all-to-all (a sharded running_mean moved the batch so)."""
     from spmd_compiler.testing import assert_distributed, assert_training_matches, fake_mesh
 
     batches = [(torch.randn(8, 8, dtype=torch.float64), torch.randn(8, 8, dtype=torch.float64)) for _ in range(2)]
@@ -131,4 +150,8 @@ def test_batchnorm_model_under_wildcard_shard_trains_as_one_device(fsdp_axes):
         mse_train_step, _bn_model(), lambda p: torch.optim.AdamW(p, lr=1e-2), batches, fake_mesh((2,), ("dp",)),
         sc.Plan(params={"*": [Shard(0)]}, fsdp_axes=fsdp_axes),
     )
-    assert_distributed(res, sharded=["0.weight", "1.running_mean"])
+    if not fsdp_axes:
+        assert_distributed(res, sharded=["0.weight", "1.running_mean"])
+        return
+    dist = assert_distributed(res, sharded=["0.weight", "batch[0]"], collectives={"all_to_all": 0, "forward/all_gather": 3, "forward/all_reduce": 2})
+    assert dist.placements["1.running_mean"] == "R", dist.describe()

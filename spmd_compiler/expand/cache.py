@@ -2,7 +2,8 @@
 
 A transformer repeats the same ops on the same shapes and placements layer after layer.
 The key holds everything that determines a recipe: the op overload; for each tensor
-argument its placements, global shape/stride, dtype and local shape/stride; every
+argument its placements, global shape/stride, dtype, local shape/stride and whether it
+is a position tensor (:mod:`.positions`); every
 non-tensor argument (sizes as ``DSymInt`` keys); the mesh. Replaying a cached recipe
 splices the same subgraph again, so the result is identical to expanding afresh.
 Recipes that depend on this rank's coordinate (uneven shards) are stored per coordinate.
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 
 from .builder import Recipe
+from .positions import POSITIONS
 from .values import DSymInt, DValue, RScalar
 
 __all__ = ["ExpansionCache", "abstract_key"]
@@ -35,6 +37,7 @@ def abstract_key(x: Any) -> Any:
             tuple(local.shape),
             tuple(local.stride()),
             x.mask is not None,
+            x.extra.get(POSITIONS),
         )
     if isinstance(x, (DSymInt, RScalar)):
         return x.key()

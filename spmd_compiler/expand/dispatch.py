@@ -46,7 +46,8 @@ class TensorArg:
     """A tensor argument inside a recipe: its recipe node, spec and optional mask node.
 
     ``index`` is its position among the traced node's tensor arguments (None for values
-    a rule derives inside the recipe, which ``label`` describes instead).
+    a rule derives inside the recipe, which ``label`` describes instead). ``positions``:
+    the dim along which the value holds its own global positions (:mod:`.positions`).
     """
 
     node: fx.Node
@@ -54,10 +55,11 @@ class TensorArg:
     mask: fx.Node | None = None
     index: int | None = None
     label: str | None = None
+    positions: int | None = None
 
     def moved(self, node: fx.Node, spec: Any, mask: fx.Node | None) -> "TensorArg":
-        """The same argument after a redistribution."""
-        return TensorArg(node, spec, mask, self.index, self.label)
+        """The same argument after a redistribution (same global values)."""
+        return TensorArg(node, spec, mask, self.index, self.label, self.positions)
 
     @property
     def local(self) -> torch.Tensor:

@@ -22,7 +22,7 @@ from .tree import leaves, tree_map
 
 from .. import _private_torch as pt
 from ..errors import SpmdError, add_context, describe_node
-from . import dispatch
+from . import dispatch, positions
 from .advice import log_advice
 from .builder import Recipe, SubgraphBuilder, local_fake
 from .cache import ExpansionCache, abstract_key
@@ -130,6 +130,7 @@ class Expansion:
         self.warned: set = set()
         self.fsdp_axes = tuple(fsdp_axes)
         self._gathered: dict[tuple[fx.Node, str], DValue] = {}
+        self._written = positions.written_storages(traced.gm.graph)  # no position tensor among these
         # each traced input as planned (env entries may later point at reduced copies),
         # in the order of traced.inputs; input_value() finds one by name
         self.input_values: list[DValue] = []
@@ -277,7 +278,9 @@ class Expansion:
                 return sym_apply(target, *args, **kwargs) if not kwargs else target(*args, **kwargs)
             raise SpmdError(f"cannot expand call to {target}: only aten ops reach expansion" + describe_node(node))
         self.stats.ops += 1
-        return self._expand(node, target, args, kwargs)
+        value = self._expand(node, target, args, kwargs)
+        positions.follow(target, args, kwargs, value, node, self._written)
+        return value
 
     def _scalar_call(self, node: fx.Node, target: Any, args: tuple, kwargs: dict) -> RScalar:
         """Python arithmetic on run-time scalars: emitted as is into the per-rank graph."""
@@ -370,7 +373,7 @@ class Expansion:
             if isinstance(x, DValue):
                 n = b.input(x.local, x.node.name)
                 mask = b.input(x.mask.meta["val"], x.node.name + "_mask") if x.mask is not None else None
-                return TensorArg(n, x.spec, mask, index=next(counter))
+                return TensorArg(n, x.spec, mask, index=next(counter), positions=positions.positions_of(x))
             if isinstance(x, RScalar):
                 return ScalarArg(b.input(x.hint, "scalar"), x.hint)
             return x

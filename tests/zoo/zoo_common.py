@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Shard
 
 import spmd_compiler as sc
 from spmd_compiler.testing import assert_distributed, assert_training_matches, fake_mesh
@@ -29,12 +29,11 @@ def dp_plan() -> sc.Plan:
     return sc.Plan()
 
 
-def fsdp_plan(model: torch.nn.Module, ndim: int = 1) -> sc.Plan:
-    """FSDP-style, as ``fully_shard``: every parameter stored split along dim 0 and
-    gathered for use; buffers (masks, BatchNorm statistics) replicated."""
-    params: dict[str, Any] = {name: [Replicate()] * ndim for name, _ in model.named_buffers()}
-    params["*"] = [Shard(0)] * ndim
-    return sc.Plan(params=params, default_input=[Shard(0)] * ndim, fsdp_axes=tuple(range(ndim)))
+def fsdp_plan(ndim: int = 1) -> sc.Plan:
+    """FSDP-style, as ``fully_shard``, written the plain way: every parameter stored split
+    along dim 0 and gathered for use; the buffers the wildcard matches (masks, BatchNorm
+    statistics, rotary frequencies) stay Replicate on the FSDP axes by themselves."""
+    return sc.Plan(params={"*": [Shard(0)] * ndim}, default_input=[Shard(0)] * ndim, fsdp_axes=tuple(range(ndim)))
 
 
 def mesh(n: int) -> Any:
@@ -43,18 +42,31 @@ def mesh(n: int) -> Any:
 
 def run_case(step: Any, model: torch.nn.Module, batches: list, plan_name: str, ranks: int = 2, *, dp_gathers: bool = False) -> Any:
     """Train ``model`` under ``plan_name`` ("dp" or "fsdp") and check it; returns the
-    TrainingComparison. Under "dp" nothing but gradients and the loss may move
-    (``dp_gathers``: activations may be gathered too, for known gaps)."""
-    plan = dp_plan() if plan_name == "dp" else fsdp_plan(model)
+    TrainingComparison. Under "dp" nothing but gradients and the loss may move, under
+    "fsdp" nothing is gathered but parameters: no batch, no buffer, no mask built from
+    one (``dp_gathers``: activations may be gathered too, for known gaps)."""
+    plan = dp_plan() if plan_name == "dp" else fsdp_plan()
     res = assert_training_matches(step, model, adamw, batches, mesh(ranks), plan)
     dist = assert_distributed(res, sharded=["batch[0]"], collectives=1)
     if plan_name == "fsdp":
         weights = [n for n, p in model.named_parameters() if p.dim() == 2]
         assert_distributed(res, sharded=weights[:3])
         assert dist.count("forward/all_gather") >= 1, dist.describe()  # parameters gathered for use
+        if not dp_gathers:
+            assert gathered(res, but="FSDP: gather") == [], dist.describe()
     elif not dp_gathers:
         assert dist.count("all_gather") == 0, dist.describe()  # nothing but gradients moves
     return res
+
+
+def gathered(res: Any, but: str = "") -> list[str]:
+    """The reasons of every rank's all_gathers, except those starting with ``but``."""
+    return [
+        n.meta["spmd_comm"]["reason"]
+        for e in res.sim.expansions.values()
+        for n in e.collectives()
+        if "all_gather" in str(n.target) and not (but and n.meta["spmd_comm"]["reason"].startswith(but))
+    ]
 
 
 def ops_in(res: Any) -> set[Any]:
