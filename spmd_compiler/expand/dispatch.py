@@ -31,7 +31,7 @@ aten = torch.ops.aten
 
 __all__ = [
     "expand_op", "TensorArg", "ScalarArg", "ExpandContext", "generic_expand", "replicate_fallback", "NoStrategy",
-    "wrap_result", "follow_inputs", "ACTIVATION_SHARDING",
+    "wrap_result", "follow_inputs", "ACTIVATION_SHARDING", "dtensor_keeps_inputs",
 ]
 
 log = logging.getLogger(__name__)
@@ -255,6 +255,19 @@ def _guard_empty_shards(b: SubgraphBuilder, op: Any, args: Any, kwargs: Any, out
             if 0 in local:
                 raise NoStrategy(f"{_op_name(op)} has no identity element and rank {coord} would hold an empty shard "
                                  f"of its input {list(spec.shape)} ({placements_text(spec.placements)})")
+
+
+def dtensor_keeps_inputs(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: dict) -> bool:
+    """True when DTensor has a strategy for the op that runs on every tensor input as it
+    is laid out (no redistribution); a rule asks before doing better than a gather."""
+    try:
+        out = _propagate(b, op, args, kwargs, ctx.activation_sharding)
+    except NoStrategy:
+        return False
+    dsts = _dst_specs(out, len(_input_specs(args, kwargs)))
+    if dsts is None:
+        return not (out.needs_redistribute and out.redistribute_schema is not None)
+    return all(tuple(s.placements) == tuple(d.placements) for s, d in zip(_input_specs(args, kwargs), dsts))
 
 
 def generic_expand(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: dict) -> Any:
