@@ -132,9 +132,9 @@ def _view(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: 
     placements = strided_view_placements(list(x.spec.shape), global_out, x.spec.placements, b.mctx.shape) if global_out else None
     if placements is None:
         return generic_expand(ctx, b, op, args, kwargs)
+    # the local sizes follow from the placements (a size read from the batch, a DSymInt,
+    # says how the batch was split, not how this result is)
     local = list(b.local_shape(global_out, placements))
-    if any(isinstance(s, DSymInt) and s.local_value != local[k] for k, s in enumerate(sizes)):
-        return generic_expand(ctx, b, op, args, kwargs)  # a size read from another split
     try:
         node = b.call(op, x.node, local)
     except RuntimeError:  # the local tensor's strides do not allow this view
