@@ -81,3 +81,20 @@ def test_mha_reshape_of_a_transposed_value_stays_split():
     run = assert_spmd_matches(fn, [x, w], fake_mesh((2,)), [[Shard(0)], [Replicate()]], atol=1e-12, rtol=1e-10)
     assert_distributed(run, collectives={"all_gather": 0, "all_reduce": 0, "all_to_all": 0})
     assert placements_text(run.steps[(0,)].outputs[0].spec.placements) == "S(1)"
+
+
+def test_pointwise_op_narrows_a_replicated_operand_to_a_strided_one():
+    """(seq, batch * heads) split by heads under tp as _StridedShard(1, batch), added to
+    a replicated value of the same shape and to a broadcast row: the replicated operand
+    is sliced locally (expand/dispatch.py:follow_strided), nothing is gathered."""
+    x = torch.randn(3, 2, 8, dtype=torch.float64)  # (seq, batch, heads * hd), heads split
+    r = torch.randn(3, 8, 2, dtype=torch.float64)
+    row = torch.randn(2, dtype=torch.float64)
+
+    def fn(x, r, row):
+        return x.view(3, 8, 2) + r * row
+
+    run = assert_spmd_matches(fn, [x, r, row], fake_mesh((2,)), [[Shard(2)], [Replicate()], [Replicate()]], atol=1e-12, rtol=1e-10,
+                              symbolic="none")
+    assert_distributed(run, collectives={"all_gather": 0, "all_reduce": 0, "all_to_all": 0})
+    assert placements_text(run.steps[(0,)].outputs[0].spec.placements) == "SS(1,2)"
