@@ -666,7 +666,7 @@ def expand_op(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwar
     if rule is None and op in pt.custom_handled_ops():
         return _custom_handled(ctx, b, op, args, kwargs)
     expand = rule if rule is not None else generic_expand
-    if rule is None and torch.Tag.pointwise in op.tags and not pt.writes_first_arg(op):
+    if rule is None and torch.Tag.pointwise in getattr(op, "tags", ()) and not pt.writes_first_arg(op):
         args, kwargs = follow_strided(ctx, b, op, args, kwargs)
     # a rule that hands the op to DTensor (generic_expand) meets the same guards: it is
     # retried on the adjusted inputs, or the op falls back, with the op's own inputs
