@@ -157,6 +157,7 @@ def propagate_sharding(
     decompositions.
     """
     prop = DTensor._op_dispatcher.sharding_propagator
+    args_schema, kwargs_schema = _strided_as_layout((args_schema, kwargs_schema))
     info = prop.op_to_schema_info.get(op)
     if info is None:
         info = prop.op_to_schema_info_for_single_dim_strategy.get(op)
@@ -171,6 +172,28 @@ def propagate_sharding(
             return prop.propagate_op_sharding_non_cached(schema)
     finally:
         _selection.keep = previous
+
+
+def _strided_as_layout(tree: Any) -> Any:
+    """Every spec in ``tree`` with a ``_StridedShard`` marked as a strided *layout*.
+
+    DTensor gives ``_StridedShard`` two meanings, chosen per spec by
+    ``use_strided_shard_as_shard_order``: an encoding of the order in which mesh axes
+    split a dim (the default for a spec built with one), or the interleaved layout its
+    view strategies produce (``False``). We only ever mean the layout; a spec of each
+    kind among one op's inputs makes DTensor pick the ordering meaning for all of them
+    (and gather).
+    """
+    from torch.utils import _pytree as pytree
+
+    def fix(spec: Any) -> Any:
+        if not isinstance(spec, DTensorSpec) or not getattr(spec, "use_strided_shard_as_shard_order", False):
+            return spec
+        if not any(isinstance(p, _StridedShard) for p in spec.placements):
+            return spec
+        return DTensorSpec(spec.mesh, spec.placements, tensor_meta=spec.tensor_meta, use_strided_shard_as_shard_order=False)
+
+    return pytree.tree_map(fix, tree, is_leaf=lambda x: isinstance(x, DTensorSpec))
 
 
 def _spec_leaves(args: Any, kwargs: Any) -> Iterator[DTensorSpec]:

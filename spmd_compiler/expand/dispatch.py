@@ -31,7 +31,7 @@ aten = torch.ops.aten
 
 __all__ = [
     "expand_op", "TensorArg", "ScalarArg", "ExpandContext", "generic_expand", "replicate_fallback", "NoStrategy",
-    "wrap_result", "follow_inputs", "ACTIVATION_SHARDING",
+    "wrap_result", "follow_inputs", "ACTIVATION_SHARDING", "dtensor_keeps_inputs",
 ]
 
 log = logging.getLogger(__name__)
@@ -257,6 +257,19 @@ def _guard_empty_shards(b: SubgraphBuilder, op: Any, args: Any, kwargs: Any, out
             if 0 in local:
                 raise NoStrategy(f"{_op_name(op)} has no identity element and rank {coord} would hold an empty shard "
                                  f"of its input {list(spec.shape)} ({placements_text(spec.placements)})")
+
+
+def dtensor_keeps_inputs(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: dict) -> bool:
+    """True when DTensor has a strategy for the op that runs on every tensor input as it
+    is laid out (no redistribution); a rule asks before doing better than a gather."""
+    try:
+        out = _propagate(b, op, args, kwargs, ctx.activation_sharding)
+    except NoStrategy:
+        return False
+    dsts = _dst_specs(out, len(_input_specs(args, kwargs)))
+    if dsts is None:
+        return not (out.needs_redistribute and out.redistribute_schema is not None)
+    return all(tuple(s.placements) == tuple(d.placements) for s, d in zip(_input_specs(args, kwargs), dsts))
 
 
 def generic_expand(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: dict) -> Any:
@@ -602,12 +615,61 @@ def inplace_follow_self(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: t
     return _out_tensor(b, node, self_arg.spec, {})
 
 
+def _dim_split(p: Any, dim: int) -> Any:
+    """How ``p`` splits tensor ``dim``: None, or its kind and split factor."""
+    if getattr(p, "dim", None) != dim or not (p.is_shard() or isinstance(p, pt.StridedShard)):
+        return None
+    return (type(p).__name__, int(getattr(p, "split_factor", 1)))
+
+
+def follow_strided(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: dict) -> tuple[Any, Any]:
+    """Lay out the replicated operands of a pointwise op like its ``_StridedShard`` one.
+
+    DTensor's pointwise strategy keeps a ``_StridedShard`` operand split only when the
+    others match it (or broadcast); next to a Replicate operand of the same shape it
+    gathers it (a head-split attention gradient added to the head-averaged weights'
+    gradient). Taking this rank's elements of the replicated operand is a local slice.
+    Only Replicate operands change, on axes where one operand is strided and no operand
+    is Partial; a dim that broadcasts stays replicated.
+    """
+    tensors = [x for x in pytree.tree_leaves((args, kwargs), is_leaf=_is_tensor_arg) if isinstance(x, TensorArg)]
+    strided = next((t for t in tensors if any(isinstance(p, pt.StridedShard) for p in t.spec.placements)), None)
+    if strided is None or any(p.is_partial() for t in tensors for p in t.spec.placements):
+        return args, kwargs
+    shape = list(strided.spec.shape)
+    counter = iter(range(1 << 30))
+
+    def fix(x: Any) -> Any:
+        if not isinstance(x, TensorArg):
+            return x
+        index = next(counter)
+        lead = len(shape) - len(x.spec.shape)
+        pl = list(x.spec.placements)
+        for axis, p in enumerate(strided.spec.placements):
+            d = p.dim - lead if isinstance(p, pt.StridedShard) else -1
+            if d < 0 or not pl[axis].is_replicate() or x.spec.shape[d] != shape[p.dim]:
+                continue
+            # other axes must split this dim alike on both, or the layouts would differ
+            if all(_dim_split(q, d) == _dim_split(r, p.dim) for j, (q, r) in enumerate(zip(pl, strided.spec.placements)) if j != axis):
+                pl[axis] = pt.StridedShard(d, split_factor=p.split_factor)
+        if pl == list(x.spec.placements):
+            return x
+        dst = pt.make_spec(x.spec.mesh, pl, x.spec.shape, x.spec.stride, x.spec.tensor_meta.dtype)
+        why = f"input {index} of {_op_name(op)} follows its strided operand"
+        node, mask = emit_redistribute(b, x.node, x.spec, dst, mask=x.mask, reason=why, input_index=x.index, value_label=x.label)
+        return x.moved(node, dst, mask)
+
+    return pytree.tree_map(fix, (args, kwargs), is_leaf=_is_tensor_arg)
+
+
 def expand_op(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: dict) -> Any:
     """Emit the local program of ``op`` into ``b``; returns the result pytree."""
     rule = get_rule(op)
     if rule is None and op in pt.custom_handled_ops():
         return _custom_handled(ctx, b, op, args, kwargs)
     expand = rule if rule is not None else generic_expand
+    if rule is None and torch.Tag.pointwise in getattr(op, "tags", ()) and not pt.writes_first_arg(op):
+        args, kwargs = follow_strided(ctx, b, op, args, kwargs)
     # a rule that hands the op to DTensor (generic_expand) meets the same guards: it is
     # retried on the adjusted inputs, or the op falls back, with the op's own inputs
     for _ in range(ctx.mctx.ndim + 1):

@@ -74,27 +74,18 @@ MODELS = {
     "cnn_batchnorm": (SmallCNN, images),
 }
 USES_SDPA = {"encoder_layer", "transformer", "mha_no_weights"}
-# need_weights=True runs MHA's own math on (seq, batch * heads, head_dim) tensors; the
-# view back to (seq * batch, dim) merges the split batch dim after the sequence dim, for
-# which DTensor's view strategy has no sharding, so the activation is gathered there
-DP_GATHERS = {"mha_weights"}
 
 
 @pytest.mark.parametrize("plan", ["dp", "fsdp"])
 @pytest.mark.parametrize("name", list(MODELS))
 def test_torch_nn_model(name, plan):
     make, data = MODELS[name]
-    res = run_case(mse_step, make().double(), data(), plan, dp_gathers=name in DP_GATHERS)
+    res = run_case(mse_step, make().double(), data(), plan)
     if name in USES_SDPA:
         assert SDPA in ops_in(res), "expected SDPA's CPU flash op in the program"
         assert attention_collectives(res) == []
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "MHA need_weights=True under DP gathers the batch: _unsafe_view (seq, batch*heads, head_dim) -> "
-    "(seq*batch, dim) of input S(1) has no DTensor view strategy (the split batch dim is merged after the "
-    "sequence dim; a _StridedShard would express it), so 'input 0 of _unsafe_view.default: S(1)->R' "
-    "all_gathers in forward and the backward mm gathers SS(1,8)->R"))
 def test_mha_weights_dp_without_gathers():
     make, data = MODELS["mha_weights"]
     run_case(mse_step, make().double(), data(), "dp")
@@ -139,11 +130,16 @@ def test_torch_nn_megatron(name):
     assert_distributed(res, sharded=["attn.in_proj_weight" if name.startswith("mha") else "self_attn.in_proj_weight"], collectives=1)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "nn.MultiheadAttention under TP gathers: its (seq, batch * heads, head_dim) view merges the batch dim with "
-    "the tp-split heads dim after it ('input 0 of view.default: S(2)->R on tp', 3 forward all_gathers), for "
-    "which DTensor's view strategy has no sharding, so SDPA runs on whole heads and its grad_out is gathered"))
 def test_encoder_layer_megatron_without_gathers():
     make, data = MODELS["encoder_layer"]
     res = assert_training_matches(mse_step, make().double(), adamw, data(), fake_mesh((2,), ("tp",)), megatron_plan("encoder_layer"))
     assert_distributed(res, collectives={"all_gather": 0})
+
+
+def test_mha_weights_megatron_without_gathers():
+    """The head-averaged attention weights (need_weights=True) are replicated over tp; in
+    backward their gradient meets the head-split one in an add, which narrows the
+    replicated operand (expand/dispatch.py:follow_strided) instead of gathering."""
+    make, data = MODELS["mha_weights"]
+    res = assert_training_matches(mse_step, make().double(), adamw, data(), fake_mesh((2,), ("tp",)), megatron_plan("mha_weights"))
+    assert_distributed(res, sharded=["attn.in_proj_weight"], collectives={"all_gather": 0, "forward/all_reduce/tp": 2})

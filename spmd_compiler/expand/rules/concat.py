@@ -6,9 +6,11 @@ fused dim (GPT-2's ``c_attn``). DTensor gathers such a value before ``split``, a
 gathers the three ``Shard(d)`` gradients before ``cat`` in backward. Neither needs data
 from another rank:
 
-* ``split`` / ``split_with_sizes`` of a ``_StridedShard(d, k)`` dim into ``k`` equal
-  pieces: each piece is ``Shard(d)`` and each rank's local pieces are the local tensor
-  split into ``k`` equal parts;
+* ``split`` / ``split_with_sizes`` of a ``_StridedShard(d, sf)`` dim into ``k`` equal
+  pieces, ``k`` dividing ``sf``: each piece holds ``sf / k`` whole blocks, so it is
+  ``_StridedShard(d, sf / k)`` (``Shard(d)`` when ``k == sf``) and each rank's local
+  pieces are the local tensor split into ``k`` equal parts (a view merging a split
+  batch dim behind another, :mod:`.views`, gives such values);
 * ``cat`` along ``d`` of ``k`` tensors of equal size, each ``Shard(d)`` on a mesh axis:
   the result is ``_StridedShard(d, k)`` on that axis, the local ``cat``.
 
@@ -27,6 +29,7 @@ from ... import _private_torch as pt
 from ..builder import SubgraphBuilder
 from ..dispatch import ExpandContext, TensorArg, _out_tensor, expand_op, generic_expand
 from ..registry import register_rule
+from ..values import DSymInt
 
 aten = torch.ops.aten
 
@@ -68,23 +71,32 @@ def _cat(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: d
     return _out_tensor(b, node, _spec(first, axis, pt.StridedShard(dim, split_factor=len(tensors)), shape), {})
 
 
+def _global(size: Any) -> Any:
+    return size.global_value if isinstance(size, DSymInt) else size
+
+
 @register_rule(aten.split.Tensor, aten.split_with_sizes.default)
 def _split(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: dict) -> Any:
     x, sizes = args[0], args[1]
     dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
-    if not isinstance(x, TensorArg) or any(not isinstance(s, int) for s in (sizes if isinstance(sizes, (list, tuple)) else [sizes])):
+    # sizes read from the traced program (``y.chunk(2)`` of a symbolic batch) count globally
+    sizes = [_global(s) for s in sizes] if isinstance(sizes, (list, tuple)) else _global(sizes)
+    if not isinstance(x, TensorArg) or any(not isinstance(s, int) for s in (sizes if isinstance(sizes, list) else [sizes])):
         return generic_expand(ctx, b, op, args, kwargs)
     dim = dim % len(x.spec.shape)
     axis = _only_axis(x.spec.placements, dim, pt.StridedShard)
     if axis is None:
         return generic_expand(ctx, b, op, args, kwargs)
-    k, size = int(x.spec.placements[axis].split_factor), x.spec.shape[dim]
+    sf, size = int(x.spec.placements[axis].split_factor), x.spec.shape[dim]
     pieces = list(sizes) if isinstance(sizes, (list, tuple)) else [sizes] * -(-size // sizes)
-    if len(pieces) != k or size % k or any(p != size // k for p in pieces):
+    k = len(pieces)
+    if sf % k or size % sf or any(p != size // k for p in pieces):
         return generic_expand(ctx, b, op, args, kwargs)
-    local = b.local_chunk(size // k, axis)  # each block's piece on this rank
+    per_piece = sf // k  # whole blocks in each piece
+    local = per_piece * b.local_chunk(size // sf, axis)  # this rank's part of each block
     node = b.call(aten.split_with_sizes.default, x.node, [local] * k, dim)
     shape = list(x.spec.shape)
     shape[dim] = size // k
-    spec = _spec(x.spec, axis, pt.Shard(dim), shape)
+    placement = pt.Shard(dim) if per_piece == 1 else pt.StridedShard(dim, split_factor=per_piece)
+    spec = _spec(x.spec, axis, placement, shape)
     return [_out_tensor(b, item, spec, {}) for item in b.getitems(node)]

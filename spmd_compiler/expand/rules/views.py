@@ -1,0 +1,145 @@
+"""Views that merge a sharded dim behind another one, kept split as ``_StridedShard``.
+
+nn.MultiheadAttention reshapes its activations between ``(seq, batch, heads * head_dim)``
+and ``(seq, batch * heads, head_dim)`` / ``(seq * batch, dim)``. With the batch split
+(data parallel) or the heads split (tensor parallel), such a view merges the split dim
+with a dim before it (or merges and re-splits the group). DTensor's view strategy keeps
+a shard only where it stays the leading dim of its group (or for a plain flatten), and
+otherwise gathers the input; yet no data moves between ranks: each rank's elements are
+the same, in the same order, and only the way they are described changes.
+
+Terms. A view pairs input and output dims in **groups**: runs of dims with the same
+product (``(8, 4, 16) -> (32, 4, 4)`` has groups ``[8, 4] -> [32]`` and ``[16] -> [4,
+4]``). Inside a group, read the elements as one flat row-major run. A placement
+``Shard(d)`` (or ``_StridedShard(d, sf)``) of a dim of size ``s`` with ``C`` elements
+behind it in its group gives rank ``r`` block ``r`` of ``n`` equal blocks in every
+**period** of ``s * C / sf`` flat elements. The output dim ``e`` with ``C'`` elements
+behind it describes that same pattern exactly when ``C'`` divides the block and the
+period divides ``t_e * C'``: the output is ``_StridedShard(e, t_e * C' / period)``
+(``Shard(e)`` when that factor is 1). The local tensor lists the rank's elements in
+global order on both sides, so the local op is the same view to the local sizes.
+
+Mesh axes apply left to right, each on the local tensor the earlier ones left (as
+DTensor's ``_StridedShard`` does), so the rule walks the axes with local shapes. It
+needs every split it touches to be even (a dim of 3 over 2 ranks has no period); where
+one is not, or DTensor keeps the shards by itself, DTensor's strategy is used.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ... import _private_torch as pt
+from ..builder import SubgraphBuilder
+from ..dispatch import ExpandContext, TensorArg, _out_tensor, dtensor_keeps_inputs, generic_expand
+from ..registry import register_rule
+from ..values import DSymInt
+
+aten = torch.ops.aten
+
+__all__ = ["view_groups", "strided_view_placements"]
+
+
+def view_groups(in_shape: list[int], out_shape: list[int]) -> list[tuple[list[int], list[int]]] | None:
+    """Input and output dims paired in runs of equal product; None for an empty tensor
+    or shapes of different numel. Trailing size-1 dims join the last group."""
+    if 0 in in_shape or 0 in out_shape or math.prod(in_shape) != math.prod(out_shape):
+        return None
+    groups: list[tuple[list[int], list[int]]] = []
+    i = j = 0
+    while i < len(in_shape) and j < len(out_shape):
+        gi, go, pi, po = [i], [j], in_shape[i], out_shape[j]
+        i, j = i + 1, j + 1
+        while pi != po:
+            if pi < po:
+                gi.append(i)
+                pi *= in_shape[i]
+                i += 1
+            else:
+                go.append(j)
+                po *= out_shape[j]
+                j += 1
+        groups.append((gi, go))
+    if not groups:
+        return None
+    groups[-1][0].extend(range(i, len(in_shape)))
+    groups[-1][1].extend(range(j, len(out_shape)))
+    return groups
+
+
+def _placement_on(p: Any) -> tuple[int, int] | None:
+    """(dim, split factor) of a Shard or _StridedShard placement."""
+    if isinstance(p, pt.StridedShard):
+        return p.dim, int(p.split_factor)
+    if isinstance(p, pt.Shard):
+        return p.dim, 1
+    return None
+
+
+def strided_view_placements(in_shape: list[int], out_shape: list[int], placements: Any, mesh_shape: Any) -> list[Any] | None:
+    """Output placements of ``view(in_shape -> out_shape)`` that keep every shard of
+    ``placements`` exactly (see the module docstring), or None where some shard has no
+    exact description (an uneven split, a group cut through a block)."""
+    in_local, out_local = list(in_shape), list(out_shape)
+    out: list[Any] = []
+    for axis, p in enumerate(placements):
+        on = _placement_on(p)
+        if on is None:
+            out.append(p)
+            continue
+        d, sf, n = on[0], on[1], mesh_shape[axis]
+        groups = view_groups(in_local, out_local)
+        if groups is None or in_local[d] % (sf * n):
+            return None
+        gi, go = next(g for g in groups if d in g[0])
+        behind = math.prod(in_local[k] for k in gi if k > d)
+        period = in_local[d] * behind // sf
+        block = period // n
+        for e in go:
+            behind_out = math.prod(out_local[k] for k in go if k > e)
+            if block % behind_out == 0 and (out_local[e] * behind_out) % period == 0:
+                factor = out_local[e] * behind_out // period
+                out.append(pt.Shard(e) if factor == 1 else pt.StridedShard(e, split_factor=factor))
+                in_local[d] //= n
+                out_local[e] //= n
+                break
+        else:
+            return None
+    return out
+
+
+def _sizes(x: TensorArg, sizes: Any) -> list[int] | None:
+    """The global output sizes, -1 inferred; None when they do not fit the input."""
+    out = [s.global_value if isinstance(s, DSymInt) else int(s) for s in sizes]
+    numel = math.prod(x.spec.shape)
+    if out.count(-1) == 1:
+        rest = math.prod(s for s in out if s != -1)
+        if rest == 0 or numel % rest:
+            return None
+        out[out.index(-1)] = numel // rest
+    return out if math.prod(out) == numel and all(s >= 0 for s in out) else None
+
+
+@register_rule(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+def _view(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: dict) -> Any:
+    x, sizes = args[0], (args[1] if len(args) > 1 else kwargs.get("size"))
+    if not isinstance(x, TensorArg) or sizes is None or dtensor_keeps_inputs(ctx, b, op, args, kwargs):
+        return generic_expand(ctx, b, op, args, kwargs)
+    global_out = _sizes(x, sizes)
+    placements = strided_view_placements(list(x.spec.shape), global_out, x.spec.placements, b.mctx.shape) if global_out else None
+    if placements is None:
+        return generic_expand(ctx, b, op, args, kwargs)
+    # the local sizes follow from the placements (a size read from the batch, a DSymInt,
+    # says how the batch was split, not how this result is)
+    local = list(b.local_shape(global_out, placements))
+    try:
+        node = b.call(op, x.node, local)
+    except RuntimeError:  # the local tensor's strides do not allow this view
+        return generic_expand(ctx, b, op, args, kwargs)
+    meta = torch.empty_strided(tuple(x.spec.shape), tuple(x.spec.stride), device="meta")
+    stride = meta.reshape(global_out).stride()
+    spec = pt.make_spec(ctx.mctx.mesh, placements, global_out, stride, x.spec.tensor_meta.dtype)
+    return _out_tensor(b, node, spec, {})
