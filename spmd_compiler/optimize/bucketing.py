@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from ..trace.markers import MARKER
 from .graph_utils import (
     WAIT,
     alias_root,
@@ -106,10 +107,11 @@ def _kept_gradient(n: fx.Node) -> list[fx.Node] | None:
 
 def _sink(gm: fx.GraphModule, node: fx.Node, pos: dict[fx.Node, float]) -> None:
     """Move in-place accumulation ``node`` down to just before the next node that reads or
-    writes the storage it writes (or the output): what it adds is then needed only there."""
+    writes the storage it writes (or a pipeline marker, or the output): what it adds is
+    then needed only there."""
     root = _grad_root(node)
     stop = node.next
-    while stop.op != "output" and not any(alias_root(a) is root for a in stop.all_input_nodes):
+    while stop.op != "output" and stop.target is not MARKER and not any(alias_root(a) is root for a in stop.all_input_nodes):
         stop = stop.next
     if stop is not node.next:
         move_before(node, stop, pos)
