@@ -293,6 +293,17 @@ def main() -> None:
         wait_lines.append(f"| {kind} | all waits (step {step_ms:.1f} ms) | {sum(n for _, n in got['waits'].values())} | {total:.2f} | {total / step_ms:.1%} |")
         for label, (ms, n) in sorted(got["waits"].items(), key=lambda kv: -kv[1][0]):
             wait_lines.append(f"| {kind} | {label} | {n} | {ms:.2f} | {ms / step_ms:.1%} |")
+    reading = []
+    for kind, world, got, minimum in rows:
+        s, o = got["static"], got["ours"]
+        top = max(got["waits"].items(), key=lambda kv: kv[1][0]) if got["waits"] else ("none", (0.0, 0))
+        extra = o["launches"] - s["launches"]
+        reading.append(
+            f"* {kind}: {o['launches']:g} launches per step in the run, {s['launches']} in the program"
+            + (f" (+{extra:g}: the standalone step check)" if extra > 0 else "")
+            + f"; {sum(b for _, _, b, _ in s['groups'])} of them buckets. Longest wait: {top[0]} "
+            f"({top[1][0]:.1f} ms, {top[1][0] / got['waits_step_ms']:.0%} of the step)."
+        )
     text = [
         "# Collective launches and exposed communication per step",
         "",
@@ -305,6 +316,8 @@ def main() -> None:
         "Exposed: main-thread time with a gloo collective in flight and no operator of its own running; share = exposed / step time.",
         "",
         "\n".join(lines),
+        "",
+        "\n".join(reading),
         "",
         "## Launches by process-group call (per step, compiled | peer)",
         "",
