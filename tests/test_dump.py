@@ -63,8 +63,26 @@ def test_megatron_mlp_dump_files(megatron_dump):
     assert "all_reduce <- relu @ t_1: P(sum)->R on 'dp' for addmm_1" in expanded
     summary = json.loads((folder / "comm_summary.json").read_text())
     assert summary["rows"] == [{"phase": "forward", "kind": "all_reduce", "axis": "dp", "count": 1, "bytes": 512, "wire_bytes": 768}]
+    assert summary["groups"] == [{"axis": "dp", "launches": 1, "buckets": 0, "bucketed": 0}]
     traced = (folder / "traced.py").read_text()
     assert "# ---------------- backward ----------------" in traced and f"models.py:{line}" in traced
+
+
+def test_comm_summary_counts_launches_and_buckets_per_group(mesh4):
+    from spmd_compiler.dump.summary import comm_summary
+    from spmd_compiler.optimize import bucket_gradients_pass
+
+    model = MLP(16, 32)
+    traced = sc.trace(mse_step, model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(8, 16), torch.randn(8, 16))
+    step = sc.expand(traced, mesh4)  # data parallel: the loss and the 4 gradients, each reduced on its own
+    before = comm_summary(step.gm).groups
+    assert [(g.axis, g.launches, g.buckets, g.bucketed) for g in before] == [("dp", 5, 0, 0)]
+    summary = comm_summary(bucket_gradients_pass(step.gm))
+    assert [(g.axis, g.launches, g.buckets, g.bucketed) for g in summary.groups] == [("dp", 2, 1, 4)]  # the loss + one bucket
+    assert summary.total_count == 2
+    table = summary.table().splitlines()
+    assert table[-2].split() == ["group", "launches", "buckets", "values", "in", "buckets", "single"]
+    assert table[-1].split() == ["dp", "2", "1", "4", "1"]
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 import torch
+from torch.distributed.tensor import Shard
 
 import spmd_compiler as sc
 from spmd_compiler.dump.summary import comm_summary
@@ -21,7 +22,7 @@ from spmd_compiler.optimize import (
 )
 from spmd_compiler.optimize.bucketing import gradient_reductions
 from spmd_compiler.optimize.graph_utils import is_collective, is_wait, positions
-from spmd_compiler.testing import assert_distributed, assert_training_matches
+from spmd_compiler.testing import SimulatedTraining, assert_distributed, assert_training_matches
 from spmd_compiler.testing.models import GPT, MLP, gpt_2d_plan, gpt_fsdp_plan, mse_train_step, train_step
 
 
@@ -174,6 +175,41 @@ def test_first_bucket_is_small_as_in_ddp(mesh4, first_mb):
         assert len(buckets) == 1 + math.ceil((total - buckets[0].meta["spmd_comm"]["bytes"]) / cap)
     with pytest.raises(ValueError, match="first_bucket_mb must be positive"):
         bucket_gradients_pass(step.gm, first_bucket_mb=0)
+
+
+def _accumulate(model, opt, x, y, do_step):
+    """Gradient accumulation over calls: backward every call, a step every few."""
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    if do_step:
+        opt.step()
+        opt.zero_grad()
+    return loss
+
+
+@pytest.mark.parametrize("plan", ["dp", "fsdp"])
+def test_gradients_kept_across_calls_are_reduced_in_one_bucket(mesh4, plan):
+    """A call that keeps its gradients (returned new, or added into those it started with)
+    reduces them in one bucket per group as a step does; training equals one device."""
+    the_plan = {"dp": None, "fsdp": sc.Plan(params={"*": [Shard(0)]}, fsdp_axes=("dp",))}[plan]
+    model, ref = MLP().double(), MLP().double()
+    ref.load_state_dict(model.state_dict())
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
+    sim = SimulatedTraining(_accumulate, model, opt, mesh4, the_plan)
+    programs = {}
+    for i in range(4):  # no gradients at the call, then accumulate into them, then step
+        batch = (torch.randn(8, 16, dtype=torch.float64), torch.randn(8, 16, dtype=torch.float64), i == 2)
+        torch.testing.assert_close(sim.step(*batch), _accumulate(ref, ref_opt, *batch), atol=1e-12, rtol=1e-10)
+        programs.setdefault(sim.reasons[-1], sim.expansions[(0,)])
+    assert len(programs) == 4, list(programs)  # first call, gradients kept, step, optimizer state made
+    kind = {"dp": "all_reduce", "fsdp": "reduce_scatter"}[plan]
+    for reason, step in list(programs.items())[:3]:  # the steady step (last) is covered by the bucket tests
+        reductions = [n for n in step.collectives() if n.meta["spmd_comm"]["kind"] == kind and n.args[1] == "sum"]
+        assert len(reductions) == 1, (reason, [n.meta["spmd_comm"]["reason"] for n in reductions])
+        assert len(reductions[0].meta["spmd_comm"]["bucket"]) == 4, reason  # every gradient of the MLP
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-12, rtol=1e-10, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-12, rtol=1e-10, msg=lambda m, name=name: f"{name}.grad: {m}")
 
 
 def test_overlap_issues_early_and_waits_late(mesh4):

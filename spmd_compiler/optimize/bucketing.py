@@ -15,6 +15,14 @@ produces first) is small, ``first_bucket_mb`` (1 MB, DDP's ``_DEFAULT_FIRST_BUCK
 its reduction starts while the rest of backward still runs. A group then gets
 ``1 + ceil((G - first) / bucket size)`` collectives when G exceeds the first bucket;
 ``first_bucket_mb=None`` makes every bucket ``bucket_mb``.
+
+Gradients kept across calls (gradient accumulation: no ``zero_grad()`` at the end of
+the step) are reduced too, outside the optimizer phase: a call that starts without
+gradients returns them reduced (output phase), and a call that starts with them adds
+each reduced gradient in place into its ``grad`` input (backward phase). Those
+reductions are bucketed the same way: each accumulation ``add_`` first sinks to just
+before the next access of its gradient (the optimizer's read, or the end of the step),
+so no gradient's reduction is needed before backward ends.
 """
 
 from __future__ import annotations
@@ -26,7 +34,22 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .graph_utils import WAIT, fused_comm, hoist, is_collective, is_wait, new_node, positions, writes_by_root
+from ..trace.markers import MARKER
+from .graph_utils import (
+    WAIT,
+    alias_root,
+    fused_comm,
+    hoist,
+    is_collective,
+    is_inplace,
+    is_wait,
+    move_before,
+    new_node,
+    positions,
+    prep_chain,
+    written_inputs,
+    writes_by_root,
+)
 
 __all__ = ["bucket_gradients_pass", "gradient_reductions"]
 
@@ -35,18 +58,64 @@ c10d = torch.ops._c10d_functional
 
 
 def gradient_reductions(gm: fx.GraphModule) -> list[fx.Node]:
-    """Collectives that reduce gradients for the optimizer (sum/avg, optimizer phase)."""
+    """Collectives that reduce gradients (sum/avg all_reduce or reduce_scatter): for the
+    optimizer (optimizer phase), gradient buckets, and the reductions of gradients kept
+    for the next call (:func:`_kept_gradient`)."""
     out = []
     for n in gm.graph.nodes:
         if not is_collective(n):
             continue
         c = n.meta["spmd_comm"]
-        if c["kind"] not in ("all_reduce", "reduce_scatter") or n.meta.get("spmd_phase") != "optimizer":
+        if c["kind"] not in ("all_reduce", "reduce_scatter") or n.args[1] not in ("sum", "avg"):
             continue
-        if n.args[1] not in ("sum", "avg"):
-            continue
-        out.append(n)
+        if n.meta.get("spmd_phase") == "optimizer" or c.get("op") == "bucket" or _kept_gradient(n) is not None:
+            out.append(n)
     return out
+
+
+def _grad_root(node: fx.Node) -> fx.Node | None:
+    """The ``grad`` input an in-place op writes, if it writes one."""
+    for x in written_inputs(node):
+        root = alias_root(x)
+        inp = root.meta.get("spmd_input") if isinstance(root, fx.Node) else None
+        if isinstance(root, fx.Node) and root.op == "placeholder" and inp is not None and inp.kind == "grad":
+            return root
+    return None
+
+
+def _kept_gradient(n: fx.Node) -> list[fx.Node] | None:
+    """If reduction ``n`` reduces a backward-computed gradient only to keep it for the next
+    call, the in-place ops that accumulate its result into ``grad`` inputs (empty when the
+    result is returned as a new gradient); else None. Its result must go only to the
+    step's output or, as the added operand, to in-place writes of ``grad`` inputs."""
+    waits = [u for u in n.users if is_wait(u)]
+    if len(waits) != 1 or len(n.users) != 1 or not waits[0].users:
+        return None
+    chain = prep_chain(n)
+    src = chain[-1].args[0] if chain else n.args[0]
+    if not isinstance(src, fx.Node) or src.meta.get("spmd_phase") != "backward":
+        return None
+    accumulations = []
+    for u in waits[0].users:
+        if u.op == "output" and n.meta.get("spmd_phase") == "output":
+            continue
+        if not is_inplace(u) or _grad_root(u) is None or u.args[0] is waits[0]:
+            return None
+        accumulations.append(u)
+    return accumulations
+
+
+def _sink(gm: fx.GraphModule, node: fx.Node, pos: dict[fx.Node, float]) -> None:
+    """Move in-place accumulation ``node`` down to just before the next node that reads or
+    writes the storage it writes (or a pipeline marker, or the output): what it adds is
+    then needed only there."""
+    root = _grad_root(node)
+    stop = node.next
+    while stop.op != "output" and stop.target is not MARKER and not any(alias_root(a) is root for a in stop.all_input_nodes):
+        stop = stop.next
+    if stop is not node.next:
+        move_before(node, stop, pos)
+        node.meta["spmd_schedule"] = "accumulation into a kept gradient, sunk to its next use so the reduction can join a bucket"
 
 
 def _wait_of(n: fx.Node) -> fx.Node:
@@ -114,6 +183,9 @@ def bucket_gradients_pass(gm: fx.GraphModule, *, bucket_mb: float = 25.0, first_
     first_cap = cap if first_bucket_mb is None else min(cap, first_bucket_mb * 2**20)
     reductions = gradient_reductions(gm)
     pos = positions(gm)
+    for n in reductions:  # accumulations into kept gradients wait until their gradient is next read
+        for u in _kept_gradient(n) or ():
+            _sink(gm, u, pos)
     writes = writes_by_root(gm)
     for n in reductions:  # issue each reduction as soon as its gradient exists
         hoist(gm, n, pos, writes=writes)
