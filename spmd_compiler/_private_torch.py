@@ -167,10 +167,32 @@ def propagate_sharding(
     previous = getattr(_selection, "keep", None)
     _selection.keep = keep
     try:
-        with _as_coordinate(mesh, coordinate):
+        with _as_coordinate(mesh, coordinate), _symbolic_mode_of(args_schema, kwargs_schema):
             return prop.propagate_op_sharding_non_cached(schema)
     finally:
         _selection.keep = previous
+
+
+def _symbolic_mode_of(args: Any, kwargs: Any) -> Any:
+    """The fake mode of symbolic sizes in the specs (dynamic=True): DTensor's strategies
+    hash shapes unless a fake mode with a ShapeEnv is active; else a null context."""
+    from torch._guards import detect_fake_mode
+
+    if detect_fake_mode() is None:
+        for spec in _spec_leaves(args, kwargs):
+            if spec.tensor_meta is not None and any(is_symbolic(s) for s in spec.shape):
+                mode = _MODES_BY_ENV.get(id(next(s for s in spec.shape if is_symbolic(s)).node.shape_env))
+                if mode is not None:
+                    return mode
+    return contextlib.nullcontext()
+
+
+_MODES_BY_ENV: dict[int, Any] = {}
+
+
+def register_symbolic_mode(mode: FakeTensorMode) -> None:
+    """Let :func:`propagate_sharding` find ``mode`` from the SymInts of its ShapeEnv."""
+    _MODES_BY_ENV[id(mode.shape_env)] = mode
 
 
 def _spec_leaves(args: Any, kwargs: Any) -> Iterator[DTensorSpec]:
@@ -206,6 +228,10 @@ class TransformStep:
 
 def transform_steps(src: DTensorSpec, dst: DTensorSpec) -> list[TransformStep]:
     """The ordered per-axis placement changes that take ``src`` to ``dst``."""
+    if src.mesh.ndim == 1 and any(is_symbolic(s) for s in src.shape):
+        # symbolic sizes (dynamic=True) are unhashable for DTensor's planner cache; on one
+        # axis the plan is the one change, whatever the sizes
+        return [TransformStep(0, src.placements[0], dst.placements[0])] if src.placements != dst.placements else []
     infos = _gen_transform_infos_non_cached(src, dst)
     return [TransformStep(i.mesh_dim, i.src_dst_placements[0], i.src_dst_placements[1]) for i in infos]
 
@@ -628,3 +654,59 @@ def inductor_cache_counts() -> tuple[int, int]:
     from torch._dynamo.utils import counters
 
     return counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+
+
+# ----------------------------------------------------------------------------- symbolic sizes (compile(dynamic=True))
+
+
+def fake_mode_of(value: Any) -> FakeTensorMode | None:
+    """The fake mode a traced fake tensor belongs to (None for anything else)."""
+    return getattr(value, "fake_mode", None) if isinstance(value, FakeTensor) else None
+
+
+def sym_expr(value: Any) -> Any:
+    """The sympy expression of a SymInt/SymFloat/SymBool, simplified with everything its
+    ShapeEnv learned (``s60`` -> ``s3`` after a guard made them equal)."""
+    node = value.node
+    return node.shape_env.simplify(node.expr)
+
+
+def shape_env_guards(shape_env: ShapeEnv) -> list[tuple[Any, str]]:
+    """Every guard the ShapeEnv recorded so far: (sympy condition, where it was made)."""
+    out = []
+    for g in shape_env.guards:
+        stack = getattr(g, "sloc", None) or getattr(g, "stack", None)
+        out.append((g.expr, str(stack) if stack is not None else ""))
+    return out
+
+
+def symbol_range(shape_env: ShapeEnv, symbol: Any) -> tuple[int | None, int | None]:
+    """The value range torch assumes for a size symbol (2.. without an upper bound for a
+    batch dim traced with 0/1 specialization); None for an infinite end."""
+    vr = shape_env.var_to_range.get(symbol)
+    if vr is None:
+        return None, None
+
+    def end(x: Any) -> int | None:
+        try:
+            return int(x)
+        except (TypeError, ValueError):
+            return None
+
+    return end(vr.lower), end(vr.upper)
+
+
+def is_symbolic(value: Any) -> bool:
+    """Whether ``value`` is a SymInt/SymFloat/SymBool that is not a plain constant."""
+    return isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)) and not value.node.is_constant() and bool(
+        getattr(value.node.expr, "free_symbols", ())
+    )
+
+
+def is_pinned(shape_env: ShapeEnv, symbol: Any) -> bool:
+    """Whether torch replaced ``symbol`` by a constant (a guard fixed its value)."""
+    rep = getattr(shape_env, "replacements", {}).get(symbol)
+    return rep is not None and not getattr(rep, "free_symbols", None)
+
+
+__all__ += ["is_pinned", "register_symbolic_mode", "fake_mode_of", "sym_expr", "shape_env_guards", "symbol_range", "is_symbolic"]

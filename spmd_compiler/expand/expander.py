@@ -29,6 +29,7 @@ from .cache import ExpansionCache, abstract_key
 from ..trace.markers import MARKER
 from .dispatch import ExpandContext, ScalarArg, TensorArg
 from .splice import redistribute_value, splice_recipe
+from .symbolic import local_size_symbolic, size_symbols_of
 from .values import DSymInt, DValue, MeshContext, RScalar, placements_text, sym_apply
 
 __all__ = ["expand_graph", "Expansion", "ExpansionStats"]
@@ -88,6 +89,34 @@ def _is_uneven(shape: Any, placements: Any, mesh_shape: Any) -> bool:
     return False
 
 
+def _as_int(x: Any) -> Any:
+    """A size as an int, or the SymInt itself when it depends on a batch symbol."""
+    return x if pt.is_symbolic(x) else int(x)
+
+
+def _trace_fake_mode(traced: Any) -> Any:
+    for node in traced.placeholders():
+        mode = pt.fake_mode_of(node.meta.get("val"))
+        if mode is not None:
+            return mode
+    raise AssertionError("dynamic expansion of a trace without fake placeholder values")
+
+
+def _symint_of(traced: Any, sym: Any) -> Any:
+    return traced.placeholders()[sym.index].meta["val"].shape[sym.dim]
+
+
+def symbolic_local_shape(shape: tuple, placements: Any, mctx: MeshContext) -> tuple:
+    """The local shape of a tensor whose sharded dims may be symbolic (Shard only)."""
+    out = list(shape)
+    for axis, p in enumerate(placements):
+        if isinstance(p, pt.StridedShard):
+            raise SpmdError(f"dynamic=True: a batch placement {p} is not supported yet; fix: compile without dynamic=True")
+        if isinstance(p, pt.Shard):
+            out[p.dim] = local_size_symbolic(out[p.dim], mctx.shape[axis], mctx.coordinate[axis])
+    return tuple(out)
+
+
 class Expansion:
     """One expansion of a traced step: it walks the traced graph and splices every
     node's recipe into ``graph``; what :func:`spmd_compiler.rebuild.finalize` reads from it
@@ -106,6 +135,7 @@ class Expansion:
         activation_sharding: str = "follow",
         sources: Any = None,
         rng: str = "exact",
+        dynamic: bool = False,
     ) -> None:
         self.traced = traced
         self.mctx = mctx
@@ -122,7 +152,14 @@ class Expansion:
         self.activation_sharding = activation_sharding
         self.rng = rng
         self.cache = cache
-        self.fake_mode = pt.static_fake_mode()
+        # dynamic: the trace's own fake mode, so sizes derived from batch symbols stay symbolic
+        self.size_symbols = size_symbols_of(traced) if dynamic else []
+        self.dynamic = bool(self.size_symbols)
+        self.fake_mode = _trace_fake_mode(traced) if self.dynamic else pt.static_fake_mode()
+        if self.dynamic:
+            pt.register_symbolic_mode(self.fake_mode)
+        self.size_nodes: dict[Any, fx.Node] = {}
+        self.size_guard_nodes: list[tuple[str, int]] = []  # (traced node, guards it added)
         self.graph = fx.Graph()
         self.constants: dict[str, torch.Tensor] = {}
         self.env: dict[fx.Node, Any] = {}
@@ -140,6 +177,11 @@ class Expansion:
             node.meta["val"] = c
             node.meta["spmd_coord"] = name
             self.coords.append(node)
+        for sym in self.size_symbols:  # run-time global batch sizes (dynamic=True)
+            node = self.graph.placeholder(f"size_{sym.symbol}")
+            node.meta["val"] = _symint_of(traced, sym)
+            node.meta["spmd_size"] = sym
+            self.size_nodes[sym.symbol] = node
 
     # ------------------------------------------------------------------ nodes
     def run(self) -> None:
@@ -151,6 +193,7 @@ class Expansion:
         for node in nodes:
             self.stats.nodes += 1
             progress.update(self.stats.nodes)
+            known = len(self.fake_mode.shape_env.guards) if self.dynamic else 0
             try:
                 if node.op == "placeholder":
                     inp = node.meta.get("spmd_input")
@@ -173,6 +216,8 @@ class Expansion:
                 raise add_context(
                     SpmdError(f"expanding {node.name} failed: {type(e).__name__}: {e}"), node, inputs=self._inputs_text(node), fix=_FIX
                 ) from e
+            if self.dynamic and len(self.fake_mode.shape_env.guards) > known:
+                self.size_guard_nodes.append((node, len(self.fake_mode.shape_env.guards) - known))
         progress.done()
         missing = [i.label for i in self.traced.inputs if _input_key(i) not in self._inputs_by_key]
         assert not missing, f"traced inputs without a placeholder: {missing}"
@@ -207,11 +252,18 @@ class Expansion:
         return ", ".join(parts)
 
     def _placeholder(self, node: fx.Node, inp: Any, placements: tuple) -> DValue:
-        spec = pt.make_spec(self.mctx.mesh, placements, inp.shape, inp.stride, inp.dtype)
-        local_shape, _ = pt.local_shape_and_offset(inp.shape, self.mctx.shape, self.mctx.coordinate, placements)
+        shape, stride = inp.shape, inp.stride
+        val = node.meta.get("val")
+        if self.dynamic and inp.kind == "batch" and isinstance(val, torch.Tensor) and any(pt.is_symbolic(s) for s in val.shape):
+            shape, stride = tuple(val.shape), tuple(val.stride())
+            local_shape = symbolic_local_shape(shape, placements, self.mctx)
+            self.stats.coord_dependent = True  # the local sizes are expressions of the coordinate
+        else:
+            local_shape, _ = pt.local_shape_and_offset(inp.shape, self.mctx.shape, self.mctx.coordinate, placements)
+            if _is_uneven(inp.shape, placements, self.mctx.shape):
+                self.stats.coord_dependent = True
+        spec = pt.make_spec(self.mctx.mesh, placements, shape, stride, inp.dtype)
         new = self.graph.placeholder(node.name)
-        if _is_uneven(inp.shape, placements, self.mctx.shape):
-            self.stats.coord_dependent = True
         new.meta["val"] = local_fake(self.fake_mode, local_shape, inp.dtype, device=inp.device)
         new.meta["spmd_spec"] = spec
         new.meta["spmd_input"] = inp
@@ -315,12 +367,12 @@ class Expansion:
         )
 
     def _sym_size(self, t: DValue, dim: int) -> DSymInt:
-        g, l = int(t.spec.shape[dim]), int(t.local.shape[dim])
+        g, l = _as_int(t.spec.shape[dim]), _as_int(t.local.shape[dim])
         axes = self._shard_axes(t, dim % max(1, len(t.spec.shape)))
         return DSymInt(g, l, axes if (axes or g != l) else (), f"{t.node.name}.size({dim})")
 
     def _sym_numel(self, t: DValue) -> DSymInt:
-        g, l = int(t.spec.shape.numel()), int(t.local.numel())
+        g, l = _as_int(t.spec.shape.numel()), _as_int(t.local.numel())
         axes = self._shard_axes(t)
         return DSymInt(g, l, axes if (axes or g != l) else (), f"{t.node.name}.numel()")
 
@@ -395,6 +447,7 @@ def expand_graph(
     activation_sharding: str = "follow",
     sources: Any = None,
     rng: str = "exact",
+    dynamic: bool = False,
 ) -> "Expansion":
     """Run the expander; returns it (graph, env, constants, stats) for :mod:`rebuild`.
 
@@ -404,7 +457,7 @@ def expand_graph(
         raise ValueError(f"fallback must be 'replicate' or 'error', got {fallback!r}")
     ex = Expansion(
         traced, mctx, placements, fallback=fallback, cache=cache if cache is not None else ExpansionCache(),
-        fsdp_axes=fsdp_axes, activation_sharding=activation_sharding, sources=sources, rng=rng,
+        fsdp_axes=fsdp_axes, activation_sharding=activation_sharding, sources=sources, rng=rng, dynamic=dynamic,
     )
     ex.run()
     return ex

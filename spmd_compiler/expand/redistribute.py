@@ -29,6 +29,7 @@ import torch.fx as fx
 from .. import _private_torch as pt
 from ..errors import UnsupportedPlacementError
 from .builder import SubgraphBuilder
+from .symbolic import local_size_symbolic
 from .chunks import chunk_sizes, strided_layout
 from .values import placements_text
 
@@ -257,6 +258,8 @@ def _globally_uneven(global_shape: tuple[int, ...], placements: list, axis: int,
         p = placements[j]
         if getattr(p, "dim", None) == dim and (p.is_shard() or isinstance(p, pt.StridedShard)):
             ways *= mesh_shape[j]
+    if pt.is_symbolic(global_shape[dim]):
+        return True  # dynamic=True: the padded form serves every size (no guard on evenness)
     return global_shape[dim] % ways != 0
 
 
@@ -326,17 +329,25 @@ def _narrow_shard(b: SubgraphBuilder, x: fx.Node, axis: int, dim: int, size: int
 
 def _all_gather(b: SubgraphBuilder, x: fx.Node, axis: int, dim: int, size: int, why: str) -> fx.Node:
     n = b.mctx.shape[axis]
-    sizes = chunk_sizes(size, n)
-    uneven = b.uneven[dim]
+    symbolic = pt.is_symbolic(size)
+    sizes = [local_size_symbolic(size, n, j) for j in range(n)] if symbolic else chunk_sizes(size, n)
+    uneven = True if symbolic else b.uneven[dim]  # a symbolic size: the general (padded) form
     # uneven: every piece padded to the longest; at least one row, so a rank whose part
     # of the dim is empty (1 row over 2x2) still cuts n distinct pieces below (n equal
     # narrows would be merged by a pass on that rank only: other nodes than its peers)
-    full = max(1, max(sizes)) if uneven else max(sizes)
+    if symbolic:
+        full = torch.sym_max(1, (size + (n - 1)) // n)
+    else:
+        full = max(1, max(sizes)) if uneven else max(sizes)
     local = x.meta["val"]
     if uneven:
         pad = full - local.shape[dim]
-        spec = [0, 0] * (local.dim() - 1 - dim) + [0, pad]
-        x = b.call(aten.constant_pad_nd.default, x, spec, 0)
+        if symbolic:  # constant_pad_nd's fake kernel needs concrete pads: cat with zeros
+            zeros_shape = [pad if d == dim else s for d, s in enumerate(local.shape)]
+            x = b.call(aten.cat.default, [x, b.call(aten.new_zeros.default, x, zeros_shape)], dim)
+        else:
+            spec = [0, 0] * (local.dim() - 1 - dim) + [0, pad]
+            x = b.call(aten.constant_pad_nd.default, x, spec, 0)
     moved = dim != 0
     if moved:
         x = b.call(aten.movedim.int, x, dim, 0)

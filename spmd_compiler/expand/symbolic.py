@@ -1,0 +1,238 @@
+"""Symbolic batch sizes (``compile(..., dynamic=True)``): one per-rank program for every size.
+
+Terms:
+    size symbol: a sympy symbol the trace made for a sharded batch dim (``s3``), the
+        *global* size of that dim; after expansion it is a run-time int input of the
+        per-rank graph (placeholder ``size_s3``), fed by the driver every call.
+    local size: this rank's piece of it, ``Max(0, Min(c, s3 - k*c))`` with
+        ``c = (s3 + n - 1) // n`` for coordinate ``k`` of an axis of ``n`` ranks
+        (torch.chunk's layout, uneven and empty shards included).
+    size guard: a condition on the symbols that some decision during trace or
+        expansion relied on (``Ne(Mod(s3, 4), 0)``: the batch splits unevenly); the
+        program serves exactly the sizes that satisfy all of them, and a call with other
+        sizes compiles again (:class:`SizeGuards`).
+
+How it works: the expander runs on the trace's own fake mode, so every local tensor has
+symbolic sizes and every int derived from a symbol (a view's sizes, a pad, a narrow,
+a mean's divisor, a float such as ``2 / (16 * s3)``) is a SymInt/SymFloat whose sympy
+expression says exactly how it depends on the global sizes; nothing is inferred from
+example values. :func:`emit_sizes_pass` then replaces every symbolic argument of the
+per-rank graph by a few integer nodes computed from the ``size_*`` placeholders (one
+node per distinct sub-expression). Every decision torch or DTensor made on a symbol is a
+guard in the ShapeEnv; :class:`SizeGuards` checks them for a new call.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import operator
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import sympy
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from .. import _private_torch as pt
+
+__all__ = ["local_size_symbolic", "SizeGuards", "emit_sizes_pass", "size_symbols_of", "SizeSymbol"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SizeSymbol:
+    """A global batch size the program takes as a run-time input: ``symbol`` is the
+    trace's sympy symbol, read from dim ``dim`` of batch input ``label`` each call."""
+
+    symbol: Any
+    label: str
+    index: int  # position of the batch input among the traced inputs
+    dim: int
+
+
+def size_symbols_of(traced: Any) -> list[SizeSymbol]:
+    """The size symbols of a traced step's batch inputs (one per distinct symbol, in
+    input order); a dim whose size is an expression of other symbols is not a source."""
+    out: dict[Any, SizeSymbol] = {}
+    placeholders = traced.placeholders()
+    for i, (inp, node) in enumerate(zip(traced.inputs, placeholders)):
+        val = node.meta.get("val")
+        if inp.kind != "batch" or not isinstance(val, torch.Tensor):
+            continue
+        for d, s in enumerate(val.shape):
+            if pt.is_symbolic(s):
+                expr = pt.sym_expr(s)
+                if isinstance(expr, sympy.Symbol) and expr not in out:
+                    out[expr] = SizeSymbol(expr, inp.label, i, d)
+    return list(out.values())
+
+
+def local_size_symbolic(size: Any, n: int, i: int) -> Any:
+    """:func:`.chunks.local_size` on a SymInt: ``max(0, min(chunk, size - i*chunk))``
+    with ``chunk = ceil(size / n)``, built with torch's sym_min/sym_max so no branch is
+    taken (and no guard recorded)."""
+    if not isinstance(size, torch.SymInt):
+        from .chunks import local_size
+
+        return local_size(size, n, i)
+    if n == 1:
+        return size
+    chunk = (size + (n - 1)) // n
+    return torch.sym_max(0, torch.sym_min(chunk, size - i * chunk))
+
+
+class SizeGuards:
+    """The conditions on the size symbols a compiled program relies on.
+
+    ``guards`` are torch's (trace and expansion) plus each symbol's assumed range;
+    :meth:`holds` evaluates them for the global sizes of a call, :meth:`failing` names
+    the first one that fails."""
+
+    def __init__(self, shape_env: Any, symbols: list[SizeSymbol]) -> None:
+        self.symbols = list(symbols)
+        names = [s.symbol for s in self.symbols]
+        self.conditions: list[tuple[Any, str]] = []
+        for expr, where in pt.shape_env_guards(shape_env):
+            if expr.free_symbols and expr.free_symbols <= set(names) | set(_all_symbols(shape_env)):
+                self.conditions.append((expr, where))
+        for s in self.symbols:
+            lo, hi = pt.symbol_range(shape_env, s.symbol)
+            if lo is not None:
+                self.conditions.append((sympy.Ge(s.symbol, lo), f"range assumed for {s.label} dim {s.dim}"))
+            if hi is not None:
+                self.conditions.append((sympy.Le(s.symbol, hi), f"range assumed for {s.label} dim {s.dim}"))
+        # other symbols (y's batch size) torch replaced by these ones: checked through their guards
+        self._replaced = {k: v for k, v in getattr(shape_env, "replacements", {}).items() if isinstance(k, sympy.Symbol)}
+        self._fns: list[Callable[..., bool] | None] = []
+
+    def values_of(self, leaves: list[Any]) -> dict[Any, int]:
+        """``{symbol: size}`` read from the global batch leaves (indexed by traced input)."""
+        return {s.symbol: int(leaves[s.index].shape[s.dim]) for s in self.symbols}
+
+    def failing(self, values: dict[Any, int]) -> str | None:
+        """The first condition the sizes break (text), or None if the program serves them."""
+        subs = {k: sympy.Integer(v) for k, v in values.items()}
+        for expr, where in self.conditions:
+            free = expr.free_symbols - set(subs)
+            if free:  # a symbol of another input: its size equals the one it was replaced by
+                extra = {f: subs.get(self._replaced.get(f), None) for f in free}
+                if any(v is None for v in extra.values()):
+                    continue
+                subs = {**subs, **extra}
+            if not bool(expr.xreplace(subs)):
+                return f"{expr} ({where})" if where else str(expr)
+        return None
+
+    def __len__(self) -> int:
+        return len(self.conditions)
+
+    def text(self) -> list[str]:
+        return [str(e) for e, _ in self.conditions]
+
+
+def _all_symbols(shape_env: Any) -> list[Any]:
+    return list(getattr(shape_env, "var_to_val", {}))
+
+
+# ----------------------------------------------------------------------------- emission
+
+_SYM_TYPES = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+def emit_sizes_pass(gm: fx.GraphModule, *, sources: dict[Any, fx.Node]) -> fx.GraphModule:
+    """Replace every symbolic argument of ``gm``'s nodes by integer nodes computed from
+    ``sources`` (``{symbol: placeholder node}``); the sub-expressions are emitted once
+    each, right after the last placeholder. Raises if an argument depends on a symbol
+    with no source (a bug: such a size cannot be computed at run time)."""
+    graph = gm.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    anchor = placeholders[-1] if placeholders else None
+    memo: dict[Any, Any] = {}
+    emitted = [0]
+
+    def emit(expr: Any, as_float: bool) -> Any:
+        key = (expr, as_float)
+        if key in memo:
+            return memo[key]
+        out = _emit(expr)
+        if as_float and not isinstance(out, float):
+            out = call(float, out) if isinstance(out, fx.Node) else float(out)
+        memo[key] = out
+        return out
+
+    def call(fn: Any, *args: Any) -> fx.Node:
+        nonlocal anchor
+        with graph.inserting_after(anchor):
+            node = graph.call_function(fn, args)
+        node.meta["spmd_size_expr"] = True
+        anchor = node
+        emitted[0] += 1
+        return node
+
+    def _emit(expr: Any) -> Any:
+        if expr in sources:
+            return sources[expr]
+        if isinstance(expr, sympy.Integer):
+            return int(expr)
+        if isinstance(expr, (sympy.Float, sympy.Rational)):
+            return float(expr)
+        if expr.is_Symbol:
+            raise AssertionError(f"size symbol {expr} has no run-time source among {list(sources)}")
+        name = type(expr).__name__
+        args = [_emit(a) for a in expr.args]
+        if isinstance(expr, sympy.Add):
+            return _fold(call, operator.add, args)
+        if isinstance(expr, sympy.Mul):
+            return _fold(call, operator.mul, args)
+        if isinstance(expr, sympy.Pow):
+            base, exp = args
+            if isinstance(exp, int) and exp < 0:
+                return call(operator.truediv, 1.0, _fold(call, operator.mul, [base] * (-exp)))
+            return call(operator.pow, base, exp)
+        table = {
+            "FloorDiv": operator.floordiv, "Mod": operator.mod, "PythonMod": operator.mod, "IntTrueDiv": operator.truediv,
+            "FloatTrueDiv": operator.truediv, "Max": max, "Min": min, "ToFloat": float, "TruncToInt": int,
+            "FloorToInt": math.floor, "CeilToInt": math.ceil, "CleanDiv": operator.floordiv,
+        }
+        fn = table.get(name)
+        if fn is None:
+            raise NotImplementedError(f"cannot emit size expression {expr} ({name}) as integer ops")
+        if fn in (max, min):
+            return _fold(call, fn, args)
+        return call(fn, *args)
+
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.meta.get("spmd_size_expr"):
+            continue
+        leaves = [x for x in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(x, _SYM_TYPES)]
+        if not leaves:
+            continue
+
+        def lower(x: Any) -> Any:
+            if not isinstance(x, _SYM_TYPES):
+                return x
+            expr = pt.sym_expr(x)
+            return emit(expr, isinstance(x, torch.SymFloat))
+
+        # the expression nodes go before their first user, which follows every placeholder
+        node.args, node.kwargs = pytree.tree_map(lower, (node.args, node.kwargs))
+    graph.lint()
+    gm.recompile()
+    log.debug("emitted %d integer nodes for symbolic sizes", emitted[0])
+    return gm
+
+
+def _fold(call: Callable[..., fx.Node], fn: Any, args: list[Any]) -> Any:
+    consts = [a for a in args if not isinstance(a, fx.Node)]
+    nodes = [a for a in args if isinstance(a, fx.Node)]
+    acc: Any = None
+    if consts:
+        acc = consts[0]
+        for c in consts[1:]:
+            acc = fn(acc, c)
+    for n in nodes:
+        acc = n if acc is None else call(fn, acc, n)
+    return acc
