@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import sympy
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -183,8 +185,66 @@ def _symbolic_mode_of(args: Any, kwargs: Any) -> Any:
             if spec.tensor_meta is not None and any(is_symbolic(s) for s in spec.shape):
                 mode = _MODES_BY_ENV.get(id(next(s for s in spec.shape if is_symbolic(s)).node.shape_env))
                 if mode is not None:
-                    return mode
+                    return _symbolic_propagation(mode)
     return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _symbolic_propagation(mode: FakeTensorMode) -> Iterator[None]:
+    """DTensor propagation on symbolic sizes (dynamic=True), inside ``mode``, with three
+    of DTensor's size questions answered without a guard on the sizes:
+
+    * redistribution costs are computed from the sizes' example values: a cost only ranks
+      strategies that are all correct, so it must not become a guard (a float equality
+      would pin the size);
+    * "is this dim long enough to shard" likewise (it prefers strategies without empty
+      shards, which the expansion handles for any size);
+    * "does this dim split evenly" is answered "no" for a symbolic dim: the uneven answer
+      is DTensor's conservative, always-correct choice (a mean replicates first), so one
+      program serves even and uneven sizes.
+    """
+    from torch.distributed.tensor import _collective_utils as cu
+    from torch.distributed.tensor._ops import utils as ou
+
+    def spec_to_bytes(spec: Any) -> int:
+        return spec.tensor_meta.dtype.itemsize * math.prod(size_hint(s) for s in spec.shape)
+
+    shardable, even_on_dim, even = ou.is_tensor_shardable, ou.is_tensor_evenly_shardable_on_dim, ou.is_tensor_evenly_shardable
+
+    def is_tensor_shardable(shape: Any, spec: Any, *args: Any, **kwargs: Any) -> bool:
+        return shardable([size_hint(s) for s in shape], spec, *args, **kwargs)
+
+    def is_tensor_evenly_shardable_on_dim(shape: Any, spec: Any, dim: int) -> bool:
+        return False if is_symbolic(shape[dim]) else even_on_dim(shape, spec, dim)
+
+    def is_tensor_evenly_shardable(shape: Any, spec: Any) -> bool:
+        sharded = [p.dim for p in spec.placements if isinstance(p, Shard)]
+        return False if any(is_symbolic(shape[d]) for d in sharded) else even(shape, spec)
+
+    with _patched({"spec_to_bytes": (cu.spec_to_bytes, spec_to_bytes), "is_tensor_shardable": (shardable, is_tensor_shardable),
+                   "is_tensor_evenly_shardable_on_dim": (even_on_dim, is_tensor_evenly_shardable_on_dim),
+                   "is_tensor_evenly_shardable": (even, is_tensor_evenly_shardable)}), mode:
+        yield
+
+
+@contextlib.contextmanager
+def _patched(replacements: dict[str, tuple[Any, Any]]) -> Iterator[None]:
+    """Replace ``name`` (bound to ``old``) by ``new`` in every DTensor module that holds it."""
+    import sys
+
+    done = []
+    for name, m in list(sys.modules.items()):
+        if not name.startswith("torch.distributed.tensor") or m is None:
+            continue
+        for attr, (old, new) in replacements.items():
+            if getattr(m, attr, None) is old:
+                setattr(m, attr, new)
+                done.append((m, attr, old))
+    try:
+        yield
+    finally:
+        for m, attr, old in done:
+            setattr(m, attr, old)
 
 
 _MODES_BY_ENV: dict[int, Any] = {}
@@ -688,10 +748,7 @@ def symbol_range(shape_env: ShapeEnv, symbol: Any) -> tuple[int | None, int | No
         return None, None
 
     def end(x: Any) -> int | None:
-        try:
-            return int(x)
-        except (TypeError, ValueError):
-            return None
+        return int(x) if isinstance(x, (int, sympy.Integer)) else None  # torch's int_oo is neither
 
     return end(vr.lower), end(vr.upper)
 
@@ -703,10 +760,21 @@ def is_symbolic(value: Any) -> bool:
     )
 
 
+def new_size_symint(shape_env: ShapeEnv) -> torch.SymInt:
+    """A fresh size symbol without example value (torch's "unbacked", marked size-like):
+    fake kernels reason about it size-obliviously (never 0 or 1 for contiguity and
+    broadcasting decisions), so no guard pins a rank's local size to its example."""
+    from torch.fx.experimental.symbolic_shapes import _constrain_range_for_size
+
+    u = shape_env.create_unbacked_symint()
+    _constrain_range_for_size(u)
+    return u
+
+
 def is_pinned(shape_env: ShapeEnv, symbol: Any) -> bool:
     """Whether torch replaced ``symbol`` by a constant (a guard fixed its value)."""
     rep = getattr(shape_env, "replacements", {}).get(symbol)
     return rep is not None and not getattr(rep, "free_symbols", None)
 
 
-__all__ += ["is_pinned", "register_symbolic_mode", "fake_mode_of", "sym_expr", "shape_env_guards", "symbol_range", "is_symbolic"]
+__all__ += ["new_size_symint", "is_pinned", "register_symbolic_mode", "fake_mode_of", "sym_expr", "shape_env_guards", "symbol_range", "is_symbolic"]

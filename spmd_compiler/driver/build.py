@@ -174,7 +174,10 @@ def expand(
     t1 = time.perf_counter()
     step = finalize(expansion, reduce_partial_outputs=reduce_partial_outputs)
     if expansion.dynamic:
-        emit_sizes_pass(step.gm, sources=expansion.size_nodes)
+        sources = {**expansion.size_nodes, **dict(zip(expansion.local_sizes.symbols, expansion.coords))}
+        emit_sizes_pass(step.gm, sources=sources, definitions=expansion.local_sizes.definitions)
+        step.size_coordinates = dict(expansion.local_sizes.coordinates)
+        step.size_definitions = dict(expansion.local_sizes.definitions)
         step.size_symbols = list(expansion.size_symbols)
         step.size_guard_nodes = list(expansion.size_guard_nodes)
     t2 = time.perf_counter()
@@ -249,5 +252,6 @@ def build_program(
             step = expand(traced, mesh, plan, coordinate=coordinate, fallback=options.fallback, cache=cache, rng=options.rng)
     step = optimize_program(step, options.pass_list(), disabled=options.passes_disabled, texts=texts)
     if step.size_symbols:  # after the passes: every decision on a size symbol is a guard by now
-        step.size_guards = SizeGuards(traced.gm.graph.find_nodes(op="placeholder")[0].meta["val"].fake_mode.shape_env, step.size_symbols)
+        shape_env = traced.placeholders()[step.size_symbols[0].index].meta["val"].fake_mode.shape_env
+        step.size_guards = SizeGuards(shape_env, step.size_symbols, step.size_definitions, step.size_coordinates)
     return step

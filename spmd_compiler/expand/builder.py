@@ -87,6 +87,7 @@ class SubgraphBuilder:
         # set when a size used here depends on which rank we expand for (uneven shards)
         self.coord_dependent = False
         self.replacements: dict[int, OutTensor] = {}
+        self.sizes: Any = None  # dynamic=True: the expansion's LocalSizes (symbolic sizes)
 
     # ------------------------------------------------------------------ sizes
     def local_chunk(self, size: int, axis: int) -> int:

@@ -403,6 +403,10 @@ def _guard_uneven_avg(b: SubgraphBuilder, op: Any, args: Any, kwargs: Any, out: 
                 continue
             size = t.spec.shape[p.dim]
             ways = _ways(t.spec.placements, axis, p.dim, b.mctx.shape)
+            if pt.is_symbolic(size):  # dynamic=True: the general (uneven) form, no guard on the size
+                if ops & {"avg", "max", "min"}:
+                    bad.add(axis)
+                continue
             if "avg" in ops and size % ways:
                 bad.add(axis)
             if ops & {"max", "min"} and 0 in chunk_sizes(size, ways):

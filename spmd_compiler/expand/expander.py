@@ -29,7 +29,7 @@ from .cache import ExpansionCache, abstract_key
 from ..trace.markers import MARKER
 from .dispatch import ExpandContext, ScalarArg, TensorArg
 from .splice import redistribute_value, splice_recipe
-from .symbolic import local_size_symbolic, size_symbols_of
+from .symbolic import LocalSizes, size_symbols_of
 from .values import DSymInt, DValue, MeshContext, RScalar, placements_text, sym_apply
 
 __all__ = ["expand_graph", "Expansion", "ExpansionStats"]
@@ -106,14 +106,14 @@ def _symint_of(traced: Any, sym: Any) -> Any:
     return traced.placeholders()[sym.index].meta["val"].shape[sym.dim]
 
 
-def symbolic_local_shape(shape: tuple, placements: Any, mctx: MeshContext) -> tuple:
+def symbolic_local_shape(shape: tuple, placements: Any, mctx: MeshContext, sizes: LocalSizes) -> tuple:
     """The local shape of a tensor whose sharded dims may be symbolic (Shard only)."""
     out = list(shape)
     for axis, p in enumerate(placements):
         if isinstance(p, pt.StridedShard):
             raise SpmdError(f"dynamic=True: a batch placement {p} is not supported yet; fix: compile without dynamic=True")
         if isinstance(p, pt.Shard):
-            out[p.dim] = local_size_symbolic(out[p.dim], mctx.shape[axis], mctx.coordinate[axis])
+            out[p.dim] = sizes.local(out[p.dim], mctx.shape[axis], axis)
     return tuple(out)
 
 
@@ -156,6 +156,7 @@ class Expansion:
         self.size_symbols = size_symbols_of(traced) if dynamic else []
         self.dynamic = bool(self.size_symbols)
         self.fake_mode = _trace_fake_mode(traced) if self.dynamic else pt.static_fake_mode()
+        self.local_sizes = LocalSizes(self.fake_mode.shape_env, mctx) if self.dynamic else None
         if self.dynamic:
             pt.register_symbolic_mode(self.fake_mode)
         self.size_nodes: dict[Any, fx.Node] = {}
@@ -256,7 +257,7 @@ class Expansion:
         val = node.meta.get("val")
         if self.dynamic and inp.kind == "batch" and isinstance(val, torch.Tensor) and any(pt.is_symbolic(s) for s in val.shape):
             shape, stride = tuple(val.shape), tuple(val.stride())
-            local_shape = symbolic_local_shape(shape, placements, self.mctx)
+            local_shape = symbolic_local_shape(shape, placements, self.mctx, self.local_sizes)
             self.stats.coord_dependent = True  # the local sizes are expressions of the coordinate
         else:
             local_shape, _ = pt.local_shape_and_offset(inp.shape, self.mctx.shape, self.mctx.coordinate, placements)
@@ -372,13 +373,15 @@ class Expansion:
         return DSymInt(g, l, axes if (axes or g != l) else (), f"{t.node.name}.size({dim})")
 
     def _sym_numel(self, t: DValue) -> DSymInt:
-        g, l = _as_int(t.spec.shape.numel()), _as_int(t.local.numel())
+        g, l = _as_int(math.prod(t.spec.shape)), _as_int(math.prod(t.local.shape))
         axes = self._shard_axes(t)
         return DSymInt(g, l, axes if (axes or g != l) else (), f"{t.node.name}.numel()")
 
     # ------------------------------------------------------------------ ops
     def _expand(self, node: fx.Node, op: Any, args: tuple, kwargs: dict) -> Any:
         key = (op, abstract_key(args), abstract_key(kwargs), self.fallback, self.activation_sharding, self.rng)
+        if self.dynamic:  # recipes hold this trace's fake values: shared by its ranks, not by other traces
+            key += (self.fake_mode,)
         recipe = self.cache.lookup(key, self.mctx.coordinate)
         hit = recipe is not None
         if recipe is None:
@@ -414,6 +417,7 @@ class Expansion:
 
     def _build(self, node: fx.Node, op: Any, args: tuple, kwargs: dict) -> Recipe:
         b = SubgraphBuilder(self.mctx, self.fake_mode)
+        b.sizes = self.local_sizes
         ctx = ExpandContext(self.mctx, self.fake_mode, self.fallback, node, self.warned, self.activation_sharding, self.rng)
 
         counter = iter(range(1 << 30))

@@ -29,7 +29,7 @@ import torch.fx as fx
 from .. import _private_torch as pt
 from ..errors import UnsupportedPlacementError
 from .builder import SubgraphBuilder
-from .symbolic import local_size_symbolic
+from .symbolic import local_size_expr, size_hint
 from .chunks import chunk_sizes, strided_layout
 from .values import placements_text
 
@@ -60,7 +60,9 @@ def logical_shape(b: SubgraphBuilder, global_shape: tuple[int, ...], placements:
 
 
 def _nbytes(val: torch.Tensor) -> int:
-    return int(val.numel()) * val.element_size()
+    """Bytes of a value, for the collectives' metadata (dumps, summaries); a symbolic
+    size (dynamic=True) counts with its example value, never guarding on it."""
+    return size_hint(val.numel()) * val.element_size()
 
 
 def _wire_bytes(kind: str, buffer_bytes: int, n: int) -> int:
@@ -330,14 +332,15 @@ def _narrow_shard(b: SubgraphBuilder, x: fx.Node, axis: int, dim: int, size: int
 def _all_gather(b: SubgraphBuilder, x: fx.Node, axis: int, dim: int, size: int, why: str) -> fx.Node:
     n = b.mctx.shape[axis]
     symbolic = pt.is_symbolic(size)
-    sizes = [local_size_symbolic(size, n, j) for j in range(n)] if symbolic else chunk_sizes(size, n)
     uneven = True if symbolic else b.uneven[dim]  # a symbolic size: the general (padded) form
     # uneven: every piece padded to the longest; at least one row, so a rank whose part
     # of the dim is empty (1 row over 2x2) still cuts n distinct pieces below (n equal
     # narrows would be merged by a pass on that rank only: other nodes than its peers)
-    if symbolic:
-        full = torch.sym_max(1, (size + (n - 1)) // n)
+    if symbolic:  # sizes as size symbols (dynamic=True, expand/symbolic.py): no guard on their values
+        sizes = [b.sizes.fresh(local_size_expr(pt.sym_expr(size), n, j)) for j in range(n)]
+        full = b.sizes.fresh(torch.sym_max(1, (size + (n - 1)) // n))
     else:
+        sizes = chunk_sizes(size, n)
         full = max(1, max(sizes)) if uneven else max(sizes)
     local = x.meta["val"]
     if uneven:

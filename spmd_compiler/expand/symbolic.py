@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
+import weakref
 import operator
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -37,7 +38,7 @@ from torch.utils import _pytree as pytree
 
 from .. import _private_torch as pt
 
-__all__ = ["local_size_symbolic", "SizeGuards", "emit_sizes_pass", "size_symbols_of", "SizeSymbol"]
+__all__ = ["size_hint", "coordinate_symbol", "local_size_expr", "LocalSizes", "concrete_shape", "local_size_symbolic", "SizeGuards", "emit_sizes_pass", "size_symbols_of", "SizeSymbol"]
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +85,80 @@ def local_size_symbolic(size: Any, n: int, i: int) -> Any:
     return torch.sym_max(0, torch.sym_min(chunk, size - i * chunk))
 
 
+def coordinate_symbol(axis_name: str) -> Any:
+    """The sympy symbol of a rank's coordinate on a mesh axis (the ``coord_<axis>`` input)."""
+    return sympy.Symbol(f"coord_{axis_name}", integer=True, nonnegative=True)
+
+
+def local_size_expr(size: Any, n: int, coord: Any) -> Any:
+    """torch.chunk's local size as a sympy expression of the global ``size`` and the
+    coordinate ``coord`` (a symbol: the same expression on every rank)."""
+    from torch.utils._sympy.functions import FloorDiv, Max, Min
+
+    if n == 1:
+        return size
+    chunk = FloorDiv(size + (n - 1), n)
+    return Max(0, Min(chunk, size - coord * chunk))
+
+
+class LocalSizes:
+    """This rank's local sizes of symbolic dims, as fresh size symbols (``u0``) whose
+    definitions (``u0 = Max(0, Min(c, s3 - coord_dp*c))``, ``c = (s3 + 3)//4``) are kept
+    here, in terms of the coordinate symbols so that every rank emits the same program.
+
+    A fresh symbol rather than the expression itself: fake kernels decide contiguity and
+    broadcasting by asking whether a size is 1; on an expression with an example value
+    that question becomes a guard pinning the rank's size class (0, 1 or more rows),
+    while on a size symbol torch answers it size-obliviously, for every value."""
+
+    def __init__(self, shape_env: Any, mctx: Any) -> None:
+        self.shape_env = shape_env
+        self.coordinates = {coordinate_symbol(a): c for a, c in zip(mctx.axis_names, mctx.coordinate)}
+        self.symbols = [coordinate_symbol(a) for a in mctx.axis_names]
+        # shared by every expansion of the same trace (every rank): the definitions are in
+        # terms of the coordinate symbols, so all ranks' recipes use the same size symbols
+        shared = _SHARED.setdefault(shape_env, ({}, {}))
+        self.definitions: dict[Any, Any] = shared[0]
+        self._memo: dict[Any, Any] = shared[1]
+
+    def local(self, size: Any, n: int, axis: int) -> Any:
+        """The local size on this rank of a dim of global ``size`` split ``n`` ways on ``axis``."""
+        if not pt.is_symbolic(size):
+            return local_size_symbolic(size, n, list(self.coordinates.values())[axis])
+        return self.fresh(local_size_expr(pt.sym_expr(size), n, self.symbols[axis]))
+
+    def fresh(self, expr: Any) -> Any:
+        """A size symbol standing for ``expr`` (a sympy expression, or a SymInt's)."""
+        if isinstance(expr, torch.SymInt):
+            if not pt.is_symbolic(expr):
+                return expr
+            expr = pt.sym_expr(expr)
+        if expr not in self._memo:
+            u = pt.new_size_symint(self.shape_env)
+            self.definitions[pt.sym_expr(u)] = expr
+            self._memo[expr] = u
+        return self._memo[expr]
+
+
+def size_hint(x: Any) -> int:
+    """The example value of a size, also for a size symbol of :class:`LocalSizes`
+    (which has none of its own: computed from its definition)."""
+    if not pt.is_symbolic(x):
+        return int(x)
+    env = x.node.shape_env
+    definitions = _SHARED.get(env, ({}, {}))[0]
+    expr = pt.sym_expr(x).xreplace(definitions)
+    return int(expr.xreplace({k: sympy.Integer(v) for k, v in env.var_to_val.items()}).xreplace(_coordinate_hints(expr)))
+
+
+def _coordinate_hints(expr: Any) -> dict:
+    # a metadata estimate only: the coordinate of rank 0
+    return {s: sympy.Integer(0) for s in getattr(expr, "free_symbols", ()) if str(s).startswith("coord_")}
+
+
+_SHARED: "weakref.WeakKeyDictionary[Any, tuple[dict, dict]]" = weakref.WeakKeyDictionary()
+
+
 class SizeGuards:
     """The conditions on the size symbols a compiled program relies on.
 
@@ -91,12 +166,14 @@ class SizeGuards:
     :meth:`holds` evaluates them for the global sizes of a call, :meth:`failing` names
     the first one that fails."""
 
-    def __init__(self, shape_env: Any, symbols: list[SizeSymbol]) -> None:
+    def __init__(self, shape_env: Any, symbols: list[SizeSymbol], definitions: dict | None = None,
+                 coordinates: dict | None = None) -> None:
         self.symbols = list(symbols)
-        names = [s.symbol for s in self.symbols]
+        self.coordinates = {k: sympy.Integer(v) for k, v in (coordinates or {}).items()}
         self.conditions: list[tuple[Any, str]] = []
         for expr, where in pt.shape_env_guards(shape_env):
-            if expr.free_symbols and expr.free_symbols <= set(names) | set(_all_symbols(shape_env)):
+            expr = expr.xreplace(definitions or {})
+            if expr.free_symbols:
                 self.conditions.append((expr, where))
         for s in self.symbols:
             lo, hi = pt.symbol_range(shape_env, s.symbol)
@@ -114,7 +191,7 @@ class SizeGuards:
 
     def failing(self, values: dict[Any, int]) -> str | None:
         """The first condition the sizes break (text), or None if the program serves them."""
-        subs = {k: sympy.Integer(v) for k, v in values.items()}
+        subs = {**self.coordinates, **{k: sympy.Integer(v) for k, v in values.items()}}
         for expr, where in self.conditions:
             free = expr.free_symbols - set(subs)
             if free:  # a symbol of another input: its size equals the one it was replaced by
@@ -142,9 +219,10 @@ def _all_symbols(shape_env: Any) -> list[Any]:
 _SYM_TYPES = (torch.SymInt, torch.SymFloat, torch.SymBool)
 
 
-def emit_sizes_pass(gm: fx.GraphModule, *, sources: dict[Any, fx.Node]) -> fx.GraphModule:
+def emit_sizes_pass(gm: fx.GraphModule, *, sources: dict[Any, fx.Node], definitions: dict | None = None) -> fx.GraphModule:
     """Replace every symbolic argument of ``gm``'s nodes by integer nodes computed from
-    ``sources`` (``{symbol: placeholder node}``); the sub-expressions are emitted once
+    ``sources`` (``{symbol: placeholder node}``), local size symbols replaced by their
+    ``definitions`` (:class:`LocalSizes`); the sub-expressions are emitted once
     each, right after the last placeholder. Raises if an argument depends on a symbol
     with no source (a bug: such a size cannot be computed at run time)."""
     graph = gm.graph
@@ -182,7 +260,7 @@ def emit_sizes_pass(gm: fx.GraphModule, *, sources: dict[Any, fx.Node]) -> fx.Gr
         if expr.is_Symbol:
             raise AssertionError(f"size symbol {expr} has no run-time source among {list(sources)}")
         name = type(expr).__name__
-        args = [_emit(a) for a in expr.args]
+        args = [emit(a, False) for a in expr.args]
         if isinstance(expr, sympy.Add):
             return _fold(call, operator.add, args)
         if isinstance(expr, sympy.Mul):
@@ -214,7 +292,7 @@ def emit_sizes_pass(gm: fx.GraphModule, *, sources: dict[Any, fx.Node]) -> fx.Gr
         def lower(x: Any) -> Any:
             if not isinstance(x, _SYM_TYPES):
                 return x
-            expr = pt.sym_expr(x)
+            expr = pt.sym_expr(x).xreplace(definitions or {})
             return emit(expr, isinstance(x, torch.SymFloat))
 
         # the expression nodes go before their first user, which follows every placeholder
@@ -236,3 +314,15 @@ def _fold(call: Callable[..., fx.Node], fn: Any, args: list[Any]) -> Any:
     for n in nodes:
         acc = n if acc is None else call(fn, acc, n)
     return acc
+
+
+def concrete_shape(shape: Any, values: dict[Any, int], definitions: dict | None = None) -> tuple[int, ...]:
+    """A global shape whose sizes may be symbolic, for the global sizes ``values`` of a call."""
+    subs = {k: sympy.Integer(v) for k, v in values.items()}
+    out = []
+    for s in shape:
+        if pt.is_symbolic(s):
+            out.append(int(pt.sym_expr(s).xreplace(definitions or {}).xreplace(subs)))
+        else:
+            out.append(int(s))
+    return tuple(out)

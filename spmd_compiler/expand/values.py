@@ -149,7 +149,8 @@ def _key(x: Any) -> Any:
     """A hashable stand-in for a size: the int, or a symbolic size's sympy expression
     (``compile(dynamic=True)``; a SymInt itself is unhashable)."""
     if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        return ("sym", str(pt.sym_expr(x)))
+        # the ShapeEnv too: another trace's symbols have the same names (s3, u0)
+        return ("sym", x.node.shape_env, str(pt.sym_expr(x)))
     return x
 
 

@@ -80,6 +80,8 @@ class ExpandedStep:
     size_symbols: list = field(default_factory=list)
     size_guards: Any = None
     size_guard_nodes: list = field(default_factory=list)
+    size_definitions: dict = field(default_factory=dict)
+    size_coordinates: dict = field(default_factory=dict)
 
     def collectives(self) -> list[fx.Node]:
         return [n for n in self.gm.graph.nodes if "spmd_comm" in n.meta]
