@@ -363,13 +363,15 @@ def reparametrize_module(module: torch.nn.Module, tensors: dict[str, torch.Tenso
     return _reparametrize_module(module, tensors, tie_weights=True, strict=False)
 
 
-def symbolic_fake_mode() -> FakeTensorMode:
+def symbolic_fake_mode(*, specialize_zero_one: bool = True) -> FakeTensorMode:
     """A fake mode whose sizes are symbols, one per input dim (no duck sizing).
 
     Without ``duck_shape=False`` two unrelated dims of equal size share a symbol and a
-    size read from one tensor would be attributed to the other.
+    size read from one tensor would be attributed to the other. ``specialize_zero_one``
+    makes a size 0 or 1 a constant and assumes the others are at least 2; without it a
+    size of 1 stays a symbol too (dynamic=True: one program for every batch size).
     """
-    shape_env = ShapeEnv(duck_shape=False, specialize_zero_one=True)
+    shape_env = ShapeEnv(duck_shape=False, specialize_zero_one=specialize_zero_one)
     return FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=False)
 
 
@@ -771,10 +773,42 @@ def new_size_symint(shape_env: ShapeEnv) -> torch.SymInt:
     return u
 
 
+def size_oblivious(on: bool = True) -> Any:
+    """Within: torch reasons about backed size symbols size-obliviously (a size is never
+    asked whether it is 0 or 1 by contiguity and broadcasting checks, and is not made a
+    constant when it is), as it does for unbacked ones; a branch the program itself takes
+    on a size is still a guard. ``on=False``: a null context."""
+    if not on:
+        return contextlib.nullcontext()
+    from torch.fx.experimental import _config
+
+    return _config.patch(backed_size_oblivious=True)
+
+
+def true_unless_proven_false(cond: Any) -> bool:
+    """A condition on sizes: a plain bool as it is; a symbolic one is True unless torch can
+    prove it False, and never becomes a guard (for checks where True is the safe answer)."""
+    if isinstance(cond, torch.SymBool):
+        from torch.fx.experimental.symbolic_shapes import guard_or_true
+
+        return guard_or_true(cond)
+    return bool(cond)
+
+
+def false_unless_proven_true(cond: Any) -> bool:
+    """A condition on sizes: a plain bool as it is; a symbolic one is False unless torch
+    can prove it True, and never becomes a guard (for checks where False is the safe answer)."""
+    if isinstance(cond, torch.SymBool):
+        from torch.fx.experimental.symbolic_shapes import guard_or_false
+
+        return guard_or_false(cond)
+    return bool(cond)
+
+
 def is_pinned(shape_env: ShapeEnv, symbol: Any) -> bool:
     """Whether torch replaced ``symbol`` by a constant (a guard fixed its value)."""
     rep = getattr(shape_env, "replacements", {}).get(symbol)
     return rep is not None and not getattr(rep, "free_symbols", None)
 
 
-__all__ += ["new_size_symint", "is_pinned", "register_symbolic_mode", "fake_mode_of", "sym_expr", "shape_env_guards", "symbol_range", "is_symbolic"]
+__all__ += ["false_unless_proven_true", "true_unless_proven_false", "size_oblivious", "new_size_symint", "is_pinned", "register_symbolic_mode", "fake_mode_of", "sym_expr", "shape_env_guards", "symbol_range", "is_symbolic"]

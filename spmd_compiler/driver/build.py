@@ -238,7 +238,7 @@ def build_program(
         with gc_paused():
             traced = trace(
                 fn, model, optimizer, *args, symbolic=options.symbolic,
-                symbolic_dims=sharded_batch_dims(plan, args, kwargs, len(tuple(mesh.shape))), **kwargs,
+                symbolic_dims=sharded_batch_dims(plan, args, kwargs, len(tuple(mesh.shape))), dynamic=options.dynamic, **kwargs,
             )
     with gc_paused():
         if options.dynamic:

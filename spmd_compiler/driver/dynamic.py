@@ -38,8 +38,8 @@ def expand_dynamic(expand: Any, traced: Any, **kwargs: Any) -> Any:
     fell back once (``traced.dynamic_fallback`` holds why) is not tried again."""
     why = getattr(traced, "dynamic_fallback", None)
     if why is None:
-        try:  # fallback="error": an op without strategy ends the attempt instead of warning twice
-            step = expand(traced, dynamic=True, **{**kwargs, "fallback": "error"})
+        try:
+            step = expand(traced, dynamic=True, **kwargs)
         except (SpmdError, RuntimeError, TypeError, ValueError, NotImplementedError) as e:
             node = getattr(e, "spmd_node", None)
             why = _why(node, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")

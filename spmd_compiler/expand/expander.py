@@ -195,28 +195,29 @@ class Expansion:
             self.stats.nodes += 1
             progress.update(self.stats.nodes)
             known = len(self.fake_mode.shape_env.guards) if self.dynamic else 0
-            try:
-                if node.op == "placeholder":
-                    inp = node.meta.get("spmd_input")
-                    key = _input_key(inp) if inp is not None else None
-                    assert key in self.planned, f"placeholder {node.name} is no input of the traced step ({inp})"
-                    self.env[node] = self._placeholder(node, inp, self.planned[key][0])
-                    self._inputs_by_key[key] = self.env[node]
-                elif node.op == "get_attr":
-                    self.env[node] = self._constant(node)
-                elif node.op == "call_function":
-                    self.env[node] = self._call(node)
-                elif node.op == "output":
-                    self.output_values = tree_map(self._lookup, node.args[0])
-                else:
-                    raise SpmdError(f"unexpected node kind {node.op}" + describe_node(node))
-            except (SpmdError, ValueError, TypeError) as e:
-                add_context(e, node, inputs=self._inputs_text(node), fix=_FIX)
-                raise
-            except Exception as e:
-                raise add_context(
-                    SpmdError(f"expanding {node.name} failed: {type(e).__name__}: {e}"), node, inputs=self._inputs_text(node), fix=_FIX
-                ) from e
+            with pt.size_oblivious(self.dynamic):  # dynamic=True: no 0/1 guards on batch sizes
+                try:
+                    if node.op == "placeholder":
+                        inp = node.meta.get("spmd_input")
+                        key = _input_key(inp) if inp is not None else None
+                        assert key in self.planned, f"placeholder {node.name} is no input of the traced step ({inp})"
+                        self.env[node] = self._placeholder(node, inp, self.planned[key][0])
+                        self._inputs_by_key[key] = self.env[node]
+                    elif node.op == "get_attr":
+                        self.env[node] = self._constant(node)
+                    elif node.op == "call_function":
+                        self.env[node] = self._call(node)
+                    elif node.op == "output":
+                        self.output_values = tree_map(self._lookup, node.args[0])
+                    else:
+                        raise SpmdError(f"unexpected node kind {node.op}" + describe_node(node))
+                except (SpmdError, ValueError, TypeError) as e:
+                    add_context(e, node, inputs=self._inputs_text(node), fix=_FIX)
+                    raise
+                except Exception as e:
+                    raise add_context(
+                        SpmdError(f"expanding {node.name} failed: {type(e).__name__}: {e}"), node, inputs=self._inputs_text(node), fix=_FIX
+                    ) from e
             if self.dynamic and len(self.fake_mode.shape_env.guards) > known:
                 self.size_guard_nodes.append((node, len(self.fake_mode.shape_env.guards) - known))
         progress.done()

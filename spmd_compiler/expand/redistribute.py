@@ -29,7 +29,7 @@ import torch.fx as fx
 from .. import _private_torch as pt
 from ..errors import UnsupportedPlacementError
 from .builder import SubgraphBuilder
-from .symbolic import local_size_expr, size_hint
+from .symbolic import size_hint
 from .chunks import chunk_sizes, strided_layout
 from .values import placements_text
 
@@ -336,8 +336,8 @@ def _all_gather(b: SubgraphBuilder, x: fx.Node, axis: int, dim: int, size: int, 
     # uneven: every piece padded to the longest; at least one row, so a rank whose part
     # of the dim is empty (1 row over 2x2) still cuts n distinct pieces below (n equal
     # narrows would be merged by a pass on that rank only: other nodes than its peers)
-    if symbolic:  # sizes as size symbols (dynamic=True, expand/symbolic.py): no guard on their values
-        sizes = [b.sizes.fresh(local_size_expr(pt.sym_expr(size), n, j)) for j in range(n)]
+    if symbolic:  # dynamic=True (expand/symbolic.py): a size symbol, never asked whether it is 1
+        sizes = []
         full = b.sizes.fresh(torch.sym_max(1, (size + (n - 1)) // n))
     else:
         sizes = chunk_sizes(size, n)
@@ -358,7 +358,11 @@ def _all_gather(b: SubgraphBuilder, x: fx.Node, axis: int, dim: int, size: int, 
     g = _collective(b, c10d.all_gather_into_tensor.default, "all_gather", x, axis, (n,), why)
     if moved:  # back to the original dim order, in the original (contiguous) layout
         g = _contiguous(b, b.call(aten.movedim.int, g, 0, dim))
-    if uneven:  # every rank's piece, empty ones included (the same ops on every rank)
+    if uneven and symbolic:
+        # torch.chunk's layout puts the full pieces first: padded to ``full`` rows each,
+        # the valid rows are exactly the first ``size`` (0 pieces of padding between them)
+        g = b.call(aten.narrow.default, g, dim, 0, size)
+    elif uneven:  # every rank's piece, empty ones included (the same ops on every rank)
         pieces = [b.call(aten.narrow.default, g, dim, j * full, sz) for j, sz in enumerate(sizes)]
         g = b.call(aten.cat.default, pieces, dim)
     return g
