@@ -206,13 +206,15 @@ def _symbolic_propagation(mode: FakeTensorMode) -> Iterator[None]:
     from torch.distributed.tensor import _collective_utils as cu
     from torch.distributed.tensor._ops import utils as ou
 
+    from torch.fx.experimental.symbolic_shapes import optimization_hint
+
     def spec_to_bytes(spec: Any) -> int:
-        return spec.tensor_meta.dtype.itemsize * math.prod(size_hint(s) for s in spec.shape)
+        return spec.tensor_meta.dtype.itemsize * math.prod(optimization_hint(s) for s in spec.shape)
 
     shardable, even_on_dim, even = ou.is_tensor_shardable, ou.is_tensor_evenly_shardable_on_dim, ou.is_tensor_evenly_shardable
 
     def is_tensor_shardable(shape: Any, spec: Any, *args: Any, **kwargs: Any) -> bool:
-        return shardable([size_hint(s) for s in shape], spec, *args, **kwargs)
+        return shardable([optimization_hint(s) for s in shape], spec, *args, **kwargs)
 
     def is_tensor_evenly_shardable_on_dim(shape: Any, spec: Any, dim: int) -> bool:
         return False if is_symbolic(shape[dim]) else even_on_dim(shape, spec, dim)
@@ -805,10 +807,35 @@ def false_unless_proven_true(cond: Any) -> bool:
     return bool(cond)
 
 
+def shape_env_of(value: Any) -> ShapeEnv:
+    """The ShapeEnv of a SymInt/SymFloat/SymBool (of a fake mode for a FakeTensorMode)."""
+    if isinstance(value, FakeTensorMode):
+        return value.shape_env
+    return value.node.shape_env
+
+
+def num_guards(shape_env: ShapeEnv) -> int:
+    """How many guards the ShapeEnv recorded so far."""
+    return len(shape_env.guards)
+
+
+def example_values(shape_env: ShapeEnv) -> dict[Any, int]:
+    """``{symbol: example value}`` of the ShapeEnv's backed symbols."""
+    values = getattr(shape_env, "backed_var_to_val", None)
+    if values is None:
+        values = shape_env.var_to_val
+    return {k: v for k, v in values.items() if isinstance(v, (int, sympy.Integer))}
+
+
+def replaced_symbols(shape_env: ShapeEnv) -> dict[Any, Any]:
+    """``{symbol: expression}`` for symbols torch replaced after a guard (``s60 -> s3``)."""
+    return {k: v for k, v in getattr(shape_env, "replacements", {}).items() if isinstance(k, sympy.Symbol)}
+
+
 def is_pinned(shape_env: ShapeEnv, symbol: Any) -> bool:
     """Whether torch replaced ``symbol`` by a constant (a guard fixed its value)."""
     rep = getattr(shape_env, "replacements", {}).get(symbol)
     return rep is not None and not getattr(rep, "free_symbols", None)
 
 
-__all__ += ["false_unless_proven_true", "true_unless_proven_false", "size_oblivious", "new_size_symint", "is_pinned", "register_symbolic_mode", "fake_mode_of", "sym_expr", "shape_env_guards", "symbol_range", "is_symbolic"]
+__all__ += ["shape_env_of", "num_guards", "example_values", "replaced_symbols", "false_unless_proven_true", "true_unless_proven_false", "size_oblivious", "new_size_symint", "is_pinned", "register_symbolic_mode", "fake_mode_of", "sym_expr", "shape_env_guards", "symbol_range", "is_symbolic"]

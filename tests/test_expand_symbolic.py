@@ -1,9 +1,7 @@
-"""compile(dynamic=True) building blocks: symbolic local sizes, size emission, size guards,
-and the per-shape fallback (docs/dynamic_shapes.md)."""
+"""compile(dynamic=True) building blocks: symbolic local sizes, their emission as integer
+nodes, options (docs/dynamic_shapes.md). Whole programs: tests/test_driver_dynamic.py."""
 
 from __future__ import annotations
-
-import logging
 
 import pytest
 import sympy
@@ -16,7 +14,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from spmd_compiler import _private_torch as pt
 from spmd_compiler.driver import Options
 from spmd_compiler.expand.chunks import local_size
-from spmd_compiler.expand.symbolic import emit_sizes_pass, local_size_symbolic
+from spmd_compiler.expand.symbolic import coordinate_symbol, emit_sizes_pass, local_size_expr, local_size_symbolic
 
 
 def _batch_symint(hint: int = 10):
@@ -71,16 +69,11 @@ def test_options_dynamic_is_validated():
         Options(dynamic=True, symbolic="none")
 
 
-def test_fallback_is_one_info_log_naming_the_op_and_line_and_matches_one_device(caplog):
-    """What cannot stay symbolic yet compiles per shape, as without the option: same numbers."""
-    from spmd_compiler.testing import assert_training_matches, fake_mesh
-    from spmd_compiler.testing.models import MLP, mse_train_step
-
-    batches = [(torch.randn(b, 8, dtype=torch.float64), torch.randn(b, 8, dtype=torch.float64)) for b in (6, 5)]
-    with caplog.at_level(logging.INFO, logger="spmd_compiler.driver.dynamic"):
-        res = assert_training_matches(mse_train_step, MLP(8, 6).double(), lambda p: torch.optim.SGD(p, lr=0.1), batches,
-                                      fake_mesh((2,), ("dp",)), dynamic=True)
-    logs = [r.getMessage() for r in caplog.records if r.name == "spmd_compiler.driver.dynamic"]
-    assert len(logs) == res.sim.compiles == 2  # one per compile, each naming the op and the user's line
-    assert all("aten." in m and "models.py" in m for m in logs), logs
-    assert not any(e.size_symbols for e in res.sim.expansions.values())
+def test_local_size_expression_with_a_coordinate_symbol_is_torch_chunk():
+    """One expression serves every rank: the coordinate is a symbol (the coord_* input)."""
+    b, k = sympy.Symbol("b", integer=True, positive=True), coordinate_symbol("dp")
+    for n in (2, 3, 4):
+        expr = local_size_expr(b, n, k)
+        for size in range(0, 34):
+            got = [int(expr.xreplace({b: size, k: i})) for i in range(n)]
+            assert got == [local_size(size, n, i) for i in range(n)], (n, size, got)

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import _private_torch as pt
 from ..expand import ExpansionCache, MeshContext, expand_graph
 from ..expand.symbolic import SizeGuards, emit_sizes_pass
 from ..expand.rules.random import RNG_MODES as RNG
@@ -252,6 +253,6 @@ def build_program(
             step = expand(traced, mesh, plan, coordinate=coordinate, fallback=options.fallback, cache=cache, rng=options.rng)
     step = optimize_program(step, options.pass_list(), disabled=options.passes_disabled, texts=texts)
     if step.size_symbols:  # after the passes: every decision on a size symbol is a guard by now
-        shape_env = traced.placeholders()[step.size_symbols[0].index].meta["val"].fake_mode.shape_env
+        shape_env = pt.shape_env_of(pt.fake_mode_of(traced.placeholders()[step.size_symbols[0].index].meta["val"]))
         step.size_guards = SizeGuards(shape_env, step.size_symbols, step.size_definitions, step.size_coordinates)
     return step

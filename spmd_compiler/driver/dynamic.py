@@ -11,6 +11,7 @@ number. See docs/dynamic_shapes.md for what stays symbolic.
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Any
 
 from .. import _private_torch as pt
@@ -23,7 +24,7 @@ log = logging.getLogger(__name__)
 
 def pinned_symbols(step: Any) -> list[Any]:
     """The size symbols a guard fixed to one value (the program would serve one size)."""
-    env = pt.fake_mode_of(step.traced.placeholders()[step.size_symbols[0].index].meta["val"]).shape_env
+    env = pt.shape_env_of(pt.fake_mode_of(step.traced.placeholders()[step.size_symbols[0].index].meta["val"]))
     out = []
     for s in step.size_symbols:
         lo, hi = pt.symbol_range(env, s.symbol)
@@ -39,13 +40,17 @@ def expand_dynamic(expand: Any, traced: Any, **kwargs: Any) -> Any:
     why = getattr(traced, "dynamic_fallback", None)
     if why is None:
         try:
-            step = expand(traced, dynamic=True, **kwargs)
+            with warnings.catch_warnings():
+                # recipe nodes take SymInt sizes, which fx warns about; emit_sizes_pass
+                # replaces them by integer nodes before the program runs
+                warnings.filterwarnings("ignore", message="Raw Sym", category=UserWarning)
+                step = expand(traced, dynamic=True, **kwargs)
         except (SpmdError, RuntimeError, TypeError, ValueError, NotImplementedError) as e:
             node = getattr(e, "spmd_node", None)
             why = _why(node, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
         else:
             if not step.size_symbols:
-                why = "no batch dim of the trace is symbolic (the plan shards none, or symbolic='none')"
+                why = _pinned_in_trace(traced) or "no batch dim of the trace is symbolic (the plan shards none, or symbolic='none')"
             else:
                 pinned = pinned_symbols(step)
                 if not pinned:
@@ -62,3 +67,17 @@ def _why(node: Any, what: str) -> str:
         return what
     line = user_source_line(node)
     return f"{node.target} ({node.name}{', ' + line if line else ''}): {what}"
+
+
+def _pinned_in_trace(traced: Any) -> str | None:
+    """The trace's guard that fixed a batch size to its example value (``if x.size(0) == 6``),
+    with the user's line, or None."""
+    import sympy
+
+    mode = next((m for n in traced.placeholders() if (m := pt.fake_mode_of(n.meta.get("val"))) is not None), None)
+    if mode is None:
+        return None
+    for expr, where in pt.shape_env_guards(pt.shape_env_of(mode)):
+        if isinstance(expr, sympy.Eq) and any(a.is_Symbol for a in expr.args) and any(a.is_Integer for a in expr.args):
+            return f"the step branches on a batch size ({expr}, at {where}), which fixes it"
+    return None

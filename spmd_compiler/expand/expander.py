@@ -156,7 +156,7 @@ class Expansion:
         self.size_symbols = size_symbols_of(traced) if dynamic else []
         self.dynamic = bool(self.size_symbols)
         self.fake_mode = _trace_fake_mode(traced) if self.dynamic else pt.static_fake_mode()
-        self.local_sizes = LocalSizes(self.fake_mode.shape_env, mctx) if self.dynamic else None
+        self.local_sizes = LocalSizes(pt.shape_env_of(self.fake_mode), mctx) if self.dynamic else None
         if self.dynamic:
             pt.register_symbolic_mode(self.fake_mode)
         self.size_nodes: dict[Any, fx.Node] = {}
@@ -194,7 +194,7 @@ class Expansion:
         for node in nodes:
             self.stats.nodes += 1
             progress.update(self.stats.nodes)
-            known = len(self.fake_mode.shape_env.guards) if self.dynamic else 0
+            known = pt.num_guards(pt.shape_env_of(self.fake_mode)) if self.dynamic else 0
             with pt.size_oblivious(self.dynamic):  # dynamic=True: no 0/1 guards on batch sizes
                 try:
                     if node.op == "placeholder":
@@ -218,8 +218,8 @@ class Expansion:
                     raise add_context(
                         SpmdError(f"expanding {node.name} failed: {type(e).__name__}: {e}"), node, inputs=self._inputs_text(node), fix=_FIX
                     ) from e
-            if self.dynamic and len(self.fake_mode.shape_env.guards) > known:
-                self.size_guard_nodes.append((node, len(self.fake_mode.shape_env.guards) - known))
+            if self.dynamic and pt.num_guards(pt.shape_env_of(self.fake_mode)) > known:
+                self.size_guard_nodes.append((node, pt.num_guards(pt.shape_env_of(self.fake_mode)) - known))
         progress.done()
         missing = [i.label for i in self.traced.inputs if _input_key(i) not in self._inputs_by_key]
         assert not missing, f"traced inputs without a placeholder: {missing}"

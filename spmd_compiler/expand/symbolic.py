@@ -145,10 +145,10 @@ def size_hint(x: Any) -> int:
     (which has none of its own: computed from its definition)."""
     if not pt.is_symbolic(x):
         return int(x)
-    env = x.node.shape_env
+    env = pt.shape_env_of(x)
     definitions = _SHARED.get(env, ({}, {}))[0]
     expr = pt.sym_expr(x).xreplace(definitions)
-    return int(expr.xreplace({k: sympy.Integer(v) for k, v in env.var_to_val.items()}).xreplace(_coordinate_hints(expr)))
+    return int(expr.xreplace({k: sympy.Integer(v) for k, v in pt.example_values(env).items()}).xreplace(_coordinate_hints(expr)))
 
 
 def _coordinate_hints(expr: Any) -> dict:
@@ -182,7 +182,7 @@ class SizeGuards:
             if hi is not None:
                 self.conditions.append((sympy.Le(s.symbol, hi), f"range assumed for {s.label} dim {s.dim}"))
         # other symbols (y's batch size) torch replaced by these ones: checked through their guards
-        self._replaced = {k: v for k, v in getattr(shape_env, "replacements", {}).items() if isinstance(k, sympy.Symbol)}
+        self._replaced = pt.replaced_symbols(shape_env)
         self._fns: list[Callable[..., bool] | None] = []
 
     def values_of(self, leaves: list[Any]) -> dict[Any, int]:
@@ -208,10 +208,6 @@ class SizeGuards:
 
     def text(self) -> list[str]:
         return [str(e) for e, _ in self.conditions]
-
-
-def _all_symbols(shape_env: Any) -> list[Any]:
-    return list(getattr(shape_env, "var_to_val", {}))
 
 
 # ----------------------------------------------------------------------------- emission

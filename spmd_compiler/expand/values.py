@@ -150,7 +150,7 @@ def _key(x: Any) -> Any:
     (``compile(dynamic=True)``; a SymInt itself is unhashable)."""
     if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
         # the ShapeEnv too: another trace's symbols have the same names (s3, u0)
-        return ("sym", x.node.shape_env, str(pt.sym_expr(x)))
+        return ("sym", pt.shape_env_of(x), str(pt.sym_expr(x)))
     return x
 
 
