@@ -14,7 +14,7 @@ from spmd_compiler.testing.models import GPT, MLP, mse_train_step, train_step
 SIZES = [10, *range(1, 34)]  # uneven, even, empty shards (1 row over 4 ranks), one row
 
 
-@pytest.mark.parametrize("ranks", [2, 3, 4])
+@pytest.mark.parametrize("ranks", [3, 4])  # 2 ranks: the GPT and fallback tests below
 def test_one_program_serves_batch_sizes_1_to_33_mlp(ranks):
     batches = [(torch.randn(b, 8, dtype=torch.float64), torch.randn(b, 8, dtype=torch.float64)) for b in SIZES]
     res = assert_training_matches(mse_train_step, MLP(8, 6).double(), lambda p: torch.optim.SGD(p, lr=0.1), batches,
