@@ -29,7 +29,7 @@ from .cache import ExpansionCache, abstract_key
 from ..trace.markers import MARKER
 from .dispatch import ExpandContext, ScalarArg, TensorArg
 from .splice import redistribute_value, splice_recipe
-from .symbolic import LocalSizes, size_symbols_of
+from .symbolic import LocalSizes, size_symbols_of, symbolic_local_shape, symint_of, trace_fake_mode
 from .values import DSymInt, DValue, MeshContext, RScalar, placements_text, sym_apply
 
 __all__ = ["expand_graph", "Expansion", "ExpansionStats"]
@@ -94,29 +94,6 @@ def _as_int(x: Any) -> Any:
     return x if pt.is_symbolic(x) else int(x)
 
 
-def _trace_fake_mode(traced: Any) -> Any:
-    for node in traced.placeholders():
-        mode = pt.fake_mode_of(node.meta.get("val"))
-        if mode is not None:
-            return mode
-    raise AssertionError("dynamic expansion of a trace without fake placeholder values")
-
-
-def _symint_of(traced: Any, sym: Any) -> Any:
-    return traced.placeholders()[sym.index].meta["val"].shape[sym.dim]
-
-
-def symbolic_local_shape(shape: tuple, placements: Any, mctx: MeshContext, sizes: LocalSizes) -> tuple:
-    """The local shape of a tensor whose sharded dims may be symbolic (Shard only)."""
-    out = list(shape)
-    for axis, p in enumerate(placements):
-        if isinstance(p, pt.StridedShard):
-            raise SpmdError(f"dynamic=True: a batch placement {p} is not supported yet; fix: compile without dynamic=True")
-        if isinstance(p, pt.Shard):
-            out[p.dim] = sizes.local(out[p.dim], mctx.shape[axis], axis)
-    return tuple(out)
-
-
 class Expansion:
     """One expansion of a traced step: it walks the traced graph and splices every
     node's recipe into ``graph``; what :func:`spmd_compiler.rebuild.finalize` reads from it
@@ -155,7 +132,7 @@ class Expansion:
         # dynamic: the trace's own fake mode, so sizes derived from batch symbols stay symbolic
         self.size_symbols = size_symbols_of(traced) if dynamic else []
         self.dynamic = bool(self.size_symbols)
-        self.fake_mode = _trace_fake_mode(traced) if self.dynamic else pt.static_fake_mode()
+        self.fake_mode = trace_fake_mode(traced) if self.dynamic else pt.static_fake_mode()
         self.local_sizes = LocalSizes(pt.shape_env_of(self.fake_mode), mctx) if self.dynamic else None
         if self.dynamic:
             pt.register_symbolic_mode(self.fake_mode)
@@ -180,7 +157,7 @@ class Expansion:
             self.coords.append(node)
         for sym in self.size_symbols:  # run-time global batch sizes (dynamic=True)
             node = self.graph.placeholder(f"size_{sym.symbol}")
-            node.meta["val"] = _symint_of(traced, sym)
+            node.meta["val"] = symint_of(traced, sym)
             node.meta["spmd_size"] = sym
             self.size_nodes[sym.symbol] = node
 

@@ -37,8 +37,9 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from .. import _private_torch as pt
+from ..errors import UnsupportedPlacementError
 
-__all__ = ["size_hint", "coordinate_symbol", "local_size_expr", "LocalSizes", "concrete_shape", "local_size_symbolic", "SizeGuards", "emit_sizes_pass", "size_symbols_of", "SizeSymbol"]
+__all__ = ["trace_fake_mode", "symint_of", "symbolic_local_shape", "partial_needs_replicate", "size_hint", "coordinate_symbol", "local_size_expr", "LocalSizes", "concrete_shape", "local_size_symbolic", "SizeGuards", "emit_sizes_pass", "size_symbols_of", "SizeSymbol"]
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,34 @@ def size_symbols_of(traced: Any) -> list[SizeSymbol]:
     return list(out.values())
 
 
+def trace_fake_mode(traced: Any) -> Any:
+    """The fake mode (and so the ShapeEnv) of a trace's placeholder values."""
+    for node in traced.placeholders():
+        mode = pt.fake_mode_of(node.meta.get("val"))
+        if mode is not None:
+            return mode
+    raise AssertionError("dynamic expansion of a trace without fake placeholder values")
+
+
+def symint_of(traced: Any, sym: SizeSymbol) -> Any:
+    """The trace's SymInt of a size symbol (the example value of its placeholder)."""
+    return traced.placeholders()[sym.index].meta["val"].shape[sym.dim]
+
+
+def symbolic_local_shape(shape: tuple, placements: Any, mctx: Any, sizes: "LocalSizes") -> tuple:
+    """The local shape of a tensor whose sharded dims may be symbolic (Shard only)."""
+    out = list(shape)
+    for axis, p in enumerate(placements):
+        if isinstance(p, pt.StridedShard):
+            raise UnsupportedPlacementError(
+                f"dynamic=True: batch placement {p} has no symbolic form yet (expected Shard or Replicate); "
+                f"this step compiles per batch shape"
+            )
+        if isinstance(p, pt.Shard):
+            out[p.dim] = sizes.local(out[p.dim], mctx.shape[axis], axis)
+    return tuple(out)
+
+
 def local_size_symbolic(size: Any, n: int, i: int) -> Any:
     """:func:`.chunks.local_size` on a SymInt: ``max(0, min(chunk, size - i*chunk))``
     with ``chunk = ceil(size / n)``, built with torch's sym_min/sym_max so no branch is
@@ -99,6 +128,17 @@ def local_size_expr(size: Any, n: int, coord: Any) -> Any:
         return size
     chunk = FloorDiv(size + (n - 1), n)
     return Max(0, Min(chunk, size - coord * chunk))
+
+
+def partial_needs_replicate(size: Any, ways: int, ops: set) -> bool:
+    """Whether a dim of ``size`` split ``ways`` ways must be replicated before a Partial
+    reduction ``ops`` of it: an average of unequal chunks, a max/min with an empty chunk.
+    A symbolic size (dynamic=True) takes the answer valid for every size, without a guard."""
+    if pt.is_symbolic(size):
+        return bool(ops & {"avg", "max", "min"})
+    from .chunks import chunk_sizes
+
+    return bool(("avg" in ops and size % ways) or (ops & {"max", "min"} and 0 in chunk_sizes(size, ways)))
 
 
 class LocalSizes:
