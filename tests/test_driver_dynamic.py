@@ -58,3 +58,14 @@ def test_a_size_the_step_branches_on_compiles_per_shape_after_one_info_log(caplo
     # 6: its own program (per shape); 5: a symbolic one whose guard (size != 6) serves 7 and 9
     assert res.sim.compiles == 2, res.sim.reasons
     assert res.sim.expansions[(0,)].size_guards.failing({res.sim.expansions[(0,)].size_symbols[0].symbol: 6})
+
+
+def test_batch_dims_compiled_as_one_size_are_checked_every_call():
+    """x and y rows were one symbol at compile (mse_loss made them equal): a call where they
+    differ (y broadcast from one row, as one device allows) compiles again, never reuses."""
+    batches = [(torch.randn(5, 4, dtype=torch.float64), torch.randn(5, 4, dtype=torch.float64)),
+               (torch.randn(4, 4, dtype=torch.float64), torch.randn(1, 4, dtype=torch.float64))]
+    with pytest.warns(UserWarning):  # mse_loss's broadcast warning, on one device
+        res = assert_training_matches(mse_train_step, MLP(4, 3).double(), lambda p: torch.optim.SGD(p, lr=0.1), batches,
+                                      fake_mesh((2,), ("dp",)), dynamic=True)
+    assert res.sim.compiles == 2 and "compiled as one size" in res.sim.reasons[1], res.sim.reasons

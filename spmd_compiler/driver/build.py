@@ -17,7 +17,7 @@ from typing import Any
 
 from .. import _private_torch as pt
 from ..expand import ExpansionCache, MeshContext, expand_graph
-from ..expand.symbolic import SizeGuards, emit_sizes_pass
+from ..expand.symbolic import SizeGuards, emit_sizes_pass, size_symbols_of
 from ..expand.rules.random import RNG_MODES as RNG
 from ..plan import Plan
 from ..rebuild import ExpandedStep, finalize
@@ -254,5 +254,6 @@ def build_program(
     step = optimize_program(step, options.pass_list(), disabled=options.passes_disabled, texts=texts)
     if step.size_symbols:  # after the passes: every decision on a size symbol is a guard by now
         shape_env = pt.shape_env_of(pt.fake_mode_of(traced.placeholders()[step.size_symbols[0].index].meta["val"]))
-        step.size_guards = SizeGuards(shape_env, step.size_symbols, step.size_definitions, step.size_coordinates)
+        step.size_guards = SizeGuards(shape_env, step.size_symbols, step.size_definitions, step.size_coordinates,
+                                      size_symbols_of(traced, every=True))
     return step

@@ -55,9 +55,18 @@ class SizeSymbol:
     dim: int
 
 
-def size_symbols_of(traced: Any) -> list[SizeSymbol]:
+def size_symbols_of(traced: Any, *, every: bool = False) -> list[SizeSymbol]:
     """The size symbols of a traced step's batch inputs (one per distinct symbol, in
-    input order); a dim whose size is an expression of other symbols is not a source."""
+    input order; ``every``: every batch dim that is one, so two dims torch found equal
+    both appear); a dim whose size is an expression of other symbols is not a source."""
+    if every:
+        return [
+            SizeSymbol(pt.sym_expr(s), inp.label, i, d)
+            for i, (inp, node) in enumerate(zip(traced.inputs, traced.placeholders()))
+            if inp.kind == "batch" and isinstance(node.meta.get("val"), torch.Tensor)
+            for d, s in enumerate(node.meta["val"].shape)
+            if pt.is_symbolic(s) and isinstance(pt.sym_expr(s), sympy.Symbol)
+        ]
     out: dict[Any, SizeSymbol] = {}
     placeholders = traced.placeholders()
     for i, (inp, node) in enumerate(zip(traced.inputs, placeholders)):
@@ -207,13 +216,19 @@ class SizeGuards:
     the first one that fails."""
 
     def __init__(self, shape_env: Any, symbols: list[SizeSymbol], definitions: dict | None = None,
-                 coordinates: dict | None = None) -> None:
+                 coordinates: dict | None = None, aliases: list[SizeSymbol] | None = None) -> None:
         self.symbols = list(symbols)
+        self.aliases = list(aliases or symbols)  # every batch dim that reads a symbol
         self.coordinates = {k: sympy.Integer(v) for k, v in (coordinates or {}).items()}
         self.conditions: list[tuple[Any, str]] = []
+        # other symbols (y's batch size) torch replaced by these ones
+        self._replaced = pt.replaced_symbols(shape_env)
+        sizes = {s.symbol for s in self.symbols} | set(self.coordinates) | set(self._replaced)
         for expr, where in pt.shape_env_guards(shape_env):
             expr = expr.xreplace(definitions or {})
-            if expr.free_symbols:
+            # guards on other numbers (hyperparameters read with .item()) are the trace's
+            # value guards, part of the call signature; the rest are size guards
+            if expr.free_symbols and expr.free_symbols <= sizes:
                 self.conditions.append((expr, where))
         for s in self.symbols:
             lo, hi = pt.symbol_range(shape_env, s.symbol)
@@ -221,25 +236,31 @@ class SizeGuards:
                 self.conditions.append((sympy.Ge(s.symbol, lo), f"range assumed for {s.label} dim {s.dim}"))
             if hi is not None:
                 self.conditions.append((sympy.Le(s.symbol, hi), f"range assumed for {s.label} dim {s.dim}"))
-        # other symbols (y's batch size) torch replaced by these ones: checked through their guards
-        self._replaced = pt.replaced_symbols(shape_env)
-        self._fns: list[Callable[..., bool] | None] = []
-
     def values_of(self, leaves: list[Any]) -> dict[Any, int]:
         """``{symbol: size}`` read from the global batch leaves (indexed by traced input)."""
         return {s.symbol: int(leaves[s.index].shape[s.dim]) for s in self.symbols}
 
+    def disagreement(self, leaves: list[Any]) -> str | None:
+        """Two batch dims the program takes as one size (``x`` and ``y`` rows) that differ
+        in this call (text), or None."""
+        seen: dict[Any, tuple[str, int, int]] = {}
+        for a in self.aliases:
+            size = int(leaves[a.index].shape[a.dim])
+            first = seen.setdefault(a.symbol, (a.label, a.dim, size))
+            if first[2] != size:
+                return f"{a.label} dim {a.dim} has {size} rows but {first[0]} dim {first[1]} has {first[2]} (compiled as one size)"
+        return None
+
     def failing(self, values: dict[Any, int]) -> str | None:
-        """The first condition the sizes break (text), or None if the program serves them."""
+        """The first condition the sizes break (text), or None if the program serves them.
+        A condition that cannot be evaluated counts as broken (the call compiles again)."""
         subs = {**self.coordinates, **{k: sympy.Integer(v) for k, v in values.items()}}
+        subs.update({k: subs[v] for k, v in self._replaced.items() if v in subs})
         for expr, where in self.conditions:
-            free = expr.free_symbols - set(subs)
-            if free:  # a symbol of another input: its size equals the one it was replaced by
-                extra = {f: subs.get(self._replaced.get(f), None) for f in free}
-                if any(v is None for v in extra.values()):
-                    continue
-                subs = {**subs, **extra}
-            if not bool(expr.xreplace(subs)):
+            value = expr.xreplace(subs)
+            if value not in (sympy.true, sympy.false) and not isinstance(value, (bool, sympy.logic.boolalg.BooleanAtom)):
+                return f"{expr} cannot be evaluated for {values}"
+            if not bool(value):
                 return f"{expr} ({where})" if where else str(expr)
         return None
 

@@ -98,8 +98,10 @@ class SimulatedTraining:
         reason = why_recompile(self._key, key) if key != self._key else None
         if reason is None and self.expansions[self.coords[0]].size_symbols:
             first = self.expansions[self.coords[0]]
-            values = first.size_guards.values_of(self._globals(first, state, batch))
-            broken = [why for e in self.expansions.values() if (why := e.size_guards.failing(values))]
+            globals_ = self._globals(first, state, batch)
+            values = first.size_guards.values_of(globals_)
+            broken = [why for why in [first.size_guards.disagreement(globals_)] if why]
+            broken += [why for e in self.expansions.values() if (why := e.size_guards.failing(values))]
             if broken:  # every rank's program must serve the sizes
                 reason = f"batch sizes {dict((str(k), v) for k, v in values.items())} break a size guard: {broken[0]}"
         if reason is not None:
