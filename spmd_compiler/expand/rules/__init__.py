@@ -1,3 +1,3 @@
 """Per-op expansion rules, grouped by op family. Importing this package registers them."""
 
-from . import attention, batchnorm, concat, factory, losses, matmul, optimizers, partial_inputs, random, scalars, shape  # noqa: F401
+from . import attention, batchnorm, concat, factory, losses, matmul, mean, optimizers, partial_inputs, random, scalars, shape  # noqa: F401
