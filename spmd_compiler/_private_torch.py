@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import sympy
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -168,7 +170,7 @@ def propagate_sharding(
     previous = getattr(_selection, "keep", None)
     _selection.keep = keep
     try:
-        with _as_coordinate(mesh, coordinate):
+        with _as_coordinate(mesh, coordinate), _symbolic_mode_of(args_schema, kwargs_schema):
             return prop.propagate_op_sharding_non_cached(schema)
     finally:
         _selection.keep = previous
@@ -194,6 +196,88 @@ def _strided_as_layout(tree: Any) -> Any:
         return DTensorSpec(spec.mesh, spec.placements, tensor_meta=spec.tensor_meta, use_strided_shard_as_shard_order=False)
 
     return pytree.tree_map(fix, tree, is_leaf=lambda x: isinstance(x, DTensorSpec))
+
+
+def _symbolic_mode_of(args: Any, kwargs: Any) -> Any:
+    """The fake mode of symbolic sizes in the specs (dynamic=True): DTensor's strategies
+    hash shapes unless a fake mode with a ShapeEnv is active; else a null context."""
+    from torch._guards import detect_fake_mode
+
+    if detect_fake_mode() is None:
+        for spec in _spec_leaves(args, kwargs):
+            if spec.tensor_meta is not None and any(is_symbolic(s) for s in spec.shape):
+                mode = _MODES_BY_ENV.get(id(next(s for s in spec.shape if is_symbolic(s)).node.shape_env))
+                if mode is not None:
+                    return _symbolic_propagation(mode)
+    return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _symbolic_propagation(mode: FakeTensorMode) -> Iterator[None]:
+    """DTensor propagation on symbolic sizes (dynamic=True), inside ``mode``, with three
+    of DTensor's size questions answered without a guard on the sizes:
+
+    * redistribution costs are computed from the sizes' example values: a cost only ranks
+      strategies that are all correct, so it must not become a guard (a float equality
+      would pin the size);
+    * "is this dim long enough to shard" likewise (it prefers strategies without empty
+      shards, which the expansion handles for any size);
+    * "does this dim split evenly" is answered "no" for a symbolic dim: the uneven answer
+      is DTensor's conservative, always-correct choice (a mean replicates first), so one
+      program serves even and uneven sizes.
+    """
+    from torch.distributed.tensor import _collective_utils as cu
+    from torch.distributed.tensor._ops import utils as ou
+
+    from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+    def spec_to_bytes(spec: Any) -> int:
+        return spec.tensor_meta.dtype.itemsize * math.prod(optimization_hint(s) for s in spec.shape)
+
+    shardable, even_on_dim, even = ou.is_tensor_shardable, ou.is_tensor_evenly_shardable_on_dim, ou.is_tensor_evenly_shardable
+
+    def is_tensor_shardable(shape: Any, spec: Any, *args: Any, **kwargs: Any) -> bool:
+        return shardable([optimization_hint(s) for s in shape], spec, *args, **kwargs)
+
+    def is_tensor_evenly_shardable_on_dim(shape: Any, spec: Any, dim: int) -> bool:
+        return False if is_symbolic(shape[dim]) else even_on_dim(shape, spec, dim)
+
+    def is_tensor_evenly_shardable(shape: Any, spec: Any) -> bool:
+        sharded = [p.dim for p in spec.placements if isinstance(p, Shard)]
+        return False if any(is_symbolic(shape[d]) for d in sharded) else even(shape, spec)
+
+    with _patched({"spec_to_bytes": (cu.spec_to_bytes, spec_to_bytes), "is_tensor_shardable": (shardable, is_tensor_shardable),
+                   "is_tensor_evenly_shardable_on_dim": (even_on_dim, is_tensor_evenly_shardable_on_dim),
+                   "is_tensor_evenly_shardable": (even, is_tensor_evenly_shardable)}), mode:
+        yield
+
+
+@contextlib.contextmanager
+def _patched(replacements: dict[str, tuple[Any, Any]]) -> Iterator[None]:
+    """Replace ``name`` (bound to ``old``) by ``new`` in every DTensor module that holds it."""
+    import sys
+
+    done = []
+    for name, m in list(sys.modules.items()):
+        if not name.startswith("torch.distributed.tensor") or m is None:
+            continue
+        for attr, (old, new) in replacements.items():
+            if getattr(m, attr, None) is old:
+                setattr(m, attr, new)
+                done.append((m, attr, old))
+    try:
+        yield
+    finally:
+        for m, attr, old in done:
+            setattr(m, attr, old)
+
+
+_MODES_BY_ENV: dict[int, Any] = {}
+
+
+def register_symbolic_mode(mode: FakeTensorMode) -> None:
+    """Let :func:`propagate_sharding` find ``mode`` from the SymInts of its ShapeEnv."""
+    _MODES_BY_ENV[id(mode.shape_env)] = mode
 
 
 def _spec_leaves(args: Any, kwargs: Any) -> Iterator[DTensorSpec]:
@@ -229,6 +313,10 @@ class TransformStep:
 
 def transform_steps(src: DTensorSpec, dst: DTensorSpec) -> list[TransformStep]:
     """The ordered per-axis placement changes that take ``src`` to ``dst``."""
+    if src.mesh.ndim == 1 and any(is_symbolic(s) for s in src.shape):
+        # symbolic sizes (dynamic=True) are unhashable for DTensor's planner cache; on one
+        # axis the plan is the one change, whatever the sizes
+        return [TransformStep(0, src.placements[0], dst.placements[0])] if src.placements != dst.placements else []
     infos = _gen_transform_infos_non_cached(src, dst)
     return [TransformStep(i.mesh_dim, i.src_dst_placements[0], i.src_dst_placements[1]) for i in infos]
 
@@ -300,13 +388,15 @@ def reparametrize_module(module: torch.nn.Module, tensors: dict[str, torch.Tenso
     return _reparametrize_module(module, tensors, tie_weights=True, strict=False)
 
 
-def symbolic_fake_mode() -> FakeTensorMode:
+def symbolic_fake_mode(*, specialize_zero_one: bool = True) -> FakeTensorMode:
     """A fake mode whose sizes are symbols, one per input dim (no duck sizing).
 
     Without ``duck_shape=False`` two unrelated dims of equal size share a symbol and a
-    size read from one tensor would be attributed to the other.
+    size read from one tensor would be attributed to the other. ``specialize_zero_one``
+    makes a size 0 or 1 a constant and assumes the others are at least 2; without it a
+    size of 1 stays a symbol too (dynamic=True: one program for every batch size).
     """
-    shape_env = ShapeEnv(duck_shape=False, specialize_zero_one=True)
+    shape_env = ShapeEnv(duck_shape=False, specialize_zero_one=specialize_zero_one)
     return FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=False)
 
 
@@ -651,3 +741,124 @@ def inductor_cache_counts() -> tuple[int, int]:
     from torch._dynamo.utils import counters
 
     return counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+
+
+# ----------------------------------------------------------------------------- symbolic sizes (compile(dynamic=True))
+
+
+def fake_mode_of(value: Any) -> FakeTensorMode | None:
+    """The fake mode a traced fake tensor belongs to (None for anything else)."""
+    return getattr(value, "fake_mode", None) if isinstance(value, FakeTensor) else None
+
+
+def sym_expr(value: Any) -> Any:
+    """The sympy expression of a SymInt/SymFloat/SymBool, simplified with everything its
+    ShapeEnv learned (``s60`` -> ``s3`` after a guard made them equal)."""
+    node = value.node
+    return node.shape_env.simplify(node.expr)
+
+
+def shape_env_guards(shape_env: ShapeEnv) -> list[tuple[Any, str]]:
+    """Every guard the ShapeEnv recorded so far: (sympy condition, where it was made)."""
+    out = []
+    for g in shape_env.guards:
+        stack = getattr(g, "sloc", None) or getattr(g, "stack", None)
+        out.append((g.expr, str(stack) if stack is not None else ""))
+    return out
+
+
+def symbol_range(shape_env: ShapeEnv, symbol: Any) -> tuple[int | None, int | None]:
+    """The value range torch assumes for a size symbol (2.. without an upper bound for a
+    batch dim traced with 0/1 specialization); None for an infinite end."""
+    vr = shape_env.var_to_range.get(symbol)
+    if vr is None:
+        return None, None
+
+    def end(x: Any) -> int | None:
+        return int(x) if isinstance(x, (int, sympy.Integer)) else None  # torch's int_oo is neither
+
+    return end(vr.lower), end(vr.upper)
+
+
+def is_symbolic(value: Any) -> bool:
+    """Whether ``value`` is a SymInt/SymFloat/SymBool that is not a plain constant."""
+    return isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)) and not value.node.is_constant() and bool(
+        getattr(value.node.expr, "free_symbols", ())
+    )
+
+
+def new_size_symint(shape_env: ShapeEnv) -> torch.SymInt:
+    """A fresh size symbol without example value (torch's "unbacked", marked size-like):
+    fake kernels reason about it size-obliviously (never 0 or 1 for contiguity and
+    broadcasting decisions), so no guard pins a rank's local size to its example."""
+    from torch.fx.experimental.symbolic_shapes import _constrain_range_for_size
+
+    u = shape_env.create_unbacked_symint()
+    _constrain_range_for_size(u)
+    return u
+
+
+def size_oblivious(on: bool = True) -> Any:
+    """Within: torch reasons about backed size symbols size-obliviously (a size is never
+    asked whether it is 0 or 1 by contiguity and broadcasting checks, and is not made a
+    constant when it is), as it does for unbacked ones; a branch the program itself takes
+    on a size is still a guard. ``on=False``: a null context."""
+    if not on:
+        return contextlib.nullcontext()
+    from torch.fx.experimental import _config
+
+    return _config.patch(backed_size_oblivious=True)
+
+
+def true_unless_proven_false(cond: Any) -> bool:
+    """A condition on sizes: a plain bool as it is; a symbolic one is True unless torch can
+    prove it False, and never becomes a guard (for checks where True is the safe answer)."""
+    if isinstance(cond, torch.SymBool):
+        from torch.fx.experimental.symbolic_shapes import guard_or_true
+
+        return guard_or_true(cond)
+    return bool(cond)
+
+
+def false_unless_proven_true(cond: Any) -> bool:
+    """A condition on sizes: a plain bool as it is; a symbolic one is False unless torch
+    can prove it True, and never becomes a guard (for checks where False is the safe answer)."""
+    if isinstance(cond, torch.SymBool):
+        from torch.fx.experimental.symbolic_shapes import guard_or_false
+
+        return guard_or_false(cond)
+    return bool(cond)
+
+
+def shape_env_of(value: Any) -> ShapeEnv:
+    """The ShapeEnv of a SymInt/SymFloat/SymBool (of a fake mode for a FakeTensorMode)."""
+    if isinstance(value, FakeTensorMode):
+        return value.shape_env
+    return value.node.shape_env
+
+
+def num_guards(shape_env: ShapeEnv) -> int:
+    """How many guards the ShapeEnv recorded so far."""
+    return len(shape_env.guards)
+
+
+def example_values(shape_env: ShapeEnv) -> dict[Any, int]:
+    """``{symbol: example value}`` of the ShapeEnv's backed symbols."""
+    values = getattr(shape_env, "backed_var_to_val", None)
+    if values is None:
+        values = shape_env.var_to_val
+    return {k: v for k, v in values.items() if isinstance(v, (int, sympy.Integer))}
+
+
+def replaced_symbols(shape_env: ShapeEnv) -> dict[Any, Any]:
+    """``{symbol: expression}`` for symbols torch replaced after a guard (``s60 -> s3``)."""
+    return {k: v for k, v in getattr(shape_env, "replacements", {}).items() if isinstance(k, sympy.Symbol)}
+
+
+def is_pinned(shape_env: ShapeEnv, symbol: Any) -> bool:
+    """Whether torch replaced ``symbol`` by a constant (a guard fixed its value)."""
+    rep = getattr(shape_env, "replacements", {}).get(symbol)
+    return rep is not None and not getattr(rep, "free_symbols", None)
+
+
+__all__ += ["shape_env_of", "num_guards", "example_values", "replaced_symbols", "false_unless_proven_true", "true_unless_proven_false", "size_oblivious", "new_size_symint", "is_pinned", "register_symbolic_mode", "fake_mode_of", "sym_expr", "shape_env_guards", "symbol_range", "is_symbolic"]

@@ -100,15 +100,21 @@ def _check_chunk_layout(path: str, dim: int, total: int, axes: list[int], mesh: 
         )
 
 
-def signature(state: Any, batch: tuple, kwargs: dict) -> tuple:
+def signature(state: Any, batch: tuple, kwargs: dict, *, free_dims: dict[int, tuple[int, ...]] | None = None) -> tuple:
     """What selects a compiled program: the batch's structure, shapes, dtypes, devices
     and constants, the structure of the model and optimizer state, and which parameters
-    hold a gradient (``.grad`` not None: accumulated by an earlier call)."""
+    hold a gradient (``.grad`` not None: accumulated by an earlier call).
+
+    ``free_dims`` (``{batch leaf index: dims}``, from :func:`sharded_batch_dims`) leaves
+    those sizes out (``None``): a ``dynamic=True`` program serves them all, as long as
+    its size guards hold (checked separately)."""
     leaves, spec, paths = flatten_batch(batch, kwargs)
     sig = []
-    for path, leaf in zip(paths, leaves):
+    for i, (path, leaf) in enumerate(zip(paths, leaves)):
         if isinstance(leaf, torch.Tensor):
-            sig.append((path, tuple(leaf.shape), leaf.dtype, leaf.device.type, leaf.requires_grad))
+            free = (free_dims or {}).get(i, ())
+            shape = tuple(None if d in free else n for d, n in enumerate(leaf.shape))
+            sig.append((path, shape, leaf.dtype, leaf.device.type, leaf.requires_grad))
         else:
             sig.append((path, type(leaf).__name__, leaf if isinstance(leaf, CONSTANT_LEAF_TYPES) else id(leaf)))
     grads = tuple(n for n, p in state.params.items() if p.grad is not None)

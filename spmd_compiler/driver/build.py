@@ -15,7 +15,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import _private_torch as pt
 from ..expand import ExpansionCache, MeshContext, expand_graph
+from ..expand.symbolic import SizeGuards, emit_sizes_pass, size_symbols_of
 from ..expand.rules.random import RNG_MODES as RNG
 from ..plan import Plan
 from ..rebuild import ExpandedStep, finalize
@@ -49,6 +51,11 @@ class Options:
             number the single-device step draws (each rank draws the global tensor and
             keeps its slice); "fast" draws only local elements from per-shard seeds
             (Replicate values still agree across ranks; not the single-device numbers).
+        dynamic: one program for every size of the plan's sharded batch dims
+            (docs/dynamic_shapes.md): the per-rank program takes the global sizes as
+            run-time ints and computes every size that depends on them; a call whose
+            sizes break a condition the compile relied on compiles again. False (the
+            default): one program per batch shape.
         backend: what runs the per-rank program: "eager" (one aten call per node, from
             generated straight-line Python) or "inductor" (the whole program compiled by
             torch's inductor; a program it cannot compile runs eagerly, with a WARNING).
@@ -66,6 +73,7 @@ class Options:
     timeout: float | None = 300.0
     rng: str = "exact"
     backend: str = "eager"
+    dynamic: bool = False
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -77,6 +85,10 @@ class Options:
             raise ValueError(f"rng={self.rng!r}: expected one of {list(RNG)} (see docs/randomness.md)")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend={self.backend!r}: expected one of {list(BACKENDS)} (the per-rank program's runner)")
+        if not isinstance(self.dynamic, bool):
+            raise ValueError(f"dynamic={self.dynamic!r}: expected True (one program for every batch size) or False")
+        if self.dynamic and self.symbolic == "none":
+            raise ValueError("dynamic=True needs symbolic batch sizes; expected symbolic='batch' or 'all', got 'none'")
         object.__setattr__(self, "passes_disabled", tuple(self.passes_disabled))
         if not isinstance(self.cache_size, int) or self.cache_size < 1:
             raise ValueError(f"cache_size={self.cache_size!r}: expected an int >= 1 (compiled programs to keep)")
@@ -128,6 +140,7 @@ def expand(
     cache: ExpansionCache | None = None,
     reduce_partial_outputs: bool = True,
     rng: str = "exact",
+    dynamic: bool = False,
 ) -> ExpandedStep:
     """Expand ``traced`` (from :func:`spmd_compiler.trace`) into the per-rank program.
 
@@ -143,6 +156,8 @@ def expand(
         cache: an ExpansionCache to share recipes across expansions.
         reduce_partial_outputs: reduce Partial step outputs to Replicate.
         rng: how random ops draw, ``"exact"`` or ``"fast"`` (see :class:`Options`).
+        dynamic: keep the sharded batch sizes symbolic (see :class:`Options`); the
+            graph then takes one ``size_*`` int per batch symbol after the coordinates.
 
     Returns an :class:`~spmd_compiler.rebuild.ExpandedStep`.
     """
@@ -155,10 +170,17 @@ def expand(
     t0 = time.perf_counter()
     expansion = expand_graph(
         traced, mctx, resolved.placements, fallback=fallback, cache=cache, fsdp_axes=plan.fsdp_axis_indices(mesh),
-        activation_sharding=plan.activation_sharding, sources=resolved.sources, rng=rng,
+        activation_sharding=plan.activation_sharding, sources=resolved.sources, rng=rng, dynamic=dynamic,
     )
     t1 = time.perf_counter()
     step = finalize(expansion, reduce_partial_outputs=reduce_partial_outputs)
+    if expansion.dynamic:
+        sources = {**expansion.size_nodes, **dict(zip(expansion.local_sizes.symbols, expansion.coords))}
+        emit_sizes_pass(step.gm, sources=sources, definitions=expansion.local_sizes.definitions)
+        step.size_coordinates = dict(expansion.local_sizes.coordinates)
+        step.size_definitions = dict(expansion.local_sizes.definitions)
+        step.size_symbols = list(expansion.size_symbols)
+        step.size_guard_nodes = list(expansion.size_guard_nodes)
     t2 = time.perf_counter()
     step.plan_sources = resolved.sources
     step.timings = {"trace": traced.trace_seconds, "expand": t1 - t0, "rebuild": t2 - t1}
@@ -217,8 +239,21 @@ def build_program(
         with gc_paused():
             traced = trace(
                 fn, model, optimizer, *args, symbolic=options.symbolic,
-                symbolic_dims=sharded_batch_dims(plan, args, kwargs, len(tuple(mesh.shape))), **kwargs,
+                symbolic_dims=sharded_batch_dims(plan, args, kwargs, len(tuple(mesh.shape))), dynamic=options.dynamic, **kwargs,
             )
     with gc_paused():
-        step = expand(traced, mesh, plan, coordinate=coordinate, fallback=options.fallback, cache=cache, rng=options.rng)
-    return optimize_program(step, options.pass_list(), disabled=options.passes_disabled, texts=texts)
+        if options.dynamic:
+            from .dynamic import expand_dynamic
+
+            step = expand_dynamic(
+                lambda t, **kw: expand(t, mesh, plan, **kw), traced, coordinate=coordinate, fallback=options.fallback,
+                cache=cache, rng=options.rng,
+            )
+        else:
+            step = expand(traced, mesh, plan, coordinate=coordinate, fallback=options.fallback, cache=cache, rng=options.rng)
+    step = optimize_program(step, options.pass_list(), disabled=options.passes_disabled, texts=texts)
+    if step.size_symbols:  # after the passes: every decision on a size symbol is a guard by now
+        shape_env = pt.shape_env_of(pt.fake_mode_of(traced.placeholders()[step.size_symbols[0].index].meta["val"]))
+        step.size_guards = SizeGuards(shape_env, step.size_symbols, step.size_definitions, step.size_coordinates,
+                                      size_symbols_of(traced, every=True))
+    return step

@@ -12,6 +12,7 @@ local tensors; :class:`spmd_compiler.pipeline.step.PipelinedStep` runs it as a p
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import functools
 import gc
 import hashlib
@@ -121,6 +122,13 @@ class StepDriver:
             raise TypeError(f"plan must be a spmd_compiler.Plan, got {type(plan).__name__}; fix: plan=spmd_compiler.Plan(...)")
         self.fn = fn
         self.options = Options.from_kwargs(options)
+        if self.options.dynamic:
+            # the ranks do not yet agree on the global batch sizes a symbolic program
+            # takes (issue #17, milestone 2: the step guard carries them); until then one
+            # program per batch shape, as without the option
+            log.info("dynamic=True: compile() keeps one program per batch shape for now; the simulator "
+                     "(spmd_compiler.testing) runs the symbolic program (docs/dynamic_shapes.md)")
+            self.options = dataclasses.replace(self.options, dynamic=False)
         self._mesh_arg = mesh
         self._mesh: DeviceMesh | None = mesh if isinstance(mesh, DeviceMesh) else None
         self.plan = plan or Plan()

@@ -17,6 +17,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from .. import _private_torch as pt
 from .chunks import chunk_size, local_size, strided_local_size
 from .values import MeshContext
 
@@ -87,11 +88,15 @@ class SubgraphBuilder:
         # set when a size used here depends on which rank we expand for (uneven shards)
         self.coord_dependent = False
         self.replacements: dict[int, OutTensor] = {}
+        self.sizes: Any = None  # dynamic=True: the expansion's LocalSizes (symbolic sizes)
 
     # ------------------------------------------------------------------ sizes
     def local_chunk(self, size: int, axis: int) -> int:
         """This rank's chunk of a dim of ``size`` split over mesh ``axis``."""
         n = self.mctx.shape[axis]
+        if self.sizes is not None and pt.is_symbolic(size):  # dynamic=True: one expression for every rank
+            self.coord_dependent = True
+            return self.sizes.local(size, n, axis)
         if size % n:
             self.coord_dependent = True
         return local_size(size, n, self.mctx.coordinate[axis])
@@ -100,9 +105,11 @@ class SubgraphBuilder:
         """Where this rank's chunk of a dim of ``size`` split over ``axis`` starts: a
         run-time int of the recipe, ``coord * chunk``, clamped to ``size`` when ``uneven``
         (decided by the caller from global sizes, so every rank emits the same ops)."""
-        start = self.call(operator.mul, self.coords[axis], chunk_size(size, self.mctx.shape[axis]))
-        if uneven:
-            start = self.call(min, start, size)
+        n = self.mctx.shape[axis]
+        chunk = (size + (n - 1)) // n if pt.is_symbolic(size) else chunk_size(size, n)
+        start = self.call(operator.mul, self.coords[axis], chunk)
+        if uneven:  # a symbolic size: torch's sym_min for the value, so no guard picks a side
+            start = self.call(min, start, size, _val=torch.sym_min(start.meta["val"], size) if pt.is_symbolic(size) else None)
         return start
 
     def local_strided(self, size: int, split_factor: int, axis: int) -> int:

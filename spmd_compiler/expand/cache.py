@@ -19,7 +19,7 @@ import torch
 
 from .builder import Recipe
 from .positions import POSITIONS
-from .values import DSymInt, DValue, RScalar
+from .values import DSymInt, DValue, RScalar, _key
 
 __all__ = ["ExpansionCache", "abstract_key"]
 
@@ -31,11 +31,11 @@ def abstract_key(x: Any) -> Any:
         return (
             "T",
             tuple(x.spec.placements),
-            tuple(x.spec.shape),
-            tuple(x.spec.stride),
+            tuple(_key(s) for s in x.spec.shape),
+            tuple(_key(s) for s in x.spec.stride),
             x.spec.tensor_meta.dtype,
-            tuple(local.shape),
-            tuple(local.stride()),
+            tuple(_key(s) for s in local.shape),
+            tuple(_key(s) for s in local.stride()),
             x.mask is not None,
             x.extra.get(POSITIONS),
         )
@@ -47,6 +47,8 @@ def abstract_key(x: Any) -> Any:
         return ("dict", tuple((k, abstract_key(v)) for k, v in sorted(x.items())))
     if isinstance(x, float) and math.isnan(x):
         return ("nan",)
+    if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return _key(x)
     if isinstance(x, torch.Tensor):
         raise TypeError("a raw tensor reached the expansion cache key; expected a DValue")
     return (type(x).__name__, x)

@@ -21,9 +21,9 @@ from torch.utils import _pytree as pytree
 from .. import _private_torch as pt
 from ..errors import SpmdError, UnsupportedOpError
 from .builder import OutTensor, SubgraphBuilder
-from .chunks import chunk_sizes
 from .layout import restride_like
 from .redistribute import emit_redistribute, logical_shape
+from .symbolic import partial_needs_replicate
 from .registry import get_rule
 from .values import DSymInt, MeshContext, placements_text
 
@@ -418,9 +418,7 @@ def _guard_uneven_avg(b: SubgraphBuilder, op: Any, args: Any, kwargs: Any, out: 
                 continue
             size = t.spec.shape[p.dim]
             ways = _ways(t.spec.placements, axis, p.dim, b.mctx.shape)
-            if "avg" in ops and size % ways:
-                bad.add(axis)
-            if ops & {"max", "min"} and 0 in chunk_sizes(size, ways):
+            if partial_needs_replicate(size, ways, ops):
                 bad.add(axis)
     if bad:
         raise _UnevenAvg(bad)

@@ -29,6 +29,7 @@ from .cache import ExpansionCache, abstract_key
 from ..trace.markers import MARKER
 from .dispatch import ExpandContext, ScalarArg, TensorArg
 from .splice import redistribute_value, splice_recipe
+from .symbolic import LocalSizes, size_symbols_of, symbolic_local_shape, symint_of, trace_fake_mode
 from .values import DSymInt, DValue, MeshContext, RScalar, placements_text, sym_apply
 
 __all__ = ["expand_graph", "Expansion", "ExpansionStats"]
@@ -88,6 +89,11 @@ def _is_uneven(shape: Any, placements: Any, mesh_shape: Any) -> bool:
     return False
 
 
+def _as_int(x: Any) -> Any:
+    """A size as an int, or the SymInt itself when it depends on a batch symbol."""
+    return x if pt.is_symbolic(x) else int(x)
+
+
 class Expansion:
     """One expansion of a traced step: it walks the traced graph and splices every
     node's recipe into ``graph``; what :func:`spmd_compiler.rebuild.finalize` reads from it
@@ -106,6 +112,7 @@ class Expansion:
         activation_sharding: str = "follow",
         sources: Any = None,
         rng: str = "exact",
+        dynamic: bool = False,
     ) -> None:
         self.traced = traced
         self.mctx = mctx
@@ -122,7 +129,15 @@ class Expansion:
         self.activation_sharding = activation_sharding
         self.rng = rng
         self.cache = cache
-        self.fake_mode = pt.static_fake_mode()
+        # dynamic: the trace's own fake mode, so sizes derived from batch symbols stay symbolic
+        self.size_symbols = size_symbols_of(traced) if dynamic else []
+        self.dynamic = bool(self.size_symbols)
+        self.fake_mode = trace_fake_mode(traced) if self.dynamic else pt.static_fake_mode()
+        self.local_sizes = LocalSizes(pt.shape_env_of(self.fake_mode), mctx) if self.dynamic else None
+        if self.dynamic:
+            pt.register_symbolic_mode(self.fake_mode)
+        self.size_nodes: dict[Any, fx.Node] = {}
+        self.size_guard_nodes: list[tuple[str, int]] = []  # (traced node, guards it added)
         self.graph = fx.Graph()
         self.constants: dict[str, torch.Tensor] = {}
         self.env: dict[fx.Node, Any] = {}
@@ -141,6 +156,11 @@ class Expansion:
             node.meta["val"] = c
             node.meta["spmd_coord"] = name
             self.coords.append(node)
+        for sym in self.size_symbols:  # run-time global batch sizes (dynamic=True)
+            node = self.graph.placeholder(f"size_{sym.symbol}")
+            node.meta["val"] = symint_of(traced, sym)
+            node.meta["spmd_size"] = sym
+            self.size_nodes[sym.symbol] = node
 
     # ------------------------------------------------------------------ nodes
     def run(self) -> None:
@@ -152,28 +172,32 @@ class Expansion:
         for node in nodes:
             self.stats.nodes += 1
             progress.update(self.stats.nodes)
-            try:
-                if node.op == "placeholder":
-                    inp = node.meta.get("spmd_input")
-                    key = _input_key(inp) if inp is not None else None
-                    assert key in self.planned, f"placeholder {node.name} is no input of the traced step ({inp})"
-                    self.env[node] = self._placeholder(node, inp, self.planned[key][0])
-                    self._inputs_by_key[key] = self.env[node]
-                elif node.op == "get_attr":
-                    self.env[node] = self._constant(node)
-                elif node.op == "call_function":
-                    self.env[node] = self._call(node)
-                elif node.op == "output":
-                    self.output_values = tree_map(self._lookup, node.args[0])
-                else:
-                    raise SpmdError(f"unexpected node kind {node.op}" + describe_node(node))
-            except (SpmdError, ValueError, TypeError) as e:
-                add_context(e, node, inputs=self._inputs_text(node), fix=_FIX)
-                raise
-            except Exception as e:
-                raise add_context(
-                    SpmdError(f"expanding {node.name} failed: {type(e).__name__}: {e}"), node, inputs=self._inputs_text(node), fix=_FIX
-                ) from e
+            known = pt.num_guards(pt.shape_env_of(self.fake_mode)) if self.dynamic else 0
+            with pt.size_oblivious(self.dynamic):  # dynamic=True: no 0/1 guards on batch sizes
+                try:
+                    if node.op == "placeholder":
+                        inp = node.meta.get("spmd_input")
+                        key = _input_key(inp) if inp is not None else None
+                        assert key in self.planned, f"placeholder {node.name} is no input of the traced step ({inp})"
+                        self.env[node] = self._placeholder(node, inp, self.planned[key][0])
+                        self._inputs_by_key[key] = self.env[node]
+                    elif node.op == "get_attr":
+                        self.env[node] = self._constant(node)
+                    elif node.op == "call_function":
+                        self.env[node] = self._call(node)
+                    elif node.op == "output":
+                        self.output_values = tree_map(self._lookup, node.args[0])
+                    else:
+                        raise SpmdError(f"unexpected node kind {node.op}" + describe_node(node))
+                except (SpmdError, ValueError, TypeError) as e:
+                    add_context(e, node, inputs=self._inputs_text(node), fix=_FIX)
+                    raise
+                except Exception as e:
+                    raise add_context(
+                        SpmdError(f"expanding {node.name} failed: {type(e).__name__}: {e}"), node, inputs=self._inputs_text(node), fix=_FIX
+                    ) from e
+            if self.dynamic and pt.num_guards(pt.shape_env_of(self.fake_mode)) > known:
+                self.size_guard_nodes.append((node, pt.num_guards(pt.shape_env_of(self.fake_mode)) - known))
         progress.done()
         missing = [i.label for i in self.traced.inputs if _input_key(i) not in self._inputs_by_key]
         assert not missing, f"traced inputs without a placeholder: {missing}"
@@ -208,11 +232,18 @@ class Expansion:
         return ", ".join(parts)
 
     def _placeholder(self, node: fx.Node, inp: Any, placements: tuple) -> DValue:
-        spec = pt.make_spec(self.mctx.mesh, placements, inp.shape, inp.stride, inp.dtype)
-        local_shape, _ = pt.local_shape_and_offset(inp.shape, self.mctx.shape, self.mctx.coordinate, placements)
+        shape, stride = inp.shape, inp.stride
+        val = node.meta.get("val")
+        if self.dynamic and inp.kind == "batch" and isinstance(val, torch.Tensor) and any(pt.is_symbolic(s) for s in val.shape):
+            shape, stride = tuple(val.shape), tuple(val.stride())
+            local_shape = symbolic_local_shape(shape, placements, self.mctx, self.local_sizes)
+            self.stats.coord_dependent = True  # the local sizes are expressions of the coordinate
+        else:
+            local_shape, _ = pt.local_shape_and_offset(inp.shape, self.mctx.shape, self.mctx.coordinate, placements)
+            if _is_uneven(inp.shape, placements, self.mctx.shape):
+                self.stats.coord_dependent = True
+        spec = pt.make_spec(self.mctx.mesh, placements, shape, stride, inp.dtype)
         new = self.graph.placeholder(node.name)
-        if _is_uneven(inp.shape, placements, self.mctx.shape):
-            self.stats.coord_dependent = True
         new.meta["val"] = local_fake(self.fake_mode, local_shape, inp.dtype, device=inp.device)
         new.meta["spmd_spec"] = spec
         new.meta["spmd_input"] = inp
@@ -318,18 +349,20 @@ class Expansion:
         )
 
     def _sym_size(self, t: DValue, dim: int) -> DSymInt:
-        g, l = int(t.spec.shape[dim]), int(t.local.shape[dim])
+        g, l = _as_int(t.spec.shape[dim]), _as_int(t.local.shape[dim])
         axes = self._shard_axes(t, dim % max(1, len(t.spec.shape)))
         return DSymInt(g, l, axes if (axes or g != l) else (), f"{t.node.name}.size({dim})")
 
     def _sym_numel(self, t: DValue) -> DSymInt:
-        g, l = int(t.spec.shape.numel()), int(t.local.numel())
+        g, l = _as_int(math.prod(t.spec.shape)), _as_int(math.prod(t.local.shape))
         axes = self._shard_axes(t)
         return DSymInt(g, l, axes if (axes or g != l) else (), f"{t.node.name}.numel()")
 
     # ------------------------------------------------------------------ ops
     def _expand(self, node: fx.Node, op: Any, args: tuple, kwargs: dict) -> Any:
         key = (op, abstract_key(args), abstract_key(kwargs), self.fallback, self.activation_sharding, self.rng)
+        if self.dynamic:  # recipes hold this trace's fake values: shared by its ranks, not by other traces
+            key += (self.fake_mode,)
         recipe = self.cache.lookup(key, self.mctx.coordinate)
         hit = recipe is not None
         if recipe is None:
@@ -365,6 +398,7 @@ class Expansion:
 
     def _build(self, node: fx.Node, op: Any, args: tuple, kwargs: dict) -> Recipe:
         b = SubgraphBuilder(self.mctx, self.fake_mode)
+        b.sizes = self.local_sizes
         ctx = ExpandContext(self.mctx, self.fake_mode, self.fallback, node, self.warned, self.activation_sharding, self.rng)
 
         counter = iter(range(1 << 30))
@@ -398,6 +432,7 @@ def expand_graph(
     activation_sharding: str = "follow",
     sources: Any = None,
     rng: str = "exact",
+    dynamic: bool = False,
 ) -> "Expansion":
     """Run the expander; returns it (graph, env, constants, stats) for :mod:`rebuild`.
 
@@ -407,7 +442,7 @@ def expand_graph(
         raise ValueError(f"fallback must be 'replicate' or 'error', got {fallback!r}")
     ex = Expansion(
         traced, mctx, placements, fallback=fallback, cache=cache if cache is not None else ExpansionCache(),
-        fsdp_axes=fsdp_axes, activation_sharding=activation_sharding, sources=sources, rng=rng,
+        fsdp_axes=fsdp_axes, activation_sharding=activation_sharding, sources=sources, rng=rng, dynamic=dynamic,
     )
     ex.run()
     return ex

@@ -44,8 +44,8 @@ def has_stride_order(t: torch.Tensor, order: Sequence[int]) -> bool:
     """True when ``t`` is laid out densely with dims nested as ``order`` (size-1 dims,
     whose strides are arbitrary, excepted)."""
     expect = 1
-    for d in reversed(list(order)):
-        if t.shape[d] != 1 and t.stride(d) != expect:
+    for d in reversed(list(order)):  # symbolic sizes (dynamic=True): "not proven" counts as differing
+        if pt.true_unless_proven_false(t.shape[d] != 1) and pt.true_unless_proven_false(t.stride(d) != expect):
             return False
         expect *= t.shape[d]
     return True

@@ -29,6 +29,7 @@ import torch.fx as fx
 from .. import _private_torch as pt
 from ..errors import UnsupportedPlacementError
 from .builder import SubgraphBuilder
+from .symbolic import size_hint
 from .chunks import chunk_sizes, strided_layout
 from .values import placements_text
 
@@ -59,7 +60,9 @@ def logical_shape(b: SubgraphBuilder, global_shape: tuple[int, ...], placements:
 
 
 def _nbytes(val: torch.Tensor) -> int:
-    return int(val.numel()) * val.element_size()
+    """Bytes of a value, for the collectives' metadata (dumps, summaries); a symbolic
+    size (dynamic=True) counts with its example value, never guarding on it."""
+    return size_hint(val.numel()) * val.element_size()
 
 
 def _wire_bytes(kind: str, buffer_bytes: int, n: int) -> int:
@@ -257,6 +260,8 @@ def _globally_uneven(global_shape: tuple[int, ...], placements: list, axis: int,
         p = placements[j]
         if getattr(p, "dim", None) == dim and (p.is_shard() or isinstance(p, pt.StridedShard)):
             ways *= mesh_shape[j]
+    if pt.is_symbolic(global_shape[dim]):
+        return True  # dynamic=True: the padded form serves every size (no guard on evenness)
     return global_shape[dim] % ways != 0
 
 
@@ -326,17 +331,26 @@ def _narrow_shard(b: SubgraphBuilder, x: fx.Node, axis: int, dim: int, size: int
 
 def _all_gather(b: SubgraphBuilder, x: fx.Node, axis: int, dim: int, size: int, why: str) -> fx.Node:
     n = b.mctx.shape[axis]
-    sizes = chunk_sizes(size, n)
-    uneven = b.uneven[dim]
+    symbolic = pt.is_symbolic(size)
+    uneven = True if symbolic else b.uneven[dim]  # a symbolic size: the general (padded) form
     # uneven: every piece padded to the longest; at least one row, so a rank whose part
     # of the dim is empty (1 row over 2x2) still cuts n distinct pieces below (n equal
     # narrows would be merged by a pass on that rank only: other nodes than its peers)
-    full = max(1, max(sizes)) if uneven else max(sizes)
+    if symbolic:  # dynamic=True (expand/symbolic.py): a size symbol, never asked whether it is 1
+        sizes = []
+        full = b.sizes.fresh(torch.sym_max(1, (size + (n - 1)) // n))
+    else:
+        sizes = chunk_sizes(size, n)
+        full = max(1, max(sizes)) if uneven else max(sizes)
     local = x.meta["val"]
     if uneven:
         pad = full - local.shape[dim]
-        spec = [0, 0] * (local.dim() - 1 - dim) + [0, pad]
-        x = b.call(aten.constant_pad_nd.default, x, spec, 0)
+        if symbolic:  # constant_pad_nd's fake kernel needs concrete pads: cat with zeros
+            zeros_shape = [pad if d == dim else s for d, s in enumerate(local.shape)]
+            x = b.call(aten.cat.default, [x, b.call(aten.new_zeros.default, x, zeros_shape)], dim)
+        else:
+            spec = [0, 0] * (local.dim() - 1 - dim) + [0, pad]
+            x = b.call(aten.constant_pad_nd.default, x, spec, 0)
     moved = dim != 0
     if moved:
         x = b.call(aten.movedim.int, x, dim, 0)
@@ -344,7 +358,11 @@ def _all_gather(b: SubgraphBuilder, x: fx.Node, axis: int, dim: int, size: int, 
     g = _collective(b, c10d.all_gather_into_tensor.default, "all_gather", x, axis, (n,), why)
     if moved:  # back to the original dim order, in the original (contiguous) layout
         g = _contiguous(b, b.call(aten.movedim.int, g, 0, dim))
-    if uneven:  # every rank's piece, empty ones included (the same ops on every rank)
+    if uneven and symbolic:
+        # torch.chunk's layout puts the full pieces first: padded to ``full`` rows each,
+        # the valid rows are exactly the first ``size`` (0 pieces of padding between them)
+        g = b.call(aten.narrow.default, g, dim, 0, size)
+    elif uneven:  # every rank's piece, empty ones included (the same ops on every rank)
         pieces = [b.call(aten.narrow.default, g, dim, j * full, sz) for j, sz in enumerate(sizes)]
         g = b.call(aten.cat.default, pieces, dim)
     return g

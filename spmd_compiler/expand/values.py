@@ -106,7 +106,7 @@ class DSymInt:
         return bool(self.axes)
 
     def key(self) -> tuple:
-        return ("dsym", self.global_value, self.local_value, self.axes)
+        return ("dsym", _key(self.global_value), _key(self.local_value), self.axes)
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, DSymInt):
@@ -116,7 +116,7 @@ class DSymInt:
         return NotImplemented
 
     def __hash__(self) -> int:
-        return hash(self.global_value)
+        return hash(_key(self.global_value))
 
     def __lt__(self, other: Any) -> bool:
         return self.global_value < _comparable(other, "<")
@@ -145,6 +145,15 @@ def _comparable(other: Any, op: str) -> int | float:
     raise TypeError(f"'{op}' compares a DSymInt with a number or a DSymInt (on global values), got {type(other).__name__} {other!r}")
 
 
+def _key(x: Any) -> Any:
+    """A hashable stand-in for a size: the int, or a symbolic size's sympy expression
+    (``compile(dynamic=True)``; a SymInt itself is unhashable)."""
+    if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        # the ShapeEnv too: another trace's symbols have the same names (s3, u0)
+        return ("sym", pt.shape_env_of(x), str(pt.sym_expr(x)))
+    return x
+
+
 def _g(x: Any) -> Any:
     return x.global_value if isinstance(x, DSymInt) else x
 
@@ -161,7 +170,7 @@ def sym_apply(fn: Callable[..., Any], *args: Any) -> Any:
     if not any(isinstance(a, DSymInt) for a in args):
         return fn(*args)
     g = fn(*[_g(a) for a in args])
-    if not isinstance(g, int) or isinstance(g, bool):
+    if not isinstance(g, (int, torch.SymInt)) or isinstance(g, bool):
         return g  # comparisons, floats: only the global meaning is kept
     sharded = [a for a in args if isinstance(a, DSymInt) and a.is_sharded]
     if fn in (operator.mul,) and len(sharded) == 1:

@@ -74,6 +74,14 @@ class ExpandedStep:
     plan_sources: tuple[str, ...] = ()
     timings: dict[str, float] = field(default_factory=dict)
     pass_records: list = field(default_factory=list)
+    # dynamic=True (docs/dynamic_shapes.md): the batch size symbols the graph takes as
+    # ``size_*`` inputs after the coordinates, the conditions on them (SizeGuards) and
+    # the traced nodes whose expansion added conditions
+    size_symbols: list = field(default_factory=list)
+    size_guards: Any = None
+    size_guard_nodes: list = field(default_factory=list)
+    size_definitions: dict = field(default_factory=dict)
+    size_coordinates: dict = field(default_factory=dict)
 
     def collectives(self) -> list[fx.Node]:
         return [n for n in self.gm.graph.nodes if "spmd_comm" in n.meta]

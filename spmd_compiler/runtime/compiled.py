@@ -139,7 +139,10 @@ def compile(fn: Callable[..., Any] | None = None, *, mesh: Any, plan: Plan | Non
             collective waits for the other ranks, 300; None: the process group's), ``backend``
             ("eager" | "inductor": what runs the per-rank program, default "eager";
             :mod:`spmd_compiler.runtime.inductor`), ``rng`` ("exact" | "fast": how random ops
-            draw, docs/randomness.md; default "exact", the single-device numbers); and ``pipeline`` (a :class:`spmd_compiler.Pipeline`: run
+            draw, docs/randomness.md; default "exact", the single-device numbers); ``dynamic`` (one
+            program for every size of the sharded batch dims, docs/dynamic_shapes.md; default
+            False; for now only the simulator runs the symbolic program, compile() keeps one
+            program per shape); and ``pipeline`` (a :class:`spmd_compiler.Pipeline`: run
             the step as a pipeline over one mesh axis; the plan then gives placements for
             the other axes).
     """

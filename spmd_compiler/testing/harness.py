@@ -19,7 +19,9 @@ import torch
 
 from .. import _private_torch as pt
 from ..driver import Options, build_program, compare_fingerprints, fingerprint, program_inputs, signature, store_outputs, why_recompile
+from ..driver.batch import sharded_batch_dims
 from ..expand import ExpansionCache
+from ..expand.symbolic import concrete_shape
 from ..plan import Plan
 from ..trace.state import StateCache
 from ..trace.tracer import flatten_batch
@@ -61,6 +63,7 @@ class SimulatedTraining:
         self._key: Any = None
         self.compiles = 0
         self.reasons: list[str] = []
+        self.last_sizes: list[int] = []  # the size_* inputs of the last call (dynamic=True)
 
     def _compile(self, batch: tuple) -> None:
         first = build_program(self.step_fn, self.model, self.optimizer, batch, {}, self.mesh, self.plan, self.options,
@@ -78,22 +81,49 @@ class SimulatedTraining:
         self._states.add_value_guards(first.traced.value_guards)
         self.compiles += 1
 
+    def _signature(self, state: Any, batch: tuple) -> tuple:
+        """The call signature; a symbolic program's (dynamic=True) leaves out the sizes of
+        the sharded batch dims, which its size guards check instead."""
+        first = self.expansions.get(self.coords[0])
+        free = sharded_batch_dims(self.plan, batch, {}, len(self.mesh_shape)) if first is not None and first.size_symbols else None
+        return signature(state, batch, {}, free_dims=free)
+
+    def _globals(self, first: Any, state: Any, batch: tuple) -> list[Any]:
+        leaves, _, _ = flatten_batch(batch, {})
+        return [v.detach() if inp.kind == "param" else v for inp, v in zip(first.traced.inputs, program_inputs(first, state, leaves))]
+
     def step(self, *batch: Any) -> Any:
         state = self._states.get(self.model, self.optimizer)
-        key = signature(state, batch, {})
-        if key != self._key:
-            self.reasons.append(why_recompile(self._key, key))
+        key = self._signature(state, batch)
+        reason = why_recompile(self._key, key) if key != self._key else None
+        if reason is None and self.expansions[self.coords[0]].size_symbols:
+            first = self.expansions[self.coords[0]]
+            globals_ = self._globals(first, state, batch)
+            values = first.size_guards.values_of(globals_)
+            broken = [why for why in [first.size_guards.disagreement(globals_)] if why]
+            broken += [why for e in self.expansions.values() if (why := e.size_guards.failing(values))]
+            if broken:  # every rank's program must serve the sizes
+                reason = f"batch sizes {dict((str(k), v) for k, v in values.items())} break a size guard: {broken[0]}"
+        if reason is not None:
+            self.reasons.append(reason)
             self._compile(batch)
             state = self._states.get(self.model, self.optimizer)
-            self._key = signature(state, batch, {})
+            self._key = self._signature(state, batch)
         first = self.expansions[self.coords[0]]
-        leaves, _, _ = flatten_batch(batch, {})
-        globals_ = [v.detach() if inp.kind == "param" else v for inp, v in zip(first.traced.inputs, program_inputs(first, state, leaves))]
+        globals_ = self._globals(first, state, batch)
+        sizes = list(first.size_guards.values_of(globals_).values()) if first.size_symbols else []
+        self.last_sizes = sizes
         inputs = {
             c: [shard_tensor(g, spec.placements, self.mesh_shape, c) for g, spec in zip(globals_, first.input_specs)]
             for c in self.coords
         }
-        outs = run_lockstep({c: e.gm for c, e in self.expansions.items()}, inputs, self.mesh_shape, group_axes=group_axes_of(first))
+        feeds = {c: sizes + inputs[c] for c in self.coords}  # the size_* inputs follow the coordinates
+        outs = run_lockstep({c: e.gm for c, e in self.expansions.items()}, feeds, self.mesh_shape, group_axes=group_axes_of(first))
+        values = first.size_guards.values_of(globals_) if first.size_symbols else {}
+
+        def shape(spec: Any) -> tuple[int, ...]:
+            return concrete_shape(spec.shape, values, first.size_definitions) if values else tuple(spec.shape)
+
         pt.mark_optimizer_stepped(self.optimizer)
         for j, slot in enumerate(first.outputs):  # what the plan calls Replicate is the same on every rank
             check_replicas(f"output {j}", slot.spec.placements, {c: outs[c][j] for c in self.coords}, self.mesh_shape)
@@ -102,10 +132,10 @@ class SimulatedTraining:
             for i, (inp, spec) in enumerate(zip(first.traced.inputs, first.input_specs)):
                 if inp.kind in ("batch", "hparam"):
                     continue
-                full = assemble(spec.placements, spec.shape, {c: inputs[c][i] for c in self.coords}, self.mesh_shape)
+                full = assemble(spec.placements, shape(spec), {c: inputs[c][i] for c in self.coords}, self.mesh_shape)
                 globals_[i].copy_(full)
         assembled = [
-            assemble(slot.spec.placements, slot.spec.shape, {c: outs[c][j] for c in self.coords}, self.mesh_shape)
+            assemble(slot.spec.placements, shape(slot.spec), {c: outs[c][j] for c in self.coords}, self.mesh_shape)
             for j, slot in enumerate(first.outputs)
         ]
         return store_outputs(first, assembled, state, self.optimizer, lambda slot, value: value)

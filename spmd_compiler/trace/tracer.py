@@ -172,6 +172,7 @@ def trace(
     split_points: dict[str, Any] | None = None,
     symbolic_dims: dict[int, tuple[int, ...]] | None = None,
     fused_optimizer: bool = True,
+    dynamic: bool = False,
     **batch_kwargs: Any,
 ) -> TracedStep:
     """Trace ``step_fn(model, optimizer, *batch, **batch_kwargs)`` into a :class:`TracedStep`.
@@ -198,6 +199,10 @@ def trace(
     ``fused_optimizer=False`` traces a ``fused=True`` optimizer with its per-parameter
     update (pipelines do: each stage updates its own parameters, and a fused kernel over
     all of them would span stages).
+
+    ``dynamic=True`` keeps a batch size of 0 or 1 symbolic as well (torch otherwise makes
+    it a constant and assumes the others are at least 2), so a program compiled with
+    ``compile(dynamic=True)`` can serve it; a branch on such a size is a guard.
 
     Example::
 
@@ -241,13 +246,14 @@ def trace(
 
     if symbolic not in ("batch", "all", "none"):
         raise ValueError(f"symbolic must be 'batch', 'all' or 'none', got {symbolic!r}")
-    mode = pt.symbolic_fake_mode()
+    mode = pt.symbolic_fake_mode(specialize_zero_one=not dynamic)
     fakes = []
     for inp, t in zip(inputs, real):
-        dynamic: bool | tuple[int, ...] = symbolic == "all" or (symbolic == "batch" and inp.kind == "batch")
+        dims: bool | tuple[int, ...] = symbolic == "all" or (symbolic == "batch" and inp.kind == "batch")
         if symbolic == "batch" and inp.kind == "batch" and symbolic_dims is not None:
-            dynamic = tuple(symbolic_dims.get(inp.index, ()))
-        fake = pt.to_symbolic_fake(mode, t, inp.label, dynamic=dynamic)
+            dims = tuple(symbolic_dims.get(inp.index, ()))
+        with pt.size_oblivious(dynamic):
+            fake = pt.to_symbolic_fake(mode, t, inp.label, dynamic=dims)
         if t.requires_grad and inp.kind == "param":
             fake.requires_grad_(True)
         fakes.append(fake)
@@ -333,7 +339,8 @@ def trace(
     pt.record_stack_traces_of(step_fn)  # the step's own lines (loss, `if`, .item()) get a user line
     try:
         with phase_markers(optimizer), pt.preserve_node_meta(), split_point_hooks(model, split_points), \
-                host_scalar_values(mode, optimizer, bool(scalars)), traceable_scalars(), rng_replay(ledger):
+                host_scalar_values(mode, optimizer, bool(scalars)), traceable_scalars(), rng_replay(ledger), \
+                pt.size_oblivious(dynamic):
             gm = make_fx(
                 functional_step,
                 decomposition_table=decomposition_table(),

@@ -1,3 +1,5 @@
 """Per-op expansion rules, grouped by op family. Importing this package registers them."""
 
-from . import attention, batchnorm, concat, factory, indexing, losses, matmul, optimizers, partial_inputs, random, scalars, shape, views  # noqa: F401
+from . import (  # noqa: F401
+    attention, batchnorm, concat, factory, indexing, losses, matmul, mean, optimizers, partial_inputs, random, scalars, shape, views,
+)

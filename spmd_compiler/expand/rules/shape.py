@@ -31,7 +31,8 @@ def _expand(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs
     for d, s in enumerate(sizes):
         if isinstance(s, DSymInt) and s.is_sharded:
             src = d - new_dims
-            broadcast = src < 0 or in_shape[src] == 1
+            # a symbolic size (dynamic=True) broadcasts only when provably 1: else DTensor's expand
+            broadcast = src < 0 or pt.false_unless_proven_true(in_shape[src] == 1)
             if broadcast and all(x.spec.placements[a].is_replicate() for a in s.axes):
                 targets.append((d, s))
     if not targets:

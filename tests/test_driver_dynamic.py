@@ -1,0 +1,74 @@
+"""compile(dynamic=True): one program per mesh serves every batch size, equal to one device
+(simulated ranks); what cannot stay symbolic compiles per shape after one INFO log."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from spmd_compiler.testing import assert_training_matches, fake_mesh
+from spmd_compiler.testing.models import GPT, MLP, mse_train_step, train_step
+
+SIZES = [10, *range(1, 34)]  # uneven, even, empty shards (1 row over 4 ranks), one row
+
+
+@pytest.mark.parametrize("ranks", [3, 4])  # 2 ranks: the GPT and fallback tests below
+def test_one_program_serves_batch_sizes_1_to_33_mlp(ranks):
+    batches = [(torch.randn(b, 8, dtype=torch.float64), torch.randn(b, 8, dtype=torch.float64)) for b in SIZES]
+    res = assert_training_matches(mse_train_step, MLP(8, 6).double(), lambda p: torch.optim.SGD(p, lr=0.1), batches,
+                                  fake_mesh((ranks,), ("dp",)), dynamic=True)
+    assert res.sim.compiles == 1, res.sim.reasons
+    first = res.sim.expansions[(0,)]
+    assert [s.label for s in first.size_symbols] == ["batch[0]"]
+    assert res.sim.last_sizes == [33]
+    # no number that depends on the batch size is left in the program: 2 / (8 * B) and the
+    # uneven gather's pad are integer nodes computed from the size_* input
+    consts = [a for n in first.gm.graph.nodes for a in n.args if isinstance(a, float)]
+    assert 2 / (8 * 10) not in consts and any(n.meta.get("spmd_size_expr") for n in first.gm.graph.nodes)
+    # the loss mean is a local sum over the global count (rules/mean.py), not a gather of
+    # every per-element loss: the same collectives as the per-shape program of an even size
+    assert not [n for n in first.gm.graph.nodes if "all_gather" in str(n.target)]
+
+
+def test_one_program_serves_every_batch_size_gpt():
+    torch.manual_seed(0)
+    model = GPT(vocab=16, seq=4, dim=8, heads=2, layers=1).double()
+    batches = [(torch.randint(0, 16, (b, 4)), torch.randint(0, 16, (b, 4))) for b in (5, 1, 2, 4, 33)]
+    res = assert_training_matches(train_step, model, lambda p: torch.optim.SGD(p, lr=0.1), batches,
+                                  fake_mesh((2,), ("dp",)), dynamic=True, atol=1e-9)
+    assert res.sim.compiles == 1, res.sim.reasons
+
+
+def test_a_size_the_step_branches_on_compiles_per_shape_after_one_info_log(caplog):
+    def step(model, optimizer, x, y):
+        out = model(x)
+        if x.shape[0] == 6:  # fixes the batch size of this trace: no symbolic program serves it
+            out = out * 2
+        loss = torch.nn.functional.mse_loss(out, y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    batches = [(torch.randn(b, 8, dtype=torch.float64), torch.randn(b, 8, dtype=torch.float64)) for b in (6, 5, 7, 9)]
+    with caplog.at_level(logging.INFO, logger="spmd_compiler.driver.dynamic"):
+        res = assert_training_matches(step, MLP(8, 6).double(), lambda p: torch.optim.SGD(p, lr=0.1), batches,
+                                      fake_mesh((2,), ("dp",)), dynamic=True)
+    logs = [r.getMessage() for r in caplog.records if r.name == "spmd_compiler.driver.dynamic"]
+    assert len(logs) == 1 and "test_driver_dynamic.py" in logs[0] and "Eq(" in logs[0], logs
+    # 6: its own program (per shape); 5: a symbolic one whose guard (size != 6) serves 7 and 9
+    assert res.sim.compiles == 2, res.sim.reasons
+    assert res.sim.expansions[(0,)].size_guards.failing({res.sim.expansions[(0,)].size_symbols[0].symbol: 6})
+
+
+def test_batch_dims_compiled_as_one_size_are_checked_every_call():
+    """x and y rows were one symbol at compile (mse_loss made them equal): a call where they
+    differ (y broadcast from one row, as one device allows) compiles again, never reuses."""
+    batches = [(torch.randn(5, 4, dtype=torch.float64), torch.randn(5, 4, dtype=torch.float64)),
+               (torch.randn(4, 4, dtype=torch.float64), torch.randn(1, 4, dtype=torch.float64))]
+    with pytest.warns(UserWarning):  # mse_loss's broadcast warning, on one device
+        res = assert_training_matches(mse_train_step, MLP(4, 3).double(), lambda p: torch.optim.SGD(p, lr=0.1), batches,
+                                      fake_mesh((2,), ("dp",)), dynamic=True)
+    assert res.sim.compiles == 2 and "compiled as one size" in res.sim.reasons[1], res.sim.reasons

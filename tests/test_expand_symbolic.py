@@ -1,0 +1,79 @@
+"""compile(dynamic=True) building blocks: symbolic local sizes, their emission as integer
+nodes, options (docs/dynamic_shapes.md). Whole programs: tests/test_driver_dynamic.py."""
+
+from __future__ import annotations
+
+import pytest
+import sympy
+import torch
+import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+from torch._dynamo.source import ConstantSource
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from spmd_compiler import _private_torch as pt
+from spmd_compiler.driver import Options
+from spmd_compiler.expand.chunks import local_size
+from spmd_compiler.expand.symbolic import coordinate_symbol, emit_sizes_pass, local_size_expr, local_size_symbolic
+
+
+def _batch_symint(hint: int = 10):
+    env = ShapeEnv(duck_shape=False)
+    mode = FakeTensorMode(shape_env=env)
+    ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC])
+    x = mode.from_tensor(torch.empty(hint, 16), source=ConstantSource("x"), symbolic_context=ctx)
+    return x.shape[0], env
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_local_size_symbolic_is_torch_chunk_for_every_size(n):
+    size, env = _batch_symint()
+    sym = pt.sym_expr(size)
+    for i in range(n):
+        expr = pt.sym_expr(local_size_symbolic(size, n, i))
+        for b in range(1, 34):
+            assert int(expr.xreplace({sym: sympy.Integer(b)})) == local_size(b, n, i), (b, n, i, expr)
+    assert not env.guards  # no branch was taken on the size: one expression serves all
+
+
+@pytest.mark.filterwarnings("ignore:Raw Sym")  # the symbolic constants this pass removes
+def test_emit_sizes_pass_computes_every_size_from_the_placeholder():
+    size, env = _batch_symint()
+    sym = pt.sym_expr(size)
+    n, coord = 4, 3
+    local = local_size_symbolic(size, n, coord)
+    chunk = torch.sym_max(1, (size + 3) // 4)
+    scale = 2.0 / torch.sym_float(size * 16)
+    g = fx.Graph()
+    b = g.placeholder("size_b")
+    x = g.placeholder("x")
+    view = g.call_function(torch.ops.aten.view.default, (x, [local * 16]))
+    pad = g.call_function(torch.ops.aten.new_zeros.default, (x, [chunk - local, 16]))
+    mul = g.call_function(torch.ops.aten.mul.Tensor, (x, scale))
+    g.output([view, pad, mul])
+    gm = emit_sizes_pass(fx.GraphModule(torch.nn.Module(), g), sources={sym: b})
+    assert not any(isinstance(a, (torch.SymInt, torch.SymFloat)) for nd in gm.graph.nodes for a in torch.utils._pytree.tree_leaves(nd.args))
+    for batch in (1, 2, 7, 8, 9, 33):
+        rows = local_size(batch, n, coord)
+        v, p, m = gm(batch, torch.ones(rows, 16))
+        assert v.shape == (rows * 16,)
+        assert p.shape == (max(1, -(-batch // 4)) - rows, 16)
+        assert torch.equal(m, torch.full((rows, 16), 2.0 / (batch * 16)))
+
+
+def test_options_dynamic_is_validated():
+    assert Options().dynamic is False
+    with pytest.raises(ValueError, match="dynamic='yes'"):
+        Options(dynamic="yes")
+    with pytest.raises(ValueError, match="needs symbolic batch sizes.*got 'none'"):
+        Options(dynamic=True, symbolic="none")
+
+
+def test_local_size_expression_with_a_coordinate_symbol_is_torch_chunk():
+    """One expression serves every rank: the coordinate is a symbol (the coord_* input)."""
+    b, k = sympy.Symbol("b", integer=True, positive=True), coordinate_symbol("dp")
+    for n in (2, 3, 4):
+        expr = local_size_expr(b, n, k)
+        for size in range(0, 34):
+            got = [int(expr.xreplace({b: size, k: i})) for i in range(n)]
+            assert got == [local_size(size, n, i) for i in range(n)], (n, size, got)
