@@ -82,7 +82,11 @@ def _placement_on(p: Any) -> tuple[int, int] | None:
 def strided_view_placements(in_shape: list[int], out_shape: list[int], placements: Any, mesh_shape: Any) -> list[Any] | None:
     """Output placements of ``view(in_shape -> out_shape)`` that keep every shard of
     ``placements`` exactly (see the module docstring), or None where some shard has no
-    exact description (an uneven split, a group cut through a block)."""
+    exact description (an uneven split, a group cut through a block). Symbolic sizes
+    (``dynamic=True``) also give None: any size may split unevenly, and asking would
+    add a guard that pins the batch size."""
+    if any(pt.is_symbolic(s) for s in (*in_shape, *out_shape)):
+        return None
     in_local, out_local = list(in_shape), list(out_shape)
     out: list[Any] = []
     for axis, p in enumerate(placements):
