@@ -28,7 +28,7 @@ from .builder import Recipe, SubgraphBuilder, local_fake
 from .cache import ExpansionCache, abstract_key
 from ..trace.markers import MARKER
 from .dispatch import ExpandContext, ScalarArg, TensorArg
-from .splice import redistribute_value, splice_recipe
+from .splice import FSDP_GATHER, redistribute_value, splice_recipe
 from .values import DSymInt, DValue, MeshContext, RScalar, placements_text, sym_apply
 
 __all__ = ["expand_graph", "Expansion", "ExpansionStats"]
@@ -74,6 +74,21 @@ def inputs_by_leaf(args: Any, kwargs: Any) -> list[fx.Node]:
     return [x.node for x in leaves((args, kwargs)) if isinstance(x, DValue)]
 
 
+def _nodes_after(graph: fx.Graph, last: fx.Node) -> list[fx.Node]:
+    """The nodes appended to ``graph`` after ``last`` (its last node before)."""
+    out, n = [], last.next
+    while n.op != "root":
+        out.append(n)
+        n = n.next
+    return out
+
+
+def _is_view_op(target: Any) -> bool:
+    """An aten op whose result is a view of its first argument (``t``, ``view``, ``detach``)."""
+    rets = getattr(getattr(target, "_schema", None), "returns", None)
+    return bool(rets and rets[0].alias_info is not None and not rets[0].alias_info.is_write)
+
+
 def _is_uneven(shape: Any, placements: Any, mesh_shape: Any) -> bool:
     """Whether some rank's local shape differs from another's (a dim splits unevenly)."""
     sizes = list(shape)
@@ -106,6 +121,7 @@ class Expansion:
         activation_sharding: str = "follow",
         sources: Any = None,
         rng: str = "exact",
+        reshard_after_forward: bool = True,
     ) -> None:
         self.traced = traced
         self.mctx = mctx
@@ -129,7 +145,9 @@ class Expansion:
         self.stats = ExpansionStats()
         self.warned: set = set()
         self.fsdp_axes = tuple(fsdp_axes)
+        self.reshard_after_forward = reshard_after_forward
         self._gathered: dict[tuple[fx.Node, str], DValue] = {}
+        self._regathered: dict[fx.Node, DValue] = {}  # traced forward view -> its backward replay
         # each traced input as planned (env entries may later point at reduced copies),
         # in the order of traced.inputs; input_value() finds one by name
         self.input_values: list[DValue] = []
@@ -222,15 +240,52 @@ class Expansion:
 
     def _fsdp_gathered(self, value: DValue, node: fx.Node, phase: str) -> DValue:
         """FSDP: the parameter gathered (Replicate on the FSDP axes) for forward or
-        backward compute; one gather per parameter and phase, the shard stays stored."""
-        key = (value.node, phase)
+        backward compute, the shard stays stored. With ``reshard_after_forward`` one gather
+        per parameter and phase, its nodes marked (``FSDP_GATHER``) so that no pass merges
+        the two; without, one gather per parameter that backward reuses."""
+        key = (value.node, phase if self.reshard_after_forward else "step")
         got = self._gathered.get(key)
         if got is None:
             pl = tuple(pt.Replicate() if a in self.fsdp_axes else p for a, p in enumerate(value.spec.placements))
             dst = pt.DTensorSpec(value.spec.mesh, pl, tensor_meta=value.spec.tensor_meta)
+            last = next(iter(reversed(self.graph.nodes)))
             got = redistribute_value(self, value, dst, f"FSDP: gather parameter {value.extra['fsdp']} for {phase}", node)
+            if self.reshard_after_forward:
+                for n in _nodes_after(self.graph, last):
+                    n.meta[FSDP_GATHER] = phase
             self._gathered[key] = got
         return got
+
+    def _regathered_view(self, x: fx.Node, node: fx.Node) -> DValue | None:
+        """Under ``reshard_after_forward``, a backward op that reads a forward view of an
+        FSDP parameter (autograd saved ``t(weight)``) reads the same view of the backward
+        gather instead, so the forward's gather is not kept alive for it. ``x``: the traced
+        argument; None when it is no such view."""
+        got = self._regathered.get(x)
+        if got is not None:
+            return got
+        chain = []
+        root = x
+        while root.op == "call_function" and root.meta.get("spmd_phase") == "forward" and _is_view_op(root.target):
+            chain.append(root)
+            if not (root.args and isinstance(root.args[0], fx.Node)):
+                return None
+            root = root.args[0]
+        shard = self.env.get(root)
+        if not chain or root.op != "placeholder" or not (isinstance(shard, DValue) and "fsdp" in shard.extra):
+            return None
+        cur = self._fsdp_gathered(shard, node, "backward")
+        for c in reversed(chain):
+            prev = c.args[0]
+            c_args, c_kwargs = tree_map(self._lookup, (c.args[1:], c.kwargs))
+            last = next(iter(reversed(self.graph.nodes)))
+            cur = self._expand(c, c.target, (cur, *c_args), c_kwargs)
+            for n in _nodes_after(self.graph, last):
+                n.meta["spmd_phase"] = "backward"
+                n.meta["spmd_regathered"] = f"{c.name} taken again from the backward gather of {shard.extra['fsdp']}"
+            assert isinstance(cur, DValue), (c.format_node(), prev)
+            self._regathered[c] = cur
+        return cur
 
     def _constant(self, node: fx.Node) -> DValue:
         value = getattr(self.traced.gm, node.target)
@@ -248,6 +303,11 @@ class Expansion:
         target = node.target
         args, kwargs = tree_map(self._lookup, (node.args, node.kwargs))
         phase = node.meta.get("spmd_phase")
+        if self.fsdp_axes and self.reshard_after_forward and phase == "backward" and isinstance(target, torch._ops.OpOverload):
+            traced = [a for a in leaves((node.args, node.kwargs)) if isinstance(a, fx.Node) and a.meta.get("spmd_phase") == "forward"]
+            swap = {a: v for a in traced if (v := self._regathered_view(a, node)) is not None}
+            if swap:
+                args, kwargs = tree_map(lambda x: swap[x] if isinstance(x, fx.Node) and x in swap else self._lookup(x), (node.args, node.kwargs))
         if self.fsdp_axes and phase in ("forward", "backward") and isinstance(target, torch._ops.OpOverload):
             args, kwargs = tree_map(
                 lambda v: self._fsdp_gathered(v, node, phase) if isinstance(v, DValue) and "fsdp" in v.extra else v, (args, kwargs)
@@ -395,6 +455,7 @@ def expand_graph(
     activation_sharding: str = "follow",
     sources: Any = None,
     rng: str = "exact",
+    reshard_after_forward: bool = True,
 ) -> "Expansion":
     """Run the expander; returns it (graph, env, constants, stats) for :mod:`rebuild`.
 
@@ -405,6 +466,7 @@ def expand_graph(
     ex = Expansion(
         traced, mctx, placements, fallback=fallback, cache=cache if cache is not None else ExpansionCache(),
         fsdp_axes=fsdp_axes, activation_sharding=activation_sharding, sources=sources, rng=rng,
+        reshard_after_forward=reshard_after_forward,
     )
     ex.run()
     return ex
