@@ -58,5 +58,6 @@ def test_static_peak_matches_the_allocator_under_the_runtime():
         total += nbytes
         peak = max(peak, total)
     trace = memory_trace(gm)
-    # the inputs were allocated before the profiler started; scalar results are 0-d tensors
-    assert peak == trace.peak_bytes - trace.total_input_bytes
+    # the inputs were allocated before the profiler started; what the trace cannot see is
+    # the 0-d tensors the Python number in `b + 1` becomes for the op (8 + 4 bytes)
+    assert 0 <= peak - (trace.peak_bytes - trace.total_input_bytes) <= 12

@@ -132,3 +132,9 @@ def test_batchnorm_model_under_wildcard_shard_trains_as_one_device(fsdp_axes):
         sc.Plan(params={"*": [Shard(0)]}, fsdp_axes=fsdp_axes),
     )
     assert_distributed(res, sharded=["0.weight", "1.running_mean"])
+
+
+def test_reshard_after_forward_is_a_bool_defaulting_to_fully_shards():
+    assert sc.Plan(fsdp_axes=("dp",)).reshard_after_forward is True  # fully_shard's default
+    with pytest.raises(TypeError, match=r"reshard_after_forward='no'.*expected True .* or False .*fix: pass a bool"):
+        sc.Plan(fsdp_axes=("dp",), reshard_after_forward="no")
