@@ -28,7 +28,8 @@ from .builder import Recipe, SubgraphBuilder, local_fake
 from .cache import ExpansionCache, abstract_key
 from ..trace.markers import MARKER
 from .dispatch import ExpandContext, ScalarArg, TensorArg
-from .splice import FSDP_GATHER, redistribute_value, splice_recipe
+from .fsdp import fsdp_gathered, regathered_view
+from .splice import splice_recipe
 from .values import DSymInt, DValue, MeshContext, RScalar, placements_text, sym_apply
 
 __all__ = ["expand_graph", "Expansion", "ExpansionStats"]
@@ -72,21 +73,6 @@ def _input_key(inp: Any) -> tuple:
 def inputs_by_leaf(args: Any, kwargs: Any) -> list[fx.Node]:
     """The per-rank node of every DValue argument, in flatten order."""
     return [x.node for x in leaves((args, kwargs)) if isinstance(x, DValue)]
-
-
-def _nodes_after(graph: fx.Graph, last: fx.Node) -> list[fx.Node]:
-    """The nodes appended to ``graph`` after ``last`` (its last node before)."""
-    out, n = [], last.next
-    while n.op != "root":
-        out.append(n)
-        n = n.next
-    return out
-
-
-def _is_view_op(target: Any) -> bool:
-    """An aten op whose result is a view of its first argument (``t``, ``view``, ``detach``)."""
-    rets = getattr(getattr(target, "_schema", None), "returns", None)
-    return bool(rets and rets[0].alias_info is not None and not rets[0].alias_info.is_write)
 
 
 def _is_uneven(shape: Any, placements: Any, mesh_shape: Any) -> bool:
@@ -238,55 +224,6 @@ class Expansion:
             value.extra["fsdp"] = inp.name
         return value
 
-    def _fsdp_gathered(self, value: DValue, node: fx.Node, phase: str) -> DValue:
-        """FSDP: the parameter gathered (Replicate on the FSDP axes) for forward or
-        backward compute, the shard stays stored. With ``reshard_after_forward`` one gather
-        per parameter and phase, its nodes marked (``FSDP_GATHER``) so that no pass merges
-        the two; without, one gather per parameter that backward reuses."""
-        key = (value.node, phase if self.reshard_after_forward else "step")
-        got = self._gathered.get(key)
-        if got is None:
-            pl = tuple(pt.Replicate() if a in self.fsdp_axes else p for a, p in enumerate(value.spec.placements))
-            dst = pt.DTensorSpec(value.spec.mesh, pl, tensor_meta=value.spec.tensor_meta)
-            last = next(iter(reversed(self.graph.nodes)))
-            got = redistribute_value(self, value, dst, f"FSDP: gather parameter {value.extra['fsdp']} for {phase}", node)
-            if self.reshard_after_forward:
-                for n in _nodes_after(self.graph, last):
-                    n.meta[FSDP_GATHER] = phase
-            self._gathered[key] = got
-        return got
-
-    def _regathered_view(self, x: fx.Node, node: fx.Node) -> DValue | None:
-        """Under ``reshard_after_forward``, a backward op that reads a forward view of an
-        FSDP parameter (autograd saved ``t(weight)``) reads the same view of the backward
-        gather instead, so the forward's gather is not kept alive for it. ``x``: the traced
-        argument; None when it is no such view."""
-        got = self._regathered.get(x)
-        if got is not None:
-            return got
-        chain = []
-        root = x
-        while root.op == "call_function" and root.meta.get("spmd_phase") == "forward" and _is_view_op(root.target):
-            chain.append(root)
-            if not (root.args and isinstance(root.args[0], fx.Node)):
-                return None
-            root = root.args[0]
-        shard = self.env.get(root)
-        if not chain or root.op != "placeholder" or not (isinstance(shard, DValue) and "fsdp" in shard.extra):
-            return None
-        cur = self._fsdp_gathered(shard, node, "backward")
-        for c in reversed(chain):
-            prev = c.args[0]
-            c_args, c_kwargs = tree_map(self._lookup, (c.args[1:], c.kwargs))
-            last = next(iter(reversed(self.graph.nodes)))
-            cur = self._expand(c, c.target, (cur, *c_args), c_kwargs)
-            for n in _nodes_after(self.graph, last):
-                n.meta["spmd_phase"] = "backward"
-                n.meta["spmd_regathered"] = f"{c.name} taken again from the backward gather of {shard.extra['fsdp']}"
-            assert isinstance(cur, DValue), (c.format_node(), prev)
-            self._regathered[c] = cur
-        return cur
-
     def _constant(self, node: fx.Node) -> DValue:
         value = getattr(self.traced.gm, node.target)
         if not isinstance(value, torch.Tensor):
@@ -305,12 +242,12 @@ class Expansion:
         phase = node.meta.get("spmd_phase")
         if self.fsdp_axes and self.reshard_after_forward and phase == "backward" and isinstance(target, torch._ops.OpOverload):
             traced = [a for a in leaves((node.args, node.kwargs)) if isinstance(a, fx.Node) and a.meta.get("spmd_phase") == "forward"]
-            swap = {a: v for a in traced if (v := self._regathered_view(a, node)) is not None}
+            swap = {a: v for a in traced if (v := regathered_view(self, a, node)) is not None}
             if swap:
                 args, kwargs = tree_map(lambda x: swap[x] if isinstance(x, fx.Node) and x in swap else self._lookup(x), (node.args, node.kwargs))
         if self.fsdp_axes and phase in ("forward", "backward") and isinstance(target, torch._ops.OpOverload):
             args, kwargs = tree_map(
-                lambda v: self._fsdp_gathered(v, node, phase) if isinstance(v, DValue) and "fsdp" in v.extra else v, (args, kwargs)
+                lambda v: fsdp_gathered(self, v, node, phase) if isinstance(v, DValue) and "fsdp" in v.extra else v, (args, kwargs)
             )
         if target is operator.getitem:
             return args[0][args[1]]
