@@ -79,7 +79,7 @@ def _batch(step: int, args: Any) -> tuple[torch.Tensor, torch.Tensor]:
 def _plan(kind: str, world: int) -> tuple[Any, dict[str, int]]:
     return {
         "dp": (None, {"dp": world}),
-        "fsdp": (gpt_fsdp_plan(), {"dp": world}),
+        "fsdp": (gpt_fsdp_plan(reshard_after_forward=False), {"dp": world}),  # as its FSDP2 peer
         "tp": (gpt_tp_plan(), {"tp": world}),
         "2d": (gpt_2d_plan(), {"dp": world // 2, "tp": 2}),
     }[kind]

@@ -9,6 +9,7 @@ Examples (1-D mesh)::
 
     Plan(params={"l1.*": [Shard(0)], "l2.weight": [Shard(1)]}, default_input=[Replicate()])  # Megatron MLP
     Plan(params={"*": [Shard(0)]}, fsdp_axes=("dp",))  # FSDP: stored sharded, gathered for compute
+    Plan(params={"*": [Shard(0)]}, fsdp_axes=("dp",), reshard_after_forward=False)  # gathered once, kept for backward
 """
 
 from __future__ import annotations
@@ -107,6 +108,14 @@ class Plan:
             pattern or ``default_param`` shards parameters only, as ``fully_shard``:
             the buffers it matches (BatchNorm statistics, masks, rotary frequencies)
             are Replicate there; an exact FQN entry shards a buffer as it says.
+        reshard_after_forward: under ``fsdp_axes``, what ``fully_shard``'s option of the
+            same name does (and its default). ``True``: the full parameter gathered for
+            forward is dropped after its last forward use and gathered again for backward
+            (the views of it that autograd saved, such as ``t(weight)``, are taken again
+            from the backward gather), so between a unit's forward and its backward only
+            its shard is resident: one more all_gather per parameter per step, less
+            memory. ``False``: backward reuses the forward's gather, which stays resident
+            from its forward use to its last backward use.
         activation_sharding: how an op's strategy is chosen among DTensor's candidates.
             ``"follow"`` (default): an op's result is sharded on a mesh axis only where
             one of its inputs already is, so shards start at the plan and propagate (a
@@ -123,8 +132,15 @@ class Plan:
     strict: bool = True
     fsdp_axes: Sequence[str | int] = ()
     activation_sharding: str = "follow"
+    reshard_after_forward: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.reshard_after_forward, bool):
+            raise TypeError(
+                f"Plan(reshard_after_forward={self.reshard_after_forward!r}): expected True (gather FSDP parameters "
+                f"again for backward, as fully_shard's default) or False (keep the forward's gather for backward), "
+                f"got a {type(self.reshard_after_forward).__name__}. fix: pass a bool"
+            )
         if self.activation_sharding not in ("follow", "greedy"):
             raise ValueError(
                 f"Plan(activation_sharding={self.activation_sharding!r}): expected 'follow' (shards start at the "

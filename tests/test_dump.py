@@ -145,6 +145,7 @@ def test_logging_silent_by_default_and_informative_at_info(mesh4, caplog, capsys
     text = "\n".join(r.getMessage() for r in caplog.records)
     assert "(trace" in text and "expand" in text and "rebuild" in text  # phase times
     assert "collectives per rank per step" in text and "all_reduce" in text  # the summary
+    assert "memory per rank per step (static trace):\npeak " in text  # and the static memory trace
     with caplog.at_level(logging.DEBUG, logger="spmd_compiler.expand"):
         caplog.clear()
         fresh = MLP()

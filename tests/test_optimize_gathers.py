@@ -6,9 +6,10 @@ import pytest
 import torch
 
 import spmd_compiler as sc
-from spmd_compiler.optimize import bucket_parameter_gathers_pass, default_passes, overlap_pass
+from spmd_compiler.dump import memory_trace
+from spmd_compiler.optimize import bucket_parameter_gathers_pass, default_passes, overlap_pass, run_passes
 from spmd_compiler.optimize.gathers import unit_of
-from spmd_compiler.optimize.graph_utils import is_collective, is_wait, positions
+from spmd_compiler.optimize.graph_utils import alias_root, is_collective, is_wait, positions
 from spmd_compiler.optimize.overlap import is_param_gather
 from spmd_compiler.testing import assert_distributed, assert_training_matches
 from spmd_compiler.testing.models import GPT, gpt_fsdp_plan, train_step
@@ -21,12 +22,13 @@ def test_unit_of():
     assert unit_of("head.weight") == ""
 
 
-def _fsdp_step(mesh, vocab=32, layers=2):
+def _fsdp_step(mesh, vocab=32, layers=2, reshard_after_forward=True):
     model = GPT(vocab=vocab, seq=8, dim=16, heads=2, layers=layers)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     ids = torch.randint(0, vocab, (8, 8))
     train_step(model, opt, ids, ids)
-    return sc.expand(sc.trace(train_step, model, opt, ids, ids), mesh, gpt_fsdp_plan())
+    plan = gpt_fsdp_plan(reshard_after_forward=reshard_after_forward)
+    return sc.expand(sc.trace(train_step, model, opt, ids, ids), mesh, plan)
 
 
 def _gathers(gm):
@@ -34,7 +36,7 @@ def _gathers(gm):
 
 
 def test_one_gather_per_unit(mesh4):
-    step = _fsdp_step(mesh4)
+    step = _fsdp_step(mesh4, reshard_after_forward=False)
     gm = sc.optimize.remove_redundant_collectives_pass(step.gm)
     before = _gathers(gm)
     gm = bucket_parameter_gathers_pass(gm)
@@ -52,6 +54,30 @@ def test_one_gather_per_unit(mesh4):
     with pytest.raises(ValueError, match="by must be"):
         bucket_parameter_gathers_pass(gm, by="layer")
 
+    # Plan(reshard_after_forward=...), fully_shard's option: True gathers every unit again
+    # for backward (and takes the views autograd saved, t(weight), from that gather), so
+    # no forward gather lives into backward; False (above) keeps the forward's for backward
+    gms = {True: run_passes(_fsdp_step(mesh4).gm, default_passes())[0], False: run_passes(gm, default_passes())[0]}
+    counts = {r: {ph: sum(1 for n in _gathers(g) if n.meta["spmd_phase"] == ph) for ph in ("forward", "backward")}
+              for r, g in gms.items()}
+    assert counts == {True: {"forward": 3, "backward": 3}, False: {"forward": 3, "backward": 0}}
+    assert _reads_forward_gather(gms[True]) == []
+    assert len(_reads_forward_gather(gms[False])) >= 4  # each block's t(weight)s, at least
+    regathered = [n for n in gms[True].graph.nodes if "spmd_regathered" in n.meta]
+    assert regathered and all(n.meta["spmd_phase"] == "backward" for n in regathered)
+    # liveness: the static peak (in backward) is lower, by the gathered parameters
+    peaks = {r: memory_trace(g) for r, g in gms.items()}
+    assert peaks[True].peak_bytes < peaks[False].peak_bytes
+    gathered = {r: sum(b for w, b in t.breakdown().items() if w.endswith("gathered parameters")) for r, t in peaks.items()}
+    assert gathered[True] < gathered[False]
+
+
+def _reads_forward_gather(gm) -> list[str]:
+    """Backward nodes that read a forward parameter gather (directly or through views)."""
+    forward = {next(u for u in n.users if is_wait(u)) for n in _gathers(gm) if n.meta["spmd_phase"] == "forward"}
+    return [n.name for n in gm.graph.nodes if n.meta.get("spmd_phase") == "backward"
+            and any(alias_root(a) in forward for a in n.all_input_nodes)]
+
 
 def test_units_are_prefetched_in_order_of_need(mesh4):
     step = _fsdp_step(mesh4, layers=3)
@@ -59,7 +85,13 @@ def test_units_are_prefetched_in_order_of_need(mesh4):
     gm = overlap_pass(bucket_parameter_gathers_pass(gm), prefetch=1)
     pos = positions(gm)
     gathers = sorted(_gathers(gm), key=lambda n: pos[n])
-    assert [n.meta["spmd_param_gather"] for n in gathers] == ["", "blocks.0", "blocks.1", "blocks.2"]
+    # reshard_after_forward: gathered again for backward, in backward's order of need
+    assert [(n.meta["spmd_phase"], n.meta["spmd_param_gather"]) for n in gathers] == [
+        *(("forward", u) for u in ("", "blocks.0", "blocks.1", "blocks.2")),
+        *(("backward", u) for u in ("", "blocks.2", "blocks.1", "blocks.0")),
+    ]
+    first_backward = min(pos[n] for n in gm.graph.nodes if n.meta.get("spmd_phase") == "backward")
+    assert all(pos[n] >= first_backward for n in gathers if n.meta["spmd_phase"] == "backward")  # none issued in forward
 
     def first_compute_use(g):
         w = next(u for u in g.users if is_wait(u))
@@ -75,17 +107,21 @@ def test_units_are_prefetched_in_order_of_need(mesh4):
         assert pos[later] < first_compute_use(later)
 
 
-@pytest.mark.parametrize("vocab", [32, 30])  # 30 rows split unevenly over 4 ranks: padded shards
-def test_fused_gathers_keep_training_numerics(mesh4, vocab):
+# 30 rows split unevenly over 4 ranks: padded shards; reshard_after_forward: gathered again
+# for backward (True, fully_shard's default) or the forward's gather kept (False)
+@pytest.mark.parametrize("vocab,reshard", [(32, False), (30, True)])
+def test_fused_gathers_keep_training_numerics(mesh4, vocab, reshard):
     model = GPT(vocab=vocab, seq=8, dim=16, heads=2, layers=2).double()
     batches = [(torch.randint(0, vocab, (8, 8)), torch.randint(0, vocab, (8, 8))) for _ in range(3)]
     res = assert_training_matches(
-        train_step, model, lambda p: torch.optim.AdamW(p, lr=0.01), batches, mesh4, gpt_fsdp_plan(),
-        passes=default_passes(),
+        train_step, model, lambda p: torch.optim.AdamW(p, lr=0.01), batches, mesh4,
+        gpt_fsdp_plan(reshard_after_forward=reshard), passes=default_passes(),
     )
     assert_distributed(res, sharded=["tok.weight", "blocks.0.fc.weight", "batch[0]"])
     gm = next(iter(res.sim.expansions.values())).gm
-    assert sorted(n.meta["spmd_param_gather"] for n in _gathers(gm)) == ["", "blocks.0", "blocks.1"]
+    units = sorted((n.meta["spmd_phase"], n.meta["spmd_param_gather"]) for n in _gathers(gm))
+    phases = ("backward", "forward") if reshard else ("forward",)
+    assert units == [(phase, u) for phase in phases for u in ("", "blocks.0", "blocks.1")]
 
 
 def test_gathers_of_views_made_late_are_left_alone(mesh2x2):

@@ -155,3 +155,9 @@ def test_batchnorm_model_under_wildcard_shard_trains_as_one_device(fsdp_axes):
         return
     dist = assert_distributed(res, sharded=["0.weight", "batch[0]"], collectives={"all_to_all": 0, "forward/all_gather": 3, "forward/all_reduce": 2})
     assert dist.placements["1.running_mean"] == "R", dist.describe()
+
+
+def test_reshard_after_forward_is_a_bool_defaulting_to_fully_shards():
+    assert sc.Plan(fsdp_axes=("dp",)).reshard_after_forward is True  # fully_shard's default
+    with pytest.raises(TypeError, match=r"reshard_after_forward='no'.*expected True .* or False .*fix: pass a bool"):
+        sc.Plan(fsdp_axes=("dp",), reshard_after_forward="no")

@@ -279,9 +279,12 @@ class StepDriver:
         self.compiles += 1
         step.timings["total"] = elapsed
         if log.isEnabledFor(logging.INFO):
+            from ..dump.memory import memory_trace
             from ..dump.summary import comm_summary
 
             log.info("collectives per rank per step:\n%s", comm_summary(step.gm).table())
+            backend = dist.get_backend() if dist.is_initialized() else None
+            log.info("memory per rank per step (static trace):\n%s", memory_trace(step.gm, backend=backend).table())
             log.info(
                 "compiled %s in %.2fs (%s): %d nodes, %d collectives", name, elapsed,
                 ", ".join(f"{k} {v:.2f}s" for k, v in step.timings.items() if not k.startswith("pass ") and k != "total"),
@@ -348,6 +351,15 @@ class StepDriver:
         if self.last is None:
             raise RuntimeError("the step has not been compiled yet; call it once first")
         return comm_summary(self.last.gm)
+
+    def memory_trace(self) -> Any:
+        """Static memory trace of the last compiled graph: bytes alive per node and the
+        peak per rank per step (:func:`spmd_compiler.dump.memory_trace`)."""
+        from ..dump.memory import memory_trace
+
+        if self.last is None:
+            raise RuntimeError("the step has not been compiled yet; call it once first")
+        return memory_trace(self.last.gm, backend=dist.get_backend() if dist.is_initialized() else None)
 
     def timings(self) -> dict[str, float]:
         """Seconds per compile phase of the last compile (trace, expand, rebuild, passes, total)."""

@@ -9,6 +9,7 @@ Layout of ``<dump_dir>/<step>-<NNN>-rank<R>/``:
 ``stage_<k>.py``       each pipeline stage, when there are stages
 ``collectives.json``   every collective with its provenance and bytes
 ``comm_summary.json``  count and bytes per phase, kind and mesh axis (and ``.txt``)
+``memory.txt``         static memory trace: peak bytes per rank, what is alive there
 ``meta.json``          mesh, coordinate, plan source of every input, timings
 ``report.html``        self-contained, searchable report (open in a browser)
 =====================  =====================================================
@@ -33,6 +34,7 @@ import torch.fx as fx
 
 from .html import render_report
 from .printer import annotated_code
+from .memory import memory_trace
 from .summary import comm_summary
 
 __all__ = ["write_dump", "dump_root", "collectives_table", "should_dump"]
@@ -109,6 +111,8 @@ def write_dump(
     summary = comm_summary(final)
     (folder / "comm_summary.json").write_text(summary.to_json())
     (folder / "comm_summary.txt").write_text(summary.table() + "\n")
+    backend = dist.get_backend() if dist.is_initialized() else None
+    (folder / "memory.txt").write_text(memory_trace(final, backend=backend).table(top=20) + "\n")
     (folder / "collectives.json").write_text(json.dumps(collectives_table(final), indent=1))
     meta = {
         "name": name,

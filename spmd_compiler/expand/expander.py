@@ -28,7 +28,8 @@ from .builder import Recipe, SubgraphBuilder, local_fake
 from .cache import ExpansionCache, abstract_key
 from ..trace.markers import MARKER
 from .dispatch import ExpandContext, ScalarArg, TensorArg
-from .splice import redistribute_value, splice_recipe
+from .fsdp import fsdp_gathered, regathered_view
+from .splice import splice_recipe
 from .symbolic import LocalSizes, size_symbols_of, symbolic_local_shape, symint_of, trace_fake_mode
 from .values import DSymInt, DValue, MeshContext, RScalar, placements_text, sym_apply
 
@@ -113,6 +114,7 @@ class Expansion:
         sources: Any = None,
         rng: str = "exact",
         dynamic: bool = False,
+        reshard_after_forward: bool = True,
     ) -> None:
         self.traced = traced
         self.mctx = mctx
@@ -144,8 +146,10 @@ class Expansion:
         self.stats = ExpansionStats()
         self.warned: set = set()
         self.fsdp_axes = tuple(fsdp_axes)
+        self.reshard_after_forward = reshard_after_forward
         self._gathered: dict[tuple[fx.Node, str], DValue] = {}
         self._written = positions.written_storages(traced.gm.graph)  # no position tensor among these
+        self._regathered: dict[fx.Node, DValue] = {}  # traced forward view -> its backward replay
         # each traced input as planned (env entries may later point at reduced copies),
         # in the order of traced.inputs; input_value() finds one by name
         self.input_values: list[DValue] = []
@@ -252,18 +256,6 @@ class Expansion:
             value.extra["fsdp"] = inp.name
         return value
 
-    def _fsdp_gathered(self, value: DValue, node: fx.Node, phase: str) -> DValue:
-        """FSDP: the parameter gathered (Replicate on the FSDP axes) for forward or
-        backward compute; one gather per parameter and phase, the shard stays stored."""
-        key = (value.node, phase)
-        got = self._gathered.get(key)
-        if got is None:
-            pl = tuple(pt.Replicate() if a in self.fsdp_axes else p for a, p in enumerate(value.spec.placements))
-            dst = pt.DTensorSpec(value.spec.mesh, pl, tensor_meta=value.spec.tensor_meta)
-            got = redistribute_value(self, value, dst, f"FSDP: gather parameter {value.extra['fsdp']} for {phase}", node)
-            self._gathered[key] = got
-        return got
-
     def _constant(self, node: fx.Node) -> DValue:
         value = getattr(self.traced.gm, node.target)
         if not isinstance(value, torch.Tensor):
@@ -280,9 +272,14 @@ class Expansion:
         target = node.target
         args, kwargs = tree_map(self._lookup, (node.args, node.kwargs))
         phase = node.meta.get("spmd_phase")
+        if self.fsdp_axes and self.reshard_after_forward and phase == "backward" and isinstance(target, torch._ops.OpOverload):
+            traced = [a for a in leaves((node.args, node.kwargs)) if isinstance(a, fx.Node) and a.meta.get("spmd_phase") == "forward"]
+            swap = {a: v for a in traced if (v := regathered_view(self, a, node)) is not None}
+            if swap:
+                args, kwargs = tree_map(lambda x: swap[x] if isinstance(x, fx.Node) and x in swap else self._lookup(x), (node.args, node.kwargs))
         if self.fsdp_axes and phase in ("forward", "backward") and isinstance(target, torch._ops.OpOverload):
             args, kwargs = tree_map(
-                lambda v: self._fsdp_gathered(v, node, phase) if isinstance(v, DValue) and "fsdp" in v.extra else v, (args, kwargs)
+                lambda v: fsdp_gathered(self, v, node, phase) if isinstance(v, DValue) and "fsdp" in v.extra else v, (args, kwargs)
             )
         if target is operator.getitem:
             return args[0][args[1]]
@@ -433,6 +430,7 @@ def expand_graph(
     sources: Any = None,
     rng: str = "exact",
     dynamic: bool = False,
+    reshard_after_forward: bool = True,
 ) -> "Expansion":
     """Run the expander; returns it (graph, env, constants, stats) for :mod:`rebuild`.
 
@@ -443,6 +441,7 @@ def expand_graph(
     ex = Expansion(
         traced, mctx, placements, fallback=fallback, cache=cache if cache is not None else ExpansionCache(),
         fsdp_axes=fsdp_axes, activation_sharding=activation_sharding, sources=sources, rng=rng, dynamic=dynamic,
+        reshard_after_forward=reshard_after_forward,
     )
     ex.run()
     return ex

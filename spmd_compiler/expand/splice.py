@@ -22,12 +22,16 @@ from .builder import OutScalar, OutTensor, Recipe, SubgraphBuilder
 from .redistribute import emit_redistribute
 from .values import DValue, RScalar
 
-__all__ = ["splice_recipe", "fresh_spec", "redistribute_value", "RANK_SIZES"]
+__all__ = ["splice_recipe", "fresh_spec", "redistribute_value", "RANK_SIZES", "FSDP_GATHER"]
 
 # node.meta key: the node's size arguments are this rank's (an uneven shard), other ranks
 # have other sizes in the same place; a pass that compares sizes must leave it alone, or
 # the ranks' programs stop being the same program
 RANK_SIZES = "spmd_rank_sizes"
+# node.meta key: the node is part of an FSDP parameter gather made for this phase
+# ("forward" or "backward") under Plan(reshard_after_forward=True); a pass must not merge
+# it with the other phase's gather, which would keep the full parameter alive in between
+FSDP_GATHER = "spmd_fsdp_gather"
 
 
 def fresh_spec(spec: Any) -> Any:

@@ -12,7 +12,8 @@ A unit is the module a parameter belongs to, cut at the first numbered component
 name: ``blocks.3.attn.q.weight`` is in unit ``blocks.3``, ``tok.weight`` in the root
 unit ``""`` (as torchtitan wraps every block of a ModuleList and the root). The fused
 gather stays a parameter gather for :mod:`.overlap`, which issues it one unit ahead of
-its first use.
+its first use. Forward and backward gathers of a unit (``Plan(reshard_after_forward=True)``)
+are fused apart: one collective per unit and phase.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from ..expand.splice import FSDP_GATHER
 from .graph_utils import WAIT, alias_root, fused_comm, is_collective, is_wait, new_node, positions, prep_chain, written_inputs
 
 __all__ = ["bucket_parameter_gathers_pass", "unit_of"]
@@ -117,6 +119,8 @@ def _fuse(gm: fx.GraphModule, members: list[fx.Node], unit: str, pos: dict[fx.No
         with g.inserting_before(anchor):
             node = new_node(g, target, args, None, meta)
         node.meta["spmd_phase"] = members[0].meta.get("spmd_phase")
+        if FSDP_GATHER in members[0].meta:
+            node.meta[FSDP_GATHER] = members[0].meta[FSDP_GATHER]
         node.meta["spmd_origin"] = {"node": f"gather of unit {unit or '<root>'}", "op": "bucket_parameter_gathers", "source": None}
         return node
 
@@ -161,7 +165,7 @@ def bucket_parameter_gathers_pass(gm: fx.GraphModule, *, by: str = "unit") -> fx
         if fqn is None:
             continue
         c = n.meta["spmd_comm"]
-        groups[(unit_of(fqn), n.args[-1], c["dtype"], c["group_size"])].append(n)
+        groups[(unit_of(fqn), n.meta.get("spmd_phase"), n.args[-1], c["dtype"], c["group_size"])].append(n)
     writes: dict[Any, list[fx.Node]] = defaultdict(list)
     for n in gm.graph.nodes:
         for x in written_inputs(n):

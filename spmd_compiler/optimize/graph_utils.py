@@ -213,13 +213,14 @@ def hoist(
     writes: dict[Any, list[fx.Node]] | None = None,
 ) -> None:
     """Move ``node`` (and its prep chain) to right after the latest of its inputs, or after
-    ``not_before`` if that is later. Never moves a node past a write to one of its inputs.
-    ``pos`` (from :func:`positions`) is kept up to date; pass ``writes`` (from
+    ``not_before`` if that is later (the prep chain too: a fused gather's copy-in buffer is
+    not made long before its collective). Never moves a node past a write to one of its
+    inputs. ``pos`` (from :func:`positions`) is kept up to date; pass ``writes`` (from
     :func:`writes_by_root`) when hoisting many nodes."""
     writes = writes if writes is not None else writes_by_root(gm)
     if is_collective(node):
         for prep in reversed(prep_chain(node)):
-            hoist(gm, prep, pos, writes=writes)
+            hoist(gm, prep, pos, not_before=not_before, writes=writes)
     inputs = list(node.all_input_nodes)
     anchor = max(inputs, key=lambda a: pos[a]) if inputs else None
     if not_before is not None and (anchor is None or pos[not_before] > pos[anchor]):

@@ -7,8 +7,10 @@ its collectives issued in the same order on every rank.
 
 Gathers of sharded parameters (FSDP-style plans) are the exception: issued as early as
 possible they would materialize every parameter at once. Each is issued only when the
-``prefetch``-th previous parameter gather is first used, i.e. one step ahead of need,
-and the gathered tensor is released after its last use (the generated code drops it).
+``prefetch``-th previous parameter gather of the same phase is first used, i.e. one step
+ahead of need (a phase's first gathers: not before the phase starts; in backward
+``backward_prefetch``, 1 as in FSDP2, since backward starts where activations peak), and
+the gathered tensor is released after its last use (the generated code drops it).
 """
 
 from __future__ import annotations
@@ -51,10 +53,13 @@ def _first_compute_use(n: fx.Node, pos: dict[fx.Node, int]) -> fx.Node | None:
     return min(found, key=lambda u: pos[u]) if found else None
 
 
-def overlap_pass(gm: fx.GraphModule, *, prefetch: int = 2) -> fx.GraphModule:
-    """Issue collectives early and wait late; parameter gathers ``prefetch`` ahead."""
-    if prefetch < 1:
-        raise ValueError(f"prefetch must be >= 1, got {prefetch}")
+def overlap_pass(gm: fx.GraphModule, *, prefetch: int = 2, backward_prefetch: int = 1) -> fx.GraphModule:
+    """Issue collectives early and wait late; parameter gathers ``prefetch`` ahead in
+    forward, ``backward_prefetch`` ahead in backward (FSDP2's default: one unit; the first
+    backward units are gathered where activations peak)."""
+    for name, value in (("prefetch", prefetch), ("backward_prefetch", backward_prefetch)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1 (gathers issued ahead of need), got {value!r}")
     pos = positions(gm)
     writes = writes_by_root(gm)
     collectives = [n for n in gm.graph.nodes if is_collective(n)]
@@ -69,15 +74,26 @@ def overlap_pass(gm: fx.GraphModule, *, prefetch: int = 2) -> fx.GraphModule:
         use = _first_compute_use(waits[n], pos)
         return pos[use] if use is not None else pos[n]
 
-    order = sorted(gathers, key=need)
-    for i, n in enumerate(order):
-        if i < prefetch:
-            hoist(gm, n, pos, writes=writes)
-        else:
-            earlier = order[i - prefetch]
-            use = _first_compute_use(waits[earlier], pos)
-            if use is not None and use.prev is not None:
-                hoist(gm, n, pos, not_before=use.prev, writes=writes)
+    # counted within each phase: a backward gather (Plan(reshard_after_forward=True)) is
+    # not issued in forward, where it would hold the full parameter through the forward
+    starts: dict[object, fx.Node] = {}
+    for node in gm.graph.nodes:
+        starts.setdefault(node.meta.get("spmd_phase"), node)
+    first_phase = next((n.meta.get("spmd_phase") for n in sorted(gathers, key=need)), None)
+    by_phase: dict[object, list[fx.Node]] = {}
+    for n in sorted(gathers, key=need):
+        by_phase.setdefault(n.meta.get("spmd_phase"), []).append(n)
+    for phase, order in by_phase.items():
+        ahead = backward_prefetch if phase == "backward" else prefetch
+        for i, n in enumerate(order):
+            if i < ahead:
+                start = starts[phase].prev if phase != first_phase else None
+                hoist(gm, n, pos, not_before=start, writes=writes)
+            else:
+                earlier = order[i - ahead]
+                use = _first_compute_use(waits[earlier], pos)
+                if use is not None and use.prev is not None:
+                    hoist(gm, n, pos, not_before=use.prev, writes=writes)
     # waits: as late as the first use
     for w in [n for n in gm.graph.nodes if is_wait(n)]:
         use = _first_use(w, pos)

@@ -4,8 +4,10 @@ Each consumer of a value redistributes it on its own, so the same collective on 
 same value can appear several times. This pass
 
 * merges identical pure nodes, collectives included (common-subexpression elimination),
-  never across a write to an input (positions decide) and never for values that are
-  later written in place (two optimizer states must not share storage);
+  never across a write to an input (positions decide), never for values that are
+  later written in place (two optimizer states must not share storage), and never an
+  FSDP parameter gather made for backward with the forward's under
+  ``Plan(reshard_after_forward=True)`` (that would keep the full parameter alive);
 * folds an all_gather whose result is immediately narrowed back to this rank's own chunk
   (``Shard -> Replicate -> Shard`` on the same dim and axis): the narrow is the input.
 
@@ -25,7 +27,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..expand.splice import RANK_SIZES
+from ..expand.splice import FSDP_GATHER, RANK_SIZES
 from .graph_utils import alias_root, is_collective, is_pure, is_wait, positions, writes_by_root, written_roots, written_through
 
 __all__ = ["remove_redundant_collectives_pass", "cse_pass"]
@@ -49,7 +51,8 @@ def cse_pass(gm: fx.GraphModule) -> fx.GraphModule:
     """Merge identical pure nodes when no input is written in place between them and the
     result itself is never written in place (two optimizer states must not share
     storage). A parameter read in forward and again in backward (an FSDP gather, before
-    the optimizer updates it) is one value."""
+    the optimizer updates it) is one value, unless its gathers are marked per phase
+    (``FSDP_GATHER``: the plan reshards after forward)."""
     written = written_through(gm)
     writes = writes_by_root(gm)
     pos = positions(gm)
@@ -61,7 +64,7 @@ def cse_pass(gm: fx.GraphModule) -> fx.GraphModule:
             continue
         if node in written or RANK_SIZES in node.meta:  # sizes differ per rank: merging would be rank-specific
             continue
-        key = (node.target, _key(node.args), _key(node.kwargs))
+        key = (node.target, _key(node.args), _key(node.kwargs), node.meta.get(FSDP_GATHER))
         prev = seen.get(key)
         if prev is None or any(pos[prev] < pos[w] < pos[node] for a in node.all_input_nodes for w in writes.get(alias_root(a), ())):
             seen[key] = node  # first of its kind, or an input changed since the last one

@@ -189,7 +189,8 @@ def run_passes(
 
 
 def default_passes(
-    *, bucket_mb: float = 25.0, first_bucket_mb: float | None = 1.0, overlap: bool = True, prefetch: int = 2
+    *, bucket_mb: float = 25.0, first_bucket_mb: float | None = 1.0, overlap: bool = True, prefetch: int = 2,
+    backward_prefetch: int = 1,
 ) -> list[PassSpec]:
     """The default pipeline: remove redundant collectives, bucket gradient reductions,
     gather FSDP parameters per module unit, overlap communication with compute (issue
@@ -206,7 +207,7 @@ def default_passes(
         PassSpec("bucket_parameter_gathers", bucket_parameter_gathers_pass),
     ]
     if overlap:
-        out.append(PassSpec("overlap", overlap_pass, {"prefetch": prefetch}))
+        out.append(PassSpec("overlap", overlap_pass, {"prefetch": prefetch, "backward_prefetch": backward_prefetch}))
         out.append(PassSpec("schedule", schedule_for_overlap_pass))
     return out
 

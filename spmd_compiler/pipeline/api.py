@@ -109,6 +109,7 @@ def pipeline_plan(plan: Plan, pp_index: int | None, ndim: int) -> Plan:
         style_axis=plan.style_axis,
         strict=plan.strict,
         fsdp_axes=tuple(a + (1 if pp_index is not None and a >= pp_index else 0) if isinstance(a, int) else a for a in names),
+        reshard_after_forward=plan.reshard_after_forward,
     )
 
 

@@ -159,10 +159,11 @@ def gpt_tp_plan() -> Plan:
     return Plan(params=_tp_params(1, 0), default_input=[Replicate()])
 
 
-def gpt_fsdp_plan(ndim: int = 1) -> Plan:
-    """FSDP: every parameter stored split along dim 0 and gathered for compute; batch
-    split along dim 0."""
-    return Plan(params={"*": [Shard(0)] * ndim}, default_input=[Shard(0)] * ndim, fsdp_axes=tuple(range(ndim)))
+def gpt_fsdp_plan(ndim: int = 1, *, reshard_after_forward: bool = True) -> Plan:
+    """FSDP: every parameter stored split along dim 0 and gathered for compute (again for
+    backward unless ``reshard_after_forward=False``); batch split along dim 0."""
+    return Plan(params={"*": [Shard(0)] * ndim}, default_input=[Shard(0)] * ndim, fsdp_axes=tuple(range(ndim)),
+                reshard_after_forward=reshard_after_forward)
 
 
 def gpt_2d_plan() -> Plan:

@@ -1,0 +1,89 @@
+"""FSDP parameters in expansion (``Plan(fsdp_axes=...)``): gathered for compute, stored sharded.
+
+A parameter sharded on an FSDP mesh axis is all-gathered (Replicate on that axis) where
+forward or backward compute reads it. ``Plan(reshard_after_forward=True)`` (the default,
+as ``fully_shard``'s) gathers it once per phase and marks each gather's nodes
+(``FSDP_GATHER``) so that no pass merges the two; a backward op that reads a view of the
+forward's gather that autograd saved (``t(weight)``) reads the same view of the backward
+gather instead (:func:`regathered_view`), so the full parameter is not resident between
+its forward and its backward. With ``False`` one gather serves both phases.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.fx as fx
+
+from .. import _private_torch as pt
+from .splice import FSDP_GATHER, redistribute_value
+from .tree import tree_map
+from .values import DValue
+
+__all__ = ["fsdp_gathered", "regathered_view", "is_view_op", "nodes_after"]
+
+
+def nodes_after(graph: fx.Graph, last: fx.Node) -> list[fx.Node]:
+    """The nodes appended to ``graph`` after ``last`` (its last node before)."""
+    out, n = [], last.next
+    while n.op != "root":
+        out.append(n)
+        n = n.next
+    return out
+
+
+def is_view_op(target: Any) -> bool:
+    """An aten op whose result is a view of its first argument (``t``, ``view``, ``detach``)."""
+    rets = getattr(getattr(target, "_schema", None), "returns", None)
+    return bool(rets and rets[0].alias_info is not None and not rets[0].alias_info.is_write)
+
+
+def fsdp_gathered(ex: Any, value: DValue, node: fx.Node, phase: str) -> DValue:
+    """FSDP: the parameter gathered (Replicate on the FSDP axes) for forward or
+    backward compute, the shard stays stored. With ``reshard_after_forward`` one gather
+    per parameter and phase, its nodes marked (``FSDP_GATHER``) so that no pass merges
+    the two; without, one gather per parameter that backward reuses."""
+    key = (value.node, phase if ex.reshard_after_forward else "step")
+    got = ex._gathered.get(key)
+    if got is None:
+        pl = tuple(pt.Replicate() if a in ex.fsdp_axes else p for a, p in enumerate(value.spec.placements))
+        dst = pt.DTensorSpec(value.spec.mesh, pl, tensor_meta=value.spec.tensor_meta)
+        last = next(iter(reversed(ex.graph.nodes)))
+        got = redistribute_value(ex, value, dst, f"FSDP: gather parameter {value.extra['fsdp']} for {phase}", node)
+        if ex.reshard_after_forward:
+            for n in nodes_after(ex.graph, last):
+                n.meta[FSDP_GATHER] = phase
+        ex._gathered[key] = got
+    return got
+
+
+def regathered_view(ex: Any, x: fx.Node, node: fx.Node) -> DValue | None:
+    """Under ``reshard_after_forward``, a backward op that reads a forward view of an
+    FSDP parameter (autograd saved ``t(weight)``) reads the same view of the backward
+    gather instead, so the forward's gather is not kept alive for it. ``x``: the traced
+    argument; None when it is no such view."""
+    got = ex._regathered.get(x)
+    if got is not None:
+        return got
+    chain = []
+    root = x
+    while root.op == "call_function" and root.meta.get("spmd_phase") == "forward" and is_view_op(root.target):
+        chain.append(root)
+        if not (root.args and isinstance(root.args[0], fx.Node)):
+            return None
+        root = root.args[0]
+    shard = ex.env.get(root)
+    if not chain or root.op != "placeholder" or not (isinstance(shard, DValue) and "fsdp" in shard.extra):
+        return None
+    cur = fsdp_gathered(ex, shard, node, "backward")
+    for c in reversed(chain):
+        prev = c.args[0]
+        c_args, c_kwargs = tree_map(ex._lookup, (c.args[1:], c.kwargs))
+        last = next(iter(reversed(ex.graph.nodes)))
+        cur = ex._expand(c, c.target, (cur, *c_args), c_kwargs)
+        for n in nodes_after(ex.graph, last):
+            n.meta["spmd_phase"] = "backward"
+            n.meta["spmd_regathered"] = f"{c.name} taken again from the backward gather of {shard.extra['fsdp']}"
+        assert isinstance(cur, DValue), (c.format_node(), prev)
+        ex._regathered[c] = cur
+    return cur
