@@ -12,11 +12,18 @@ from spmd_compiler.testing import fake_mesh
 from spmd_compiler.testing.models import GPT, gpt_2d_plan, gpt_fsdp_plan, train_step
 
 
+_TRACED: dict = {}
+
+
 def _traced(layers=2):
-    model = GPT(vocab=128, seq=16, dim=64, heads=8, layers=layers)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ids = torch.randint(0, 128, (64, 16))
-    return model, sc.trace(train_step, model, opt, ids, ids)
+    """Traced once per module: three tests expand the same step (expansion does not
+    modify the traced step; test_fsdp_world_64_uneven_parameters expands it twice)."""
+    if layers not in _TRACED:
+        model = GPT(vocab=128, seq=16, dim=64, heads=8, layers=layers)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        ids = torch.randint(0, 128, (64, 16))
+        _TRACED[layers] = model, sc.trace(train_step, model, opt, ids, ids)
+    return _TRACED[layers]
 
 
 def _kinds(step):

@@ -21,6 +21,20 @@ from spmd_compiler.testing.models import GPT, MLP, gpt_fsdp_plan, megatron_mlp_p
 c10d = torch.ops._c10d_functional
 
 
+_STEADY: dict[tuple, fx.GraphModule] = {}
+
+
+def _steady(mesh, kind: str, plan_name: str | None = None) -> fx.GraphModule:
+    """``_program`` compiled once per (mesh shape, kind, plan) for the whole module: several
+    tests read the same steady program (neither ``find_fold``, ``fold_guard_pass`` nor
+    ``compile_runner`` modifies it; test_folded_variant_makes_the_same_collectives asserts
+    it keeps its nodes)."""
+    key = (tuple(mesh.shape), kind, plan_name)
+    if key not in _STEADY:
+        _STEADY[key] = _program(mesh, kind, plan=gpt_fsdp_plan() if plan_name == "fsdp" else None)
+    return _STEADY[key]
+
+
 def _program(mesh, kind: str = "gpt", plan=None, model=None) -> fx.GraphModule:
     """The per-rank graph of the steady step (optimizer state present)."""
     if kind == "gpt":
@@ -44,7 +58,7 @@ def _collectives(gm: fx.GraphModule) -> Counter:
 
 @pytest.mark.parametrize("kind", ["gpt", "mlp"])
 def test_folded_variant_makes_the_same_collectives(mesh4, kind):
-    gm = _program(mesh4, kind)
+    gm = _steady(mesh4, kind)
     point = find_fold(gm, world_size=4)
     assert point is not None and point.op == ("sum" if kind == "gpt" else "avg") and point.shape == ()
     folded = fold_guard_pass(gm, point=point)
@@ -63,7 +77,7 @@ def test_folded_variant_makes_the_same_collectives(mesh4, kind):
 
 def test_mlp_wait_moves_up_before_the_gradient_all_reduce(mesh4):
     """The MLP's loss all_reduce is waited at the end of the program; the check cannot wait there."""
-    gm = _program(mesh4, "mlp")
+    gm = _steady(mesh4, "mlp")
     point = find_fold(gm, world_size=4)
     order = [n.name for n in gm.graph.nodes]
     effects = [n for n in gm.graph.nodes if _is_effect(n) and n.name not in (point.collective, point.wait)]
@@ -76,7 +90,7 @@ def test_mlp_wait_moves_up_before_the_gradient_all_reduce(mesh4):
 
 @pytest.mark.parametrize("kind", ["gpt", "mlp"])
 def test_folded_variant_computes_what_the_program_computes(mesh4, kind):
-    gm = _program(mesh4, kind)
+    gm = _steady(mesh4, kind)
     folded = fold_guard_pass(gm, point=find_fold(gm, world_size=4))
     a, b = example_inputs(gm), example_inputs(gm)
     with torch.no_grad():
@@ -90,7 +104,7 @@ def test_folded_variant_computes_what_the_program_computes(mesh4, kind):
 
 def test_gather_carries_the_check(mesh4):
     """FSDP's first collective is a parameter all_gather: each rank's part carries a flag."""
-    gm = _program(mesh4, "gpt", plan=gpt_fsdp_plan())
+    gm = _steady(mesh4, "gpt", "fsdp")
     point = find_fold(gm, world_size=4)
     assert point is not None and point.kind == "all_gather" and point.out_shape[0] == 4 * point.shape[0]
     folded = fold_guard_pass(gm, point=point)
@@ -122,7 +136,7 @@ def test_a_program_that_draws_keeps_the_standalone_check(mesh4):
     """Its exchange carries the generators' fingerprint (driver/rng.py)."""
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 16)).double()
     assert find_fold(_program(mesh4, "mlp", model=model), world_size=4) is None
-    assert find_fold(_program(mesh4, "mlp"), world_size=4) is not None
+    assert find_fold(_steady(mesh4, "mlp"), world_size=4) is not None
 
 
 def test_check_raises_on_a_flag():

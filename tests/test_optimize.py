@@ -26,12 +26,19 @@ from spmd_compiler.testing import SimulatedTraining, assert_distributed, assert_
 from spmd_compiler.testing.models import GPT, MLP, gpt_2d_plan, gpt_fsdp_plan, mse_train_step, train_step
 
 
+_TRACED: dict = {}
+
+
 def adam_gpt(layers=1):
-    model = GPT(vocab=32, seq=8, dim=16, heads=2, layers=layers)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    ids = torch.randint(0, 32, (8, 8))
-    train_step(model, opt, ids, ids)  # materialize Adam state: trace the steady step
-    return sc.trace(train_step, model, opt, ids, ids)
+    """Traced once per module and depth: the tests expand it afresh (expansion does not
+    modify a traced step; the passes they run rewrite only the expanded graph)."""
+    if layers not in _TRACED:
+        model = GPT(vocab=32, seq=8, dim=16, heads=2, layers=layers)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        ids = torch.randint(0, 32, (8, 8))
+        train_step(model, opt, ids, ids)  # materialize Adam state: trace the steady step
+        _TRACED[layers] = sc.trace(train_step, model, opt, ids, ids)
+    return _TRACED[layers]
 
 
 def _kinds(gm):

@@ -68,8 +68,23 @@ def _numerics_and_agreement(rank: int, world: int) -> dict:
     return out
 
 
-def test_numerics_and_rank_agreement():
-    results = run_processes(_numerics_and_agreement, 4, timeout=240)
+def _four_ranks(rank: int, world: int, ckpt: str) -> dict:
+    """The 4-rank cases that need no fresh processes, in one launch, each on its own
+    model and compiled step: the 2x2 mesh, the uninterrupted and the checkpointed DCP
+    runs (the resumed run must be a restart: it has its own launch), then numerics and
+    rank agreement (last: it ends with the rank mismatch)."""
+    return {"two_d": _two_d(rank, world), "dcp_full": _train(rank, world, range(5), None, False),
+            "dcp_first": _train(rank, world, range(3), ckpt, False), "numerics": _numerics_and_agreement(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    ckpt = str(tmp_path_factory.mktemp("dcp") / "ckpt")
+    return run_processes(_four_ranks, 4, ckpt, timeout=480), ckpt
+
+
+def test_numerics_and_rank_agreement(four_ranks):
+    results = [r["numerics"] for r in four_ranks[0]]
     for rank, res in enumerate(results):
         assert res["dp"] < 1e-10 and res["fsdp"] < 1e-10, res
         assert res["dp_compiles"] == 2 and res["fsdp_compiles"] == 2
@@ -101,8 +116,8 @@ def _two_d(rank: int, world: int) -> dict:
     return {"losses": losses, "params": params, "local": local, "comms": comms, "coord": tuple(step.mesh.get_coordinate())}
 
 
-def test_2x2_dp_tp_matches_one_device():
-    results = run_processes(_two_d, 4, timeout=120)
+def test_2x2_dp_tp_matches_one_device(four_ranks):
+    results = [r["two_d"] for r in four_ranks[0]]
     assert sorted(r["coord"] for r in results) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     for rank, res in enumerate(results):
         for got, want in res["losses"]:
@@ -185,11 +200,10 @@ def _train(rank: int, world: int, steps: range, ckpt: str | None, load: bool) ->
     return losses
 
 
-def test_dcp_save_restart_resume(tmp_path):
-    ckpt = str(tmp_path / "ckpt")
-    full = run_processes(_train, 4, range(5), None, False)[0]
-    first = run_processes(_train, 4, range(3), ckpt, False)[0]
-    resumed = run_processes(_train, 4, range(3, 5), ckpt, True)[0]
+def test_dcp_save_restart_resume(four_ranks):
+    results, ckpt = four_ranks
+    full, first = results[0]["dcp_full"], results[0]["dcp_first"]
+    resumed = run_processes(_train, 4, range(3, 5), ckpt, True)[0]  # a restart: fresh processes
     assert first == pytest.approx(full[:3], abs=1e-12)
     assert resumed == pytest.approx(full[3:], abs=1e-12)
 

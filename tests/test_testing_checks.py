@@ -23,10 +23,16 @@ from spmd_compiler.testing.models import MLP, megatron_mlp_plan
 from spmd_compiler.testing.models import mse_train_step as mse_step
 
 
+_TRACED: dict = {}
+
+
 def _expand(mesh, plan=None, rows=8):
-    model = MLP()
-    traced = sc.trace(mse_step, model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(rows, 16), torch.randn(rows, 16))
-    return sc.expand(traced, mesh, plan)
+    """A fresh expansion of an MLP step traced once per batch size (expansion does not
+    modify the traced step)."""
+    if rows not in _TRACED:
+        model = MLP()
+        _TRACED[rows] = sc.trace(mse_step, model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(rows, 16), torch.randn(rows, 16))
+    return sc.expand(_TRACED[rows], mesh, plan)
 
 
 REPLICATED = sc.Plan(default_input=[Replicate()])  # parameters default to Replicate too

@@ -40,10 +40,19 @@ def _gpt2(rank: int, world: int, plan_name: str) -> dict:
     return {"err": max(errs), "q_heads": q_heads, "comms": comms}
 
 
+def _gpt2_plans(rank: int, world: int, plan_names: list[str]) -> dict:
+    return {name: _gpt2(rank, world, name) for name in plan_names}
+
+
+@pytest.fixture(scope="module")
+def results():
+    """Both plans in one launch (one fork, one transformers import per rank)."""
+    return run_processes(_gpt2_plans, 2, ["dp", "tp"], timeout=480)
+
+
 @pytest.mark.parametrize("plan_name", ["dp", "tp"])
-def test_gpt2_on_gloo(plan_name):
-    results = run_processes(_gpt2, 2, plan_name, timeout=240)
-    for rank, res in enumerate(results):
+def test_gpt2_on_gloo(results, plan_name):
+    for rank, res in enumerate(r[plan_name] for r in results):
         assert res["err"] < 1e-9, (rank, res)
         assert ("forward", "all_gather") not in res["comms"], res["comms"]
         # GPT-2 has 2 heads: whole under DP, one per rank under TP
