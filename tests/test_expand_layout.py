@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 import spmd_compiler as sc
 from spmd_compiler.expand import registry
-from spmd_compiler.expand.dispatch import NoStrategy
+from spmd_compiler.expand.args import NoStrategy
 from spmd_compiler.testing import assert_spmd_matches
 from spmd_compiler.testing import strategies as sst
 

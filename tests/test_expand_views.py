@@ -86,7 +86,7 @@ def test_mha_reshape_of_a_transposed_value_stays_split():
 def test_pointwise_op_narrows_a_replicated_operand_to_a_strided_one():
     """(seq, batch * heads) split by heads under tp as _StridedShard(1, batch), added to
     a replicated value of the same shape and to a broadcast row: the replicated operand
-    is sliced locally (expand/dispatch.py:follow_strided), nothing is gathered."""
+    is sliced locally (expand/follow.py:follow_strided), nothing is gathered."""
     x = torch.randn(3, 2, 8, dtype=torch.float64)  # (seq, batch, heads * hd), heads split
     r = torch.randn(3, 8, 2, dtype=torch.float64)
     row = torch.randn(2, dtype=torch.float64)

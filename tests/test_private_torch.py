@@ -1,4 +1,4 @@
-"""The one door to private torch (spmd_compiler/_private_torch.py): schema facts."""
+"""The one door to private torch (the spmd_compiler/_private_torch package): schema facts."""
 
 from __future__ import annotations
 

@@ -152,7 +152,7 @@ def test_assert_spmd_matches_names_first_wrong_node(mesh4):
     """A deliberately wrong rule (relu passing a Partial sum through) is caught and the
     error points at the relu node."""
     from spmd_compiler.expand import registry
-    from spmd_compiler.expand.dispatch import _out_tensor
+    from spmd_compiler.expand.args import _out_tensor
 
     op = torch.ops.aten.relu.default
     saved = registry.get_rule(op)

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from . import rules  # noqa: F401  (registers the per-op rules)
 from .cache import ExpansionCache
-from .dispatch import ExpandContext, TensorArg, generic_expand, replicate_fallback
+from .args import ExpandContext, TensorArg
+from .dispatch import generic_expand
+from .fallback import replicate_fallback
 from .expander import Expansion, expand_graph
 from .registry import register_rule
 from .values import DSymInt, DValue, MeshContext

@@ -27,7 +27,7 @@ from .advice import log_advice
 from .builder import Recipe, SubgraphBuilder, local_fake
 from .cache import ExpansionCache, abstract_key
 from ..trace.markers import MARKER
-from .dispatch import ExpandContext, ScalarArg, TensorArg
+from .args import ExpandContext, ScalarArg, TensorArg
 from .fsdp import fsdp_gathered, regathered_view
 from .splice import splice_recipe
 from .symbolic import LocalSizes, size_symbols_of, symbolic_local_shape, symint_of, trace_fake_mode

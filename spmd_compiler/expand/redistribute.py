@@ -427,7 +427,6 @@ def _strided_step(b: SubgraphBuilder, x: fx.Node, axis: int, s: Any, t: Any, log
     rank j the slice ``[:, j, :]``: it is what a sharded inner dim becomes after a view
     merges it with an outer one (heads into batch*heads in attention).
     """
-    n = b.mctx.shape[axis]
     if isinstance(s, pt.StridedShard) and isinstance(t, pt.StridedShard) and s == t:
         return x, mask
     if s.is_replicate():

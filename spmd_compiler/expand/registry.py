@@ -1,7 +1,7 @@
 """Registry of per-op expansion rules, keyed by aten OpOverload.
 
 A rule has the signature ``rule(ctx, b, op, args, kwargs) -> result`` where tensor
-arguments arrive as :class:`~spmd_compiler.expand.dispatch.TensorArg` (already inputs of
+arguments arrive as :class:`~spmd_compiler.expand.args.TensorArg` (already inputs of
 the recipe builder ``b``) and sizes as :class:`~spmd_compiler.expand.values.DSymInt`.
 It emits local ops and collectives into ``b`` and returns the result pytree
 (:class:`~spmd_compiler.expand.builder.OutTensor` for tensors). Ops without a rule go

@@ -139,7 +139,7 @@ def test_encoder_layer_megatron_without_gathers():
 def test_mha_weights_megatron_without_gathers():
     """The head-averaged attention weights (need_weights=True) are replicated over tp; in
     backward their gradient meets the head-split one in an add, which narrows the
-    replicated operand (expand/dispatch.py:follow_strided) instead of gathering."""
+    replicated operand (expand/follow.py:follow_strided) instead of gathering."""
     make, data = MODELS["mha_weights"]
     res = assert_training_matches(mse_step, make().double(), adamw, data(), fake_mesh((2,), ("tp",)), megatron_plan("mha_weights"))
     assert_distributed(res, sharded=["attn.in_proj_weight"], collectives={"all_gather": 0, "forward/all_reduce/tp": 2})

@@ -44,7 +44,9 @@ import torch
 from ... import _private_torch as pt
 from ..builder import SubgraphBuilder
 from ...errors import UnsupportedOpError
-from ..dispatch import ExpandContext, TensorArg, input_placements_text, replicate_fallback, wrap_result
+from ..args import ExpandContext, TensorArg, input_placements_text
+from ..dispatch import wrap_result
+from ..fallback import replicate_fallback
 from ..layout import restride_like
 from ..redistribute import emit_redistribute
 from ..registry import register_rule

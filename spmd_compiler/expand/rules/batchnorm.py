@@ -21,7 +21,9 @@ import torch
 
 from ... import _private_torch as pt
 from ..builder import OutTensor, SubgraphBuilder
-from ..dispatch import ExpandContext, TensorArg, expand_op, generic_expand, replicate_axes
+from ..args import ExpandContext, TensorArg
+from ..dispatch import expand_op, generic_expand
+from ..fallback import replicate_axes
 from ..registry import register_rule
 
 aten = torch.ops.aten

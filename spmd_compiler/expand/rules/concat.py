@@ -27,7 +27,8 @@ import torch
 
 from ... import _private_torch as pt
 from ..builder import SubgraphBuilder
-from ..dispatch import ExpandContext, TensorArg, _out_tensor, expand_op, generic_expand
+from ..args import ExpandContext, TensorArg, _out_tensor
+from ..dispatch import expand_op, generic_expand
 from ..registry import register_rule
 from ..values import DSymInt
 

@@ -16,7 +16,7 @@ import torch
 
 from ... import _private_torch as pt
 from ..builder import SubgraphBuilder
-from ..dispatch import ExpandContext, ScalarArg, _out_tensor
+from ..args import ExpandContext, ScalarArg, _out_tensor
 from ..registry import register_rule
 from ..values import DSymInt
 

@@ -24,7 +24,8 @@ import torch
 
 from ... import _private_torch as pt
 from ..builder import SubgraphBuilder
-from ..dispatch import ExpandContext, TensorArg, _out_tensor, generic_expand
+from ..args import ExpandContext, TensorArg, _out_tensor
+from ..dispatch import generic_expand
 from ..registry import register_rule
 
 aten = torch.ops.aten

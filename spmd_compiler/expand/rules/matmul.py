@@ -14,7 +14,9 @@ from typing import Any
 import torch
 
 from ..builder import SubgraphBuilder
-from ..dispatch import ExpandContext, TensorArg, _propagate, expand_op, generic_expand, partition_axes
+from ..args import ExpandContext, TensorArg
+from ..dispatch import expand_op, generic_expand, _propagate
+from ..guards import partition_axes
 from ..registry import register_rule
 
 aten = torch.ops.aten

@@ -1,7 +1,7 @@
 """``mean`` over a batch dim whose size is symbolic (``compile(dynamic=True)``).
 
 DTensor averages per-rank means (``Partial(avg)``), which is wrong for unequal shards,
-so an uneven mean replicates its input first (:func:`..dispatch._guard_uneven_avg`). A
+so an uneven mean replicates its input first (:func:`..guards._guard_uneven_avg`). A
 symbolic size may be even or uneven, and gathering every element for every size would
 cost a program that serves all sizes far more than the per-shape one (the per-sample
 losses, not one number). Exact for every size instead: each rank sums its rows and
@@ -18,7 +18,8 @@ import torch
 
 from ... import _private_torch as pt
 from ..builder import SubgraphBuilder
-from ..dispatch import ExpandContext, TensorArg, _out_tensor, generic_expand
+from ..args import ExpandContext, TensorArg, _out_tensor
+from ..dispatch import generic_expand
 from ..registry import register_rule
 
 aten = torch.ops.aten

@@ -21,7 +21,9 @@ import torch.utils._pytree as pytree
 from ... import _private_torch as pt
 from ...errors import UnsupportedOpError
 from ..builder import OutTensor, SubgraphBuilder
-from ..dispatch import ExpandContext, TensorArg, _global_leaf, _is_tensor_arg, _reduces_partial, input_placements_text, laid_out_like
+from ..args import ExpandContext, TensorArg, input_placements_text, _global_leaf, _is_tensor_arg
+from ..dispatch import _reduces_partial
+from ..follow import laid_out_like
 from ..redistribute import emit_redistribute
 from ..registry import register_rule
 

@@ -22,7 +22,8 @@ import torch
 from ... import _private_torch as pt
 from ...errors import UnsupportedPlacementError
 from ..builder import SubgraphBuilder
-from ..dispatch import ExpandContext, TensorArg, generic_expand
+from ..args import ExpandContext, TensorArg
+from ..dispatch import generic_expand
 from ..registry import register_rule
 
 aten = torch.ops.aten

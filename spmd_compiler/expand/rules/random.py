@@ -33,7 +33,7 @@ import torch.fx as fx
 
 from ... import _private_torch as pt
 from ..builder import SubgraphBuilder
-from ..dispatch import ExpandContext, NoStrategy, TensorArg, _out_tensor, replicate_fallback
+from ..args import ExpandContext, NoStrategy, TensorArg, _out_tensor
 from ..redistribute import emit_redistribute
 from ..registry import register_rule
 from ..values import DSymInt

@@ -14,7 +14,7 @@ import torch
 
 from ... import _private_torch as pt
 from ..builder import OutScalar, SubgraphBuilder
-from ..dispatch import ExpandContext, _out_tensor
+from ..args import ExpandContext, _out_tensor
 from ..redistribute import emit_redistribute
 from ..registry import register_rule
 

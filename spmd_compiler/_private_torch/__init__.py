@@ -1,0 +1,64 @@
+"""The one door to private torch APIs.
+
+Everything spmd-compiler needs from torch internals is imported in this package and
+wrapped in a small function with a stable signature, so a torch upgrade is one
+package's work. Nothing else in spmd-compiler imports a ``torch.*._private`` name,
+``torch.distributed.tensor._*`` module or ``torch._subclasses`` internals directly;
+callers use ``from .. import _private_torch as pt`` and ``pt.X`` (every name below).
+
+Submodules, by the torch internals they touch (each says which, and the torch versions
+it was checked against, 2.13.0 and 2.14.1):
+
+* :mod:`.dtensor`: DTensor specs and placements, sharding propagation and strategy
+  selection, redistribution planning, DTensor's caches;
+* :mod:`.shapes`: ShapeEnv / SymInt / sympy helpers for symbolic sizes (dynamic=True)
+  and real-value propagation;
+* :mod:`.tracing`: fake modes, make_fx and fx node state, op schema facts, autograd
+  hooks, inductor;
+* :mod:`.distributed`: process group names, timeouts and store, pipelining schedules.
+
+Submodules import one another only downwards (:mod:`.dtensor` uses :mod:`.shapes`);
+module state (caches, registries, thread-locals) is defined once, in one submodule.
+"""
+
+from __future__ import annotations
+
+from .dtensor import (
+    DTensorSpec, TensorMeta, OpSchema, OutputSharding, MaskPartial, NormPartial, StridedShard, Partial,
+    Placement, Replicate, Shard, Placements, TransformStep, StrategyCandidate, make_spec, propagate_sharding,
+    transform_steps, local_shape_and_offset, custom_handled_ops, random_ops, register_symbolic_mode,
+    clear_dtensor_caches,
+)
+from .shapes import (
+    FakeTensor, FakeTensorMode, symbolic_fake_mode, to_symbolic_fake, size_hint, fake_mode_of, sym_expr, is_symbolic, sym_free_symbols,
+    symbol_of, unbacked_symbols, shape_env_of, shape_env_guards, num_guards, symbol_range, example_values,
+    replaced_symbols, is_pinned, new_size_symint, size_oblivious, true_unless_proven_false,
+    false_unless_proven_true, branch_atom, sympy_as_python, set_real_value, propagating_real_values,
+    real_value_branches, is_real_value_log,
+)
+from .tracing import (
+    reparametrize_module, static_fake_mode, example_tensor, local_tensor, tracing_graph, rename_node,
+    preserve_node_meta, link_backward_to_forward, record_stack_traces_of, data_dependent_exceptions,
+    batchnorm_base, is_view_op, written_args, writes_first_arg, raw_operator, mark_optimizer_stepped,
+    inductor_compile, inductor_cache_counts,
+)
+from .distributed import (
+    world_info, group_name, set_group_timeout, default_store, pipeline_order,
+)
+
+__all__ = [
+    "DTensorSpec", "TensorMeta", "OpSchema", "OutputSharding", "MaskPartial", "NormPartial", "StridedShard",
+    "FakeTensor", "FakeTensorMode", "TransformStep", "StrategyCandidate", "make_spec", "propagate_sharding",
+    "transform_steps", "local_shape_and_offset", "reparametrize_module", "symbolic_fake_mode",
+    "to_symbolic_fake", "static_fake_mode", "size_hint", "example_tensor", "local_tensor",
+    "custom_handled_ops", "random_ops", "tracing_graph", "group_name", "is_view_op", "written_args",
+    "writes_first_arg", "Partial", "Placement", "Replicate", "Shard", "Placements", "world_info",
+    "rename_node", "preserve_node_meta", "link_backward_to_forward", "pipeline_order",
+    "mark_optimizer_stepped", "clear_dtensor_caches", "raw_operator", "set_group_timeout", "default_store",
+    "shape_env_of", "num_guards", "example_values", "replaced_symbols", "false_unless_proven_true",
+    "true_unless_proven_false", "size_oblivious", "new_size_symint", "is_pinned", "register_symbolic_mode",
+    "fake_mode_of", "sym_expr", "shape_env_guards", "symbol_range", "is_symbolic", "sym_free_symbols",
+    "symbol_of", "unbacked_symbols", "branch_atom", "sympy_as_python", "set_real_value",
+    "propagating_real_values", "real_value_branches", "is_real_value_log", "record_stack_traces_of",
+    "data_dependent_exceptions", "batchnorm_base", "inductor_compile", "inductor_cache_counts",
+]

@@ -1,0 +1,181 @@
+"""Guards: reasons to refuse DTensor's chosen strategy for an op, decided before any
+collective is emitted.
+
+Terms: a *strategy* (``out``) is what :func:`~.dispatch._propagate` returns, DTensor's
+``OutputSharding``: output specs and, when inputs must move, a *redistribute schema* with
+the placements each tensor argument needs (:func:`_dst_specs`). *Uneven* shards: a dim
+whose size the number of ranks splitting it does not divide; *ways*: into how many pieces
+mesh axes split a tensor dim. A *partition* is a strategy turning a Replicate input into
+Partial (x / n per rank).
+
+Each guard either returns, raises :class:`~.args.NoStrategy` (the op falls back), or
+raises one of the retry signals :class:`_UnevenAvg` (replicate these mesh axes first) and
+:class:`_AvoidPartition` (reduce the Partial inputs on these axes first), which
+:func:`~.dispatch.expand_op` answers with :mod:`.fallback`'s helpers and a retry. Every
+verdict is made from global sizes, so all ranks decide the same.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from torch.utils import _pytree as pytree
+
+from .. import _private_torch as pt
+from .args import NoStrategy, TensorArg, _input_specs, _is_sharded, _is_tensor_arg, _op_name
+from .builder import SubgraphBuilder
+from .symbolic import partial_needs_replicate
+from .values import placements_text
+
+
+def _nested_uneven(spec: Any, mesh_shape: Any) -> str | None:
+    """A tensor dim split over several mesh axes whose size the product of those axes
+    does not divide (e.g. size 2 over a 2x2 mesh: shards of 1, 1, 0, 0), described."""
+    if not isinstance(spec, pt.DTensorSpec):
+        return None
+    ways: dict[int, int] = {}
+    for axis, p in enumerate(spec.placements):
+        if isinstance(p, pt.Shard):
+            ways[p.dim] = ways.get(p.dim, 1) * mesh_shape[axis]
+    for dim, n in ways.items():
+        nested = sum(1 for p in spec.placements if isinstance(p, pt.Shard) and p.dim == dim) > 1
+        if nested and spec.shape[dim] % n:
+            return f"dim {dim} of size {spec.shape[dim]} is split {n} ways over several mesh axes"
+    return None
+
+
+def _guard_view_sizes(b: SubgraphBuilder, op: Any, args: Any, kwargs: Any, out: Any) -> None:
+    """DTensor's view strategies check divisibility one mesh axis at a time, so a dim split
+    unevenly over several axes gets local sizes that do not match the local data."""
+    if not out.use_val_from_redistribute_schema:
+        return
+    specs = _input_specs(args, kwargs)
+    specs += list(out.output_spec) if isinstance(out.output_spec, (tuple, list)) else [out.output_spec]
+    for spec in specs:
+        why = _nested_uneven(spec, b.mctx.shape)
+        if why:
+            raise NoStrategy(f"{_op_name(op)} cannot take local sizes when {why}")
+
+
+# reductions with no identity element: on an empty local shard they raise (amax) or
+# give a value that is not neutral (argmax), so no rank may hold an empty shard
+_NO_IDENTITY = {
+    "amax", "amin", "max", "min", "argmax", "argmin", "aminmax", "max_pool2d_with_indices", "cummax", "cummin",
+}
+
+
+def _guard_empty_shards(b: SubgraphBuilder, op: Any, args: Any, kwargs: Any, out: Any) -> None:
+    """Refuse DTensor's strategy for an identity-less reduction when some rank's local
+    input would be empty (a dim of 7 over 5 ranks: 2, 2, 2, 1, 0), so the op falls back."""
+    if op.__name__.split(".")[0] not in _NO_IDENTITY:
+        return
+    schema = out.redistribute_schema
+    if schema is not None:
+        specs = pytree.tree_leaves((tuple(schema.args_schema), dict(schema.kwargs_schema)))
+    else:
+        specs = _input_specs(args, kwargs)
+    for spec in specs:
+        if not isinstance(spec, pt.DTensorSpec) or not any(_is_sharded(p) for p in spec.placements):
+            continue
+        if any(s == 0 for s in spec.shape):
+            continue
+        for coord in itertools.product(*(range(n) for n in b.mctx.shape)):  # the same verdict on every rank
+            local, _ = pt.local_shape_and_offset(tuple(spec.shape), b.mctx.shape, coord, spec.placements)
+            if 0 in local:
+                raise NoStrategy(f"{_op_name(op)} has no identity element and rank {coord} would hold an empty shard "
+                                 f"of its input {list(spec.shape)} ({placements_text(spec.placements)})")
+
+
+class _UnevenAvg(Exception):
+    def __init__(self, axes: set[int]) -> None:
+        super().__init__(axes)
+        self.axes = axes
+
+
+def _guard_uneven_avg(b: SubgraphBuilder, op: Any, args: Any, kwargs: Any, out: Any) -> Any:
+    """Reductions that go wrong on uneven shards, whatever DTensor's rule says:
+
+    * Partial(avg) over an unevenly split dim averages unequal chunks as if they were
+      equal (a silently wrong mean);
+    * Partial(max/min) over a dim some rank holds zero elements of fails on that rank
+      only (max of nothing), while the others wait for it in the reduction.
+
+    Where that would happen the uneven inputs are replicated on that axis first
+    (decided from global sizes, so every rank decides the same).
+    """
+    specs = out.output_spec if isinstance(out.output_spec, (tuple, list)) else [out.output_spec]
+    partial_ops: dict[int, set[str]] = {}
+    for s in specs:
+        if isinstance(s, pt.DTensorSpec):
+            for axis, p in enumerate(s.placements):
+                if p.is_partial():
+                    partial_ops.setdefault(axis, set()).add(getattr(p, "reduce_op", "sum"))
+    if not partial_ops:
+        return out
+    tensors = [x for x in pytree.tree_leaves((args, kwargs), is_leaf=_is_tensor_arg) if isinstance(x, TensorArg)]
+    bad = set()
+    for axis, ops in partial_ops.items():
+        for t in tensors:
+            p = t.spec.placements[axis]
+            if not (p.is_shard() or isinstance(p, pt.StridedShard)):
+                continue
+            size = t.spec.shape[p.dim]
+            ways = _ways(t.spec.placements, axis, p.dim, b.mctx.shape)
+            if partial_needs_replicate(size, ways, ops):
+                bad.add(axis)
+    if bad:
+        raise _UnevenAvg(bad)
+    return out
+
+
+def _ways(placements: Any, axis: int, dim: int, mesh_shape: Any) -> int:
+    """Into how many pieces mesh axes up to ``axis`` split tensor ``dim``."""
+    ways = 1
+    for j in range(axis + 1):
+        p = placements[j]
+        if getattr(p, "dim", None) == dim and (p.is_shard() or isinstance(p, pt.StridedShard)):
+            ways *= mesh_shape[j]
+    return ways
+
+
+class _AvoidPartition(Exception):
+    """The strategy splits a replicated input into Partial pieces (x / n per rank) to
+    add it to a Partial one. Reducing the Partial input first is exact and usually what
+    a hand-written program does (Megatron reduces right after the row-parallel matmul)."""
+
+    def __init__(self, axes: set[int]) -> None:
+        super().__init__(axes)
+        self.axes = axes
+
+
+def _dst_specs(out: Any, n: int) -> list[Any] | None:
+    if not (out.needs_redistribute and out.redistribute_schema is not None):
+        return None
+    rs = out.redistribute_schema
+    specs = [x for x in pytree.tree_leaves((tuple(rs.args_schema), dict(rs.kwargs_schema))) if isinstance(x, pt.DTensorSpec)]
+    return specs if len(specs) == n else None
+
+
+def partition_axes(args: Any, kwargs: Any, out: Any) -> set[int]:
+    """Mesh axes on which the strategy turns some Replicate input into Partial."""
+    tensors = [x for x in pytree.tree_leaves((args, kwargs), is_leaf=_is_tensor_arg) if isinstance(x, TensorArg)]
+    dsts = _dst_specs(out, len(tensors))
+    if dsts is None:
+        return set()
+    return {
+        a
+        for t, d in zip(tensors, dsts)
+        for a, (sp, dp) in enumerate(zip(t.spec.placements, d.placements))
+        if sp.is_replicate() and dp.is_partial()
+    }
+
+
+def _guard_partition(args: Any, kwargs: Any, out: Any) -> None:
+    axes = partition_axes(args, kwargs, out)
+    if not axes:
+        return
+    tensors = [x for x in pytree.tree_leaves((args, kwargs), is_leaf=_is_tensor_arg) if isinstance(x, TensorArg)]
+    partial = {a for t in tensors for a, p in enumerate(t.spec.placements) if p.is_partial()} & axes
+    if partial:
+        raise _AvoidPartition(partial)
