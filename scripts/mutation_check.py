@@ -129,8 +129,8 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "expand-arange-offset", "spmd_compiler/expand/builder.py",
-        "self.coords[axis], chunk_size(size, self.mctx.shape[axis]))",
-        "self.coords[axis], size // self.mctx.shape[axis])",
+        "chunk = (size + (n - 1)) // n if pt.is_symbolic(size) else chunk_size(size, n)",
+        "chunk = (size + (n - 1)) // n if pt.is_symbolic(size) else size // n",
         ("tests/test_expand_sizes.py",),
         "arange over an unevenly sharded size starts each rank at coord * floor(total / n): off by one chunk row",
     ),
@@ -259,8 +259,8 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "driver-guard-no-resync", "spmd_compiler/driver/guard.py",
-        "if int(self.flag.item()):",
-        "if int(self.flag.item()) > 1:",
+        "        if values[0]:\n            raise Resync()",
+        "        if values[0] > 1:\n            raise Resync()",
         (CONSISTENCY,),
         "the step guard never raises Resync (flag compared with > 1)",
     ),
