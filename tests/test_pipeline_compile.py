@@ -103,3 +103,59 @@ def test_fused_optimizer_is_split_per_stage(monkeypatch):
     step(model, opt, ids, ids)
     ops = {str(n.target) for n in step.last.traced.gm.graph.nodes}
     assert not any(o.startswith("aten._fused_") for o in ops) and "aten.addcdiv_.default" in ops
+
+
+def test_pipeline_plan_keeps_every_field_of_the_users_plan():
+    """The full-mesh and stage-mesh plans differ from the user's only where the pipeline
+    axis is inserted (placements, fsdp axis indices, the batch default); every other
+    field of Plan, including any added later, is the user's."""
+    import dataclasses
+
+    from torch.distributed.tensor import Replicate, Shard
+
+    from spmd_compiler.pipeline.api import pipeline_plan
+
+    user = sc.Plan(params={"blocks.*": [Shard(0)]}, inputs=[[Shard(0)]], default_param=[Replicate()],
+                   default_input=[Shard(0)], style_axis="dp", strict=False, fsdp_axes=("dp",),
+                   activation_sharding="greedy", reshard_after_forward=False)
+    defaults = sc.Plan()
+    widened = {"params", "inputs", "default_param", "default_input", "fsdp_axes"}
+    for f in dataclasses.fields(sc.Plan):
+        assert getattr(user, f.name) != getattr(defaults, f.name), f"give {f.name} a non-default value in this test"
+    for pp_index in (0, 1, None):
+        plan = pipeline_plan(user, pp_index, 2)
+        kept = {f.name for f in dataclasses.fields(sc.Plan) if getattr(plan, f.name) == getattr(user, f.name)}
+        assert kept >= {f.name for f in dataclasses.fields(sc.Plan)} - widened, (pp_index, plan)
+    full = pipeline_plan(user, 0, 2)
+    assert list(full.params["blocks.*"]) == [Replicate(), Shard(0)] and list(full.default_input) == [Replicate(), Shard(0)]
+
+
+def test_stages_expand_with_the_users_activation_sharding_and_resharding(monkeypatch):
+    """A pipelined FSDP plan with activation_sharding="greedy" and reshard_after_forward=False:
+    the stage expansion and the full-mesh plan carry both (they once fell back to the
+    defaults "follow" and True)."""
+    import spmd_compiler.pipeline.step as pipeline_step
+    from torch.distributed.tensor import Shard
+
+    monkeypatch.setenv("SPMD_COMPILER_EXPLAIN", "1")
+    seen = []
+    real_expand = pipeline_step.expand
+
+    def spy(traced, mesh, plan, **kwargs):
+        seen.append(plan)
+        return real_expand(traced, mesh, plan, **kwargs)
+
+    monkeypatch.setattr(pipeline_step, "expand", spy)
+    torch.manual_seed(0)
+    model = GPT(vocab=32, seq=8, dim=16, heads=2, layers=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    plan = sc.Plan(params={"*": [Shard(0)]}, fsdp_axes=("dp",), activation_sharding="greedy", reshard_after_forward=False)
+    step = sc.compile(train_step, mesh=fake_mesh((2, 2), ["pp", "dp"]), plan=plan,
+                      pipeline=sc.Pipeline(chunks=2, split={"blocks.1": S}))
+    ids = torch.randint(0, 32, (4, 8))
+    step(model, opt, ids, ids)
+    assert len(seen) == 1
+    for used in (seen[0], step.plan):  # the stage plan and the full-mesh plan (distribute)
+        assert used.activation_sharding == "greedy" and used.reshard_after_forward is False
+        assert used.strict is plan.strict and used.style_axis == plan.style_axis
+    assert seen[0].fsdp_axes == ("dp",)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -101,15 +102,15 @@ def pipeline_plan(plan: Plan, pp_index: int | None, ndim: int) -> Plan:
     elif inputs is not None:
         inputs = [widen(v) for v in inputs]
     names = list(plan.fsdp_axes)
-    return Plan(
+    # every other field (strict, style_axis, activation_sharding, reshard_after_forward,
+    # and any added later) is the user's
+    return dataclasses.replace(
+        plan,
         params=params,
         inputs=inputs,
         default_param=widen(plan.default_param),
         default_input=widen(plan.default_input if plan.default_input is not None else _default_input(ndim - 1)),
-        style_axis=plan.style_axis,
-        strict=plan.strict,
         fsdp_axes=tuple(a + (1 if pp_index is not None and a >= pp_index else 0) if isinstance(a, int) else a for a in names),
-        reshard_after_forward=plan.reshard_after_forward,
     )
 
 
