@@ -1,67 +1,23 @@
-"""Plans: where each parameter, buffer, optimizer state and batch input lives on the mesh.
-
-A plan maps FQN patterns to placements (one per mesh axis, torch's ``Shard``,
-``Replicate``, ``Partial``) or to a ``torch.distributed.tensor.parallel`` style keyed by
-module FQN. Optimizer state follows its parameter. Batch inputs are each rank's local
-shard, as in DDP, and default to ``Shard(0)`` on the first mesh axis.
-
-Examples (1-D mesh)::
-
-    Plan(params={"l1.*": [Shard(0)], "l2.weight": [Shard(1)]}, default_input=[Replicate()])  # Megatron MLP
-    Plan(params={"*": [Shard(0)]}, fsdp_axes=("dp",))  # FSDP: stored sharded, gathered for compute
-    Plan(params={"*": [Shard(0)]}, fsdp_axes=("dp",), reshard_after_forward=False)  # gathered once, kept for backward
-"""
+"""Resolving a Plan: FQN patterns and ParallelStyles matched against a traced step's
+inputs, giving one placements tuple (and where it came from) per graph input."""
 
 from __future__ import annotations
 
 import difflib
 import fnmatch
 import logging
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
-from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+from torch.distributed.tensor import Placement, Replicate, Shard
 
-from . import _private_torch as pt
+from .. import _private_torch as pt
+from .placements import ResolvedPlan, _check_dims, normalize_placements
 
-__all__ = ["Plan", "ResolvedPlan", "normalize_placements"]
+if TYPE_CHECKING:
+    from .spec import Plan
 
 log = logging.getLogger(__name__)
-
-PlacementsLike = Any  # Placement | Sequence[Placement]
-
-
-def normalize_placements(value: PlacementsLike, ndim: int, what: str) -> tuple[Placement, ...]:
-    """Validate ``value`` as placements for a mesh of ``ndim`` axes.
-
-    A single Placement is accepted for a 1-D mesh only.
-    """
-    if isinstance(value, Placement):
-        if ndim != 1:
-            raise ValueError(
-                f"{what}: got a single placement {value!r} for a {ndim}-D mesh; expected a list of {ndim} "
-                f"placements, one per mesh axis. fix: write a list, e.g. {[value] + [Replicate()] * (ndim - 1)!r}"
-            )
-        return (value,)
-    if not isinstance(value, Sequence) or isinstance(value, str):
-        raise TypeError(
-            f"{what}: expected a Placement or a list of {ndim} placements, got {type(value).__name__} {value!r}. "
-            f"fix: use torch.distributed.tensor placements, e.g. {[Shard(0)] + [Replicate()] * (ndim - 1)!r}"
-        )
-    out = tuple(value)
-    if len(out) != ndim:
-        raise ValueError(
-            f"{what}: got {len(out)} placements {list(out)} for a mesh with {ndim} axes; expected exactly "
-            f"one placement per mesh axis. fix: give {ndim} placements (Replicate() on the axes that do not split it)"
-        )
-    for p in out:
-        if not isinstance(p, Placement):
-            raise TypeError(
-                f"{what}: {p!r} in {list(out)} is not a Placement; expected Shard(d), Replicate() or Partial(). "
-                f"fix: use the objects from torch.distributed.tensor (Shard(0), not the string 'Shard(0)')"
-            )
-    return out
 
 
 def _is_style(value: Any) -> bool:
@@ -70,119 +26,6 @@ def _is_style(value: Any) -> bool:
     except ImportError:  # pragma: no cover
         return False
     return isinstance(value, ParallelStyle)
-
-
-@dataclass(frozen=True)
-class Plan:
-    """Placements for a training step.
-
-    Attributes:
-        params: FQN glob pattern (``"layers.*.w1.weight"``; ``*`` also matches dots) to
-            placements, for parameters and buffers. An exact FQN beats a pattern; among
-            patterns the first listed wins. A pattern (and ``default_param``) shards only
-            what can be split: on a tensor without the dim it names (a 0-d buffer such as
-            BatchNorm's ``num_batches_tracked``) it gives Replicate on that mesh axis
-            (logged at DEBUG); an exact FQN entry that does so is a ValueError, as is a
-            pattern whose dim none of the tensors it matches has. A value may instead be a ParallelStyle
-            (``ColwiseParallel()``, ``RowwiseParallel()``, ``SequenceParallel()``) keyed
-            by module FQN pattern, meaning what it means in ``parallelize_module``,
-            applied on mesh axis ``style_axis``.
-        inputs: placements for the batch leaves, by leaf index (a list) or by path
-            (``{"batch[0]": ...}``). Missing leaves get ``default_input``.
-        default_param: placements for unmatched parameters and buffers (Replicate).
-        default_input: placements for batch leaves (Shard(0) on the first mesh axis,
-            Replicate on the others).
-        style_axis: mesh axis name or index the ParallelStyles apply to (default: the
-            axis named "tp", else the last axis).
-        strict: raise when a pattern matches no parameter or buffer.
-        fsdp_axes: mesh axes (names or indices) with FSDP semantics: a parameter sharded
-            on one of them is stored sharded but all-gathered (Replicate on that axis)
-            before its use in forward and again in backward, and its gradient is
-            reduce-scattered into the shard, as ``fully_shard`` does. Without it a sharded
-            parameter is an operand like any other: it stays sharded for compute and
-            DTensor redistributes the other operands to match it, so on an axis where the
-            batch is split along dim 0 the batch and activations are gathered instead of
-            the parameters. That is exact but rarely what is meant, and the compile logs
-            one WARNING naming the axis, the bytes and this option (FSDP:
-            ``Plan(params={"*": [Shard(0)]}, fsdp_axes=("dp",))``). On these axes a
-            pattern or ``default_param`` shards parameters only, as ``fully_shard``:
-            the buffers it matches (BatchNorm statistics, masks, rotary frequencies)
-            are Replicate there; an exact FQN entry shards a buffer as it says.
-        reshard_after_forward: under ``fsdp_axes``, what ``fully_shard``'s option of the
-            same name does (and its default). ``True``: the full parameter gathered for
-            forward is dropped after its last forward use and gathered again for backward
-            (the views of it that autograd saved, such as ``t(weight)``, are taken again
-            from the backward gather), so between a unit's forward and its backward only
-            its shard is resident: one more all_gather per parameter per step, less
-            memory. ``False``: backward reuses the forward's gather, which stays resident
-            from its forward use to its last backward use.
-        activation_sharding: how an op's strategy is chosen among DTensor's candidates.
-            ``"follow"`` (default): an op's result is sharded on a mesh axis only where
-            one of its inputs already is, so shards start at the plan and propagate (a
-            Megatron plan then communicates exactly as Megatron does, in backward too).
-            ``"greedy"``: DTensor's cheapest strategy for each op on its own, which may
-            start new shards (sequence-parallel-like splits) that later ops pay to undo.
-    """
-
-    params: Mapping[str, Any] = field(default_factory=dict)
-    inputs: Sequence[Any] | Mapping[str, Any] | None = None
-    default_param: Any = None
-    default_input: Any = None
-    style_axis: str | int | None = None
-    strict: bool = True
-    fsdp_axes: Sequence[str | int] = ()
-    activation_sharding: str = "follow"
-    reshard_after_forward: bool = True
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.reshard_after_forward, bool):
-            raise TypeError(
-                f"Plan(reshard_after_forward={self.reshard_after_forward!r}): expected True (gather FSDP parameters "
-                f"again for backward, as fully_shard's default) or False (keep the forward's gather for backward), "
-                f"got a {type(self.reshard_after_forward).__name__}. fix: pass a bool"
-            )
-        if self.activation_sharding not in ("follow", "greedy"):
-            raise ValueError(
-                f"Plan(activation_sharding={self.activation_sharding!r}): expected 'follow' (shards start at the "
-                f"plan and propagate) or 'greedy' (DTensor's cheapest strategy per op)"
-            )
-
-    def fsdp_axis_indices(self, mesh: Any) -> tuple[int, ...]:
-        """``fsdp_axes`` as mesh axis indices (ValueError for unknown names)."""
-        names = list(mesh.mesh_dim_names or [])
-        out = []
-        for a in self.fsdp_axes:
-            if isinstance(a, int):
-                if not 0 <= a < mesh.ndim:
-                    raise ValueError(
-                        f"fsdp axis {a} is out of range for a {mesh.ndim}-D mesh. fix: use an index in "
-                        f"[0, {mesh.ndim - 1}] or a mesh axis name {names}"
-                    )
-                out.append(a)
-            elif a in names:
-                out.append(names.index(a))
-            else:
-                raise ValueError(f"fsdp axis {a!r} is not a mesh axis name; mesh axes are {names}. fix: name one of them")
-        return tuple(out)
-
-    def resolve(self, traced: Any, mesh: Any) -> "ResolvedPlan":
-        """Placements for every input of ``traced`` (a TracedStep) on ``mesh``."""
-        return _resolve(self, traced, mesh)
-
-    def batch_placements(self, batch_inputs: Sequence[Any], ndim: int) -> list[tuple[tuple[Placement, ...], str]]:
-        """``(placements, source)`` for each batch tensor (GraphInputs of kind "batch")."""
-        return _batch_placements(self, list(batch_inputs), ndim)
-
-
-@dataclass(frozen=True)
-class ResolvedPlan:
-    """One placements tuple per graph input, plus where each came from."""
-
-    placements: tuple[tuple[Placement, ...], ...]
-    sources: tuple[str, ...]
-
-    def __iter__(self):
-        return iter(self.placements)
 
 
 def _style_axis(plan: Plan, mesh: Any) -> int:
@@ -416,35 +259,3 @@ def _batch_placements(plan: Plan, batch_inputs: list[Any], ndim: int) -> list[tu
             pl, src = replicate, "replicated (0-d tensor)"
         out.append((_check_dims(inp, tuple(pl), src), src))
     return out
-
-
-def _check_dims(inp: Any, placements: tuple[Placement, ...], source: str = "the plan") -> tuple[Placement, ...]:
-    """Validate shard dims against the tensor's rank and make them non-negative.
-
-    ``source`` says where the placements came from (``plan['l1.*']``), for the message.
-    """
-    ndim = len(inp.shape)
-    what = f"{inp.label} (shape {list(inp.shape)}) gets placements {list(placements)!r} from {source}"
-    out = []
-    for axis, p in enumerate(placements):
-        if isinstance(p, Shard):
-            if not -ndim <= p.dim < ndim:
-                dims = f"a dim in [0, {ndim - 1}] (or [{-ndim}, -1])" if ndim else "none (a 0-d tensor has no dim to split)"
-                where = (
-                    f"Plan(inputs={{{inp.name!r}: ...}}) sets it" if inp.kind == "batch"
-                    else f"in {source}" if source.startswith(f"plan[{inp.name!r}]")
-                    else f"{source}: no tensor it matches has that dim"
-                )
-                raise ValueError(
-                    f"{what}: Shard({p.dim}) on mesh axis {axis} is out of range for a {ndim}-d tensor; expected "
-                    f"{dims}. fix: shard a dim the tensor has, or use Replicate() on mesh axis {axis} ({where})"
-                )
-            p = Shard(p.dim % ndim)
-        elif isinstance(p, Partial) and inp.kind != "batch":
-            raise ValueError(
-                f"{what}: {p!r} on mesh axis {axis} is only meaningful for batch inputs, not for a {inp.kind} "
-                f"(its one value would be split into per-rank terms of a sum). fix: use Shard(d) or Replicate() "
-                f"for {inp.kind}s; gradients become Partial by themselves where the program needs it"
-            )
-        out.append(p)
-    return tuple(out)

@@ -1,0 +1,88 @@
+"""Placements as a plan gives them: validated per mesh axis, checked against a tensor's rank."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+
+__all__ = ["PlacementsLike", "ResolvedPlan", "normalize_placements"]
+
+PlacementsLike = Any  # Placement | Sequence[Placement]
+
+
+def normalize_placements(value: PlacementsLike, ndim: int, what: str) -> tuple[Placement, ...]:
+    """Validate ``value`` as placements for a mesh of ``ndim`` axes.
+
+    A single Placement is accepted for a 1-D mesh only.
+    """
+    if isinstance(value, Placement):
+        if ndim != 1:
+            raise ValueError(
+                f"{what}: got a single placement {value!r} for a {ndim}-D mesh; expected a list of {ndim} "
+                f"placements, one per mesh axis. fix: write a list, e.g. {[value] + [Replicate()] * (ndim - 1)!r}"
+            )
+        return (value,)
+    if not isinstance(value, Sequence) or isinstance(value, str):
+        raise TypeError(
+            f"{what}: expected a Placement or a list of {ndim} placements, got {type(value).__name__} {value!r}. "
+            f"fix: use torch.distributed.tensor placements, e.g. {[Shard(0)] + [Replicate()] * (ndim - 1)!r}"
+        )
+    out = tuple(value)
+    if len(out) != ndim:
+        raise ValueError(
+            f"{what}: got {len(out)} placements {list(out)} for a mesh with {ndim} axes; expected exactly "
+            f"one placement per mesh axis. fix: give {ndim} placements (Replicate() on the axes that do not split it)"
+        )
+    for p in out:
+        if not isinstance(p, Placement):
+            raise TypeError(
+                f"{what}: {p!r} in {list(out)} is not a Placement; expected Shard(d), Replicate() or Partial(). "
+                f"fix: use the objects from torch.distributed.tensor (Shard(0), not the string 'Shard(0)')"
+            )
+    return out
+
+
+@dataclass(frozen=True)
+class ResolvedPlan:
+    """One placements tuple per graph input, plus where each came from."""
+
+    placements: tuple[tuple[Placement, ...], ...]
+    sources: tuple[str, ...]
+
+    def __iter__(self):
+        return iter(self.placements)
+
+
+def _check_dims(inp: Any, placements: tuple[Placement, ...], source: str = "the plan") -> tuple[Placement, ...]:
+    """Validate shard dims against the tensor's rank and make them non-negative.
+
+    ``source`` says where the placements came from (``plan['l1.*']``), for the message.
+    """
+    ndim = len(inp.shape)
+    what = f"{inp.label} (shape {list(inp.shape)}) gets placements {list(placements)!r} from {source}"
+    out = []
+    for axis, p in enumerate(placements):
+        if isinstance(p, Shard):
+            if not -ndim <= p.dim < ndim:
+                dims = f"a dim in [0, {ndim - 1}] (or [{-ndim}, -1])" if ndim else "none (a 0-d tensor has no dim to split)"
+                where = (
+                    f"Plan(inputs={{{inp.name!r}: ...}}) sets it" if inp.kind == "batch"
+                    else f"in {source}" if source.startswith(f"plan[{inp.name!r}]")
+                    else f"{source}: no tensor it matches has that dim"
+                )
+                raise ValueError(
+                    f"{what}: Shard({p.dim}) on mesh axis {axis} is out of range for a {ndim}-d tensor; expected "
+                    f"{dims}. fix: shard a dim the tensor has, or use Replicate() on mesh axis {axis} ({where})"
+                )
+            p = Shard(p.dim % ndim)
+        elif isinstance(p, Partial) and inp.kind != "batch":
+            raise ValueError(
+                f"{what}: {p!r} on mesh axis {axis} is only meaningful for batch inputs, not for a {inp.kind} "
+                f"(its one value would be split into per-rank terms of a sum). fix: use Shard(d) or Replicate() "
+                f"for {inp.kind}s; gradients become Partial by themselves where the program needs it"
+            )
+        out.append(p)
+    return tuple(out)

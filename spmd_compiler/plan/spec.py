@@ -1,0 +1,116 @@
+"""The Plan dataclass: the user's description of where everything lives on the mesh."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch.distributed.tensor import Placement
+
+from .placements import ResolvedPlan
+from .resolve import _batch_placements, _resolve
+
+__all__ = ["Plan"]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Placements for a training step.
+
+    Attributes:
+        params: FQN glob pattern (``"layers.*.w1.weight"``; ``*`` also matches dots) to
+            placements, for parameters and buffers. An exact FQN beats a pattern; among
+            patterns the first listed wins. A pattern (and ``default_param``) shards only
+            what can be split: on a tensor without the dim it names (a 0-d buffer such as
+            BatchNorm's ``num_batches_tracked``) it gives Replicate on that mesh axis
+            (logged at DEBUG); an exact FQN entry that does so is a ValueError, as is a
+            pattern whose dim none of the tensors it matches has. A value may instead be a ParallelStyle
+            (``ColwiseParallel()``, ``RowwiseParallel()``, ``SequenceParallel()``) keyed
+            by module FQN pattern, meaning what it means in ``parallelize_module``,
+            applied on mesh axis ``style_axis``.
+        inputs: placements for the batch leaves, by leaf index (a list) or by path
+            (``{"batch[0]": ...}``). Missing leaves get ``default_input``.
+        default_param: placements for unmatched parameters and buffers (Replicate).
+        default_input: placements for batch leaves (Shard(0) on the first mesh axis,
+            Replicate on the others).
+        style_axis: mesh axis name or index the ParallelStyles apply to (default: the
+            axis named "tp", else the last axis).
+        strict: raise when a pattern matches no parameter or buffer.
+        fsdp_axes: mesh axes (names or indices) with FSDP semantics: a parameter sharded
+            on one of them is stored sharded but all-gathered (Replicate on that axis)
+            before its use in forward and again in backward, and its gradient is
+            reduce-scattered into the shard, as ``fully_shard`` does. Without it a sharded
+            parameter is an operand like any other: it stays sharded for compute and
+            DTensor redistributes the other operands to match it, so on an axis where the
+            batch is split along dim 0 the batch and activations are gathered instead of
+            the parameters. That is exact but rarely what is meant, and the compile logs
+            one WARNING naming the axis, the bytes and this option (FSDP:
+            ``Plan(params={"*": [Shard(0)]}, fsdp_axes=("dp",))``). On these axes a
+            pattern or ``default_param`` shards parameters only, as ``fully_shard``:
+            the buffers it matches (BatchNorm statistics, masks, rotary frequencies)
+            are Replicate there; an exact FQN entry shards a buffer as it says.
+        reshard_after_forward: under ``fsdp_axes``, what ``fully_shard``'s option of the
+            same name does (and its default). ``True``: the full parameter gathered for
+            forward is dropped after its last forward use and gathered again for backward
+            (the views of it that autograd saved, such as ``t(weight)``, are taken again
+            from the backward gather), so between a unit's forward and its backward only
+            its shard is resident: one more all_gather per parameter per step, less
+            memory. ``False``: backward reuses the forward's gather, which stays resident
+            from its forward use to its last backward use.
+        activation_sharding: how an op's strategy is chosen among DTensor's candidates.
+            ``"follow"`` (default): an op's result is sharded on a mesh axis only where
+            one of its inputs already is, so shards start at the plan and propagate (a
+            Megatron plan then communicates exactly as Megatron does, in backward too).
+            ``"greedy"``: DTensor's cheapest strategy for each op on its own, which may
+            start new shards (sequence-parallel-like splits) that later ops pay to undo.
+    """
+
+    params: Mapping[str, Any] = field(default_factory=dict)
+    inputs: Sequence[Any] | Mapping[str, Any] | None = None
+    default_param: Any = None
+    default_input: Any = None
+    style_axis: str | int | None = None
+    strict: bool = True
+    fsdp_axes: Sequence[str | int] = ()
+    activation_sharding: str = "follow"
+    reshard_after_forward: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.reshard_after_forward, bool):
+            raise TypeError(
+                f"Plan(reshard_after_forward={self.reshard_after_forward!r}): expected True (gather FSDP parameters "
+                f"again for backward, as fully_shard's default) or False (keep the forward's gather for backward), "
+                f"got a {type(self.reshard_after_forward).__name__}. fix: pass a bool"
+            )
+        if self.activation_sharding not in ("follow", "greedy"):
+            raise ValueError(
+                f"Plan(activation_sharding={self.activation_sharding!r}): expected 'follow' (shards start at the "
+                f"plan and propagate) or 'greedy' (DTensor's cheapest strategy per op)"
+            )
+
+    def fsdp_axis_indices(self, mesh: Any) -> tuple[int, ...]:
+        """``fsdp_axes`` as mesh axis indices (ValueError for unknown names)."""
+        names = list(mesh.mesh_dim_names or [])
+        out = []
+        for a in self.fsdp_axes:
+            if isinstance(a, int):
+                if not 0 <= a < mesh.ndim:
+                    raise ValueError(
+                        f"fsdp axis {a} is out of range for a {mesh.ndim}-D mesh. fix: use an index in "
+                        f"[0, {mesh.ndim - 1}] or a mesh axis name {names}"
+                    )
+                out.append(a)
+            elif a in names:
+                out.append(names.index(a))
+            else:
+                raise ValueError(f"fsdp axis {a!r} is not a mesh axis name; mesh axes are {names}. fix: name one of them")
+        return tuple(out)
+
+    def resolve(self, traced: Any, mesh: Any) -> "ResolvedPlan":
+        """Placements for every input of ``traced`` (a TracedStep) on ``mesh``."""
+        return _resolve(self, traced, mesh)
+
+    def batch_placements(self, batch_inputs: Sequence[Any], ndim: int) -> list[tuple[tuple[Placement, ...], str]]:
+        """``(placements, source)`` for each batch tensor (GraphInputs of kind "batch")."""
+        return _batch_placements(self, list(batch_inputs), ndim)
