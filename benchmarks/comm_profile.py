@@ -42,9 +42,9 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # step_time.py
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # gpt_setup.py, _table.py
 
-import step_time as st  # noqa: E402
+import gpt_setup as gs  # noqa: E402
 
 import spmd_compiler as sc  # noqa: E402
 from spmd_compiler.runtime.launch import run_processes  # noqa: E402
@@ -195,14 +195,14 @@ def _worker(rank: int, world: int, kind: str, args: Any) -> dict[str, Any]:
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    model = GPT(st._cfg(args))
-    models = {"ours": copy.deepcopy(model), "peer": st._peer(kind, copy.deepcopy(model), world)}
+    model = GPT(gs._cfg(args))
+    models = {"ours": copy.deepcopy(model), "peer": gs._peer(kind, copy.deepcopy(model), world)}
     opts = {side: torch.optim.AdamW(m.parameters(), lr=1e-3) for side, m in models.items()}
-    plan, mesh = st._plan(kind, world)
+    plan, mesh = gs._plan(kind, world)
     step = sc.compile(train_step, mesh=mesh, plan=plan)
 
     def run(side: str, i: int) -> None:
-        ids, tg = st._local_batch(kind, *st._batch(i, args), world, rank)
+        ids, tg = gs._local_batch(kind, *gs._batch(i, args), world, rank)
         if side == "peer":
             loss = train_step(models[side], opts[side], ids, tg)
             loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
@@ -261,9 +261,9 @@ def main() -> None:
 
     rows = []
     for kind in args.kinds:
-        world = st.TIMING_WORLD[kind]
+        world = gs.TIMING_WORLD[kind]
         got = run_processes(_worker, world, kind, args, timeout=3600)[0]
-        minimum = st.analytic_min(kind, args, world)
+        minimum = gs.analytic_min(kind, args, world)
         rows.append((kind, world, got, minimum))
         o, q = got["ours"], got["peer"]
         print(f"{kind}: launches {o['launches']:.0f} (static {got['static']['launches']}) vs {PEER_NAMES[kind]} {q['launches']:.0f}; "

@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # peers.py, step_time.py
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # peers.py, gpt_setup.py, _table.py
 
 import spmd_compiler as sc  # noqa: E402
 from spmd_compiler.dump.format import format_bytes  # noqa: E402
@@ -79,7 +79,7 @@ def _plan(kind: str, world: int) -> tuple[Any, dict[str, int]]:
 
 def _peer(kind: str, model: torch.nn.Module, rank: int, world: int) -> torch.nn.Module:
     from peers import megatron_tp
-    from step_time import _peer as step_time_peer
+    from gpt_setup import _peer as gpt_peer
 
     if kind in ("fsdp", "fsdp_keep"):
         from torch.distributed.device_mesh import init_device_mesh
@@ -92,7 +92,7 @@ def _peer(kind: str, model: torch.nn.Module, rank: int, world: int) -> torch.nn.
         return model
     if kind == "tp":
         return megatron_tp(model, rank, world)
-    return step_time_peer(kind, model, world)  # dp: DDP; 2d: eager DTensor TP + dp all_reduce
+    return gpt_peer(kind, model, world)  # dp: DDP; 2d: eager DTensor TP + dp all_reduce
 
 
 def resident_timeline(prof: Any) -> list[tuple[int, int]]:
@@ -114,7 +114,7 @@ def _window(prof: Any, name: str) -> tuple[int, int]:
 def _worker(rank: int, world: int, kind: str, side: str, args: Any) -> dict[str, Any]:
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from step_time import _batch, _cfg, _local_batch
+    from gpt_setup import _batch, _cfg, _local_batch
 
     torch.set_num_threads(1)
     out: dict[str, Any] = {}

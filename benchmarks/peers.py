@@ -119,7 +119,7 @@ STRONG_PEERS = {"dp": {"ddp": "DDP", "ddp_compiled": "DDP + torch.compile"},
 def _strong_worker(rank: int, world: int, kind: str, args: Any) -> dict[str, Any]:
     """``--strong``: our eager and inductor backends against the strongest peers of ``kind``
     (benchmarks/peers.py), every side in one rotation; profile of the inductor side."""
-    from step_time import _batch, _cfg, _local_batch, _peer, _plan
+    from gpt_setup import _batch, _cfg, _local_batch, _peer, _plan
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
