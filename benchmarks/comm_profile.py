@@ -45,12 +45,13 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # gpt_setup.py, _table.py
 
 import gpt_setup as gs  # noqa: E402
+from _table import results_path, write_results  # noqa: E402
 
 import spmd_compiler as sc  # noqa: E402
 from spmd_compiler.runtime.launch import run_processes  # noqa: E402
 from spmd_compiler.testing.models import GPT, train_step  # noqa: E402
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results" / "comm_profile.md"
+RESULTS = results_path("comm_profile")
 PEER_NAMES = {"dp": "DDP", "fsdp": "FSDP2", "tp": "eager DTensor TP", "2d": "eager DTensor 2-D"}
 
 
@@ -336,11 +337,7 @@ def main() -> None:
         "\n".join(singles),
         "",
     ]
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(text))
-    print("\n".join(text))
-    print(f"wrote {out}")
+    write_results(args.out, text)
 
 
 if __name__ == "__main__":

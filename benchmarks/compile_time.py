@@ -31,15 +31,17 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # _table.py
 
 import spmd_compiler as sc  # noqa: E402
+from _table import results_path, write_results  # noqa: E402
 from spmd_compiler.expand import expander as expander_mod  # noqa: E402
 from spmd_compiler.optimize import default_passes, run_passes  # noqa: E402
 from spmd_compiler.driver import gc_paused  # noqa: E402
 from spmd_compiler.testing import fake_mesh  # noqa: E402
 from spmd_compiler.testing.models import GPT, gpt_2d_plan, gpt_fsdp_plan, train_step  # noqa: E402
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results" / "compile_time.md"
+RESULTS = results_path("compile_time")
 
 
 def _retrace_build(orig):
@@ -168,9 +170,7 @@ def main() -> None:
         text,
         "",
     ]
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text("\n".join(lines))
-    print(f"wrote {RESULTS}")
+    write_results(RESULTS, lines)
 
 
 if __name__ == "__main__":

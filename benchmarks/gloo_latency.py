@@ -33,10 +33,12 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # _table.py
 
+from _table import results_path, write_results  # noqa: E402
 from spmd_compiler.runtime.launch import run_processes  # noqa: E402
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results" / "gloo_latency.md"
+RESULTS = results_path("gloo_latency")
 ROUNDS = 8  # all_reduces per measured "step", as in the benchmark's Megatron TP step
 
 
@@ -96,11 +98,7 @@ def main() -> None:
             f"| {kb} KiB | {r[0]['work']:.2f} | {r[0]['alone']:.2f} \\| {r[1]['alone']:.2f} | {cost[0]:.2f} \\| {cost[1]:.2f} | "
             f"{hid[0]:.2f} \\| {hid[1]:.2f} | {share[0]:.0%} \\| {share[1]:.0%} |"
         )
-    text = "\n".join(lines) + "\n"
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(text)
-    print(text)
-    print(f"wrote {RESULTS}")
+    write_results(RESULTS, "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -35,12 +35,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # _table.py
 
 import spmd_compiler as sc  # noqa: E402
+from _table import results_path, write_results  # noqa: E402
 from spmd_compiler.runtime.launch import free_port  # noqa: E402
 from spmd_compiler.testing.models import GPT, GPTConfig, train_step  # noqa: E402
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results" / "gpu_step.md"
+RESULTS = results_path("gpu_step")
 
 
 def step_bf16(model: Any, optimizer: Any, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -168,11 +170,7 @@ def main() -> None:
     ]
     for r in rows:
         lines.append("| " + " | ".join(f"{r[c]:.3g}" if isinstance(r.get(c), float) else str(r.get(c, "")) for c in cols) + " |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    out = pathlib.Path(os.environ.get("GPU_STEP_RESULTS", RESULTS))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
+    write_results(os.environ.get("GPU_STEP_RESULTS", RESULTS), "\n".join(lines) + "\n")
     dist.destroy_process_group()
     sys.stdout.flush()
     os._exit(0)

@@ -52,12 +52,13 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # peers.py, gpt_setup.py, _table.py
 
 import spmd_compiler as sc  # noqa: E402
+from _table import results_path, write_results  # noqa: E402
 from spmd_compiler.dump.format import format_bytes  # noqa: E402
 from spmd_compiler.dump.memory import memory_trace  # noqa: E402
 from spmd_compiler.runtime.launch import run_processes  # noqa: E402
 from spmd_compiler.testing.models import GPT, gpt_2d_plan, gpt_fsdp_plan, gpt_tp_plan, train_step  # noqa: E402
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results" / "memory.md"
+RESULTS = results_path("memory")
 KINDS = {  # kind: (world, our plan's name, peer's name)
     "dp": (2, "compiled DP", "DDP"),
     "fsdp": (2, "compiled FSDP, reshard_after_forward=True", "FSDP2 fully_shard, reshard_after_forward=True"),
@@ -214,11 +215,7 @@ def main() -> None:
         "",
         *[d + "\n" for d in details],
     ]
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(text))
-    print("\n".join(text))
-    print(f"wrote {out}")
+    write_results(args.out, text)
 
 
 if __name__ == "__main__":

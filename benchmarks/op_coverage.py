@@ -26,15 +26,16 @@ import logging
 import pathlib
 import sys
 import time
-import traceback
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # _table.py
 
 import spmd_compiler as sc  # noqa: E402
+from _table import write_results  # noqa: E402
 from spmd_compiler.testing import fake_mesh  # noqa: E402
 from spmd_compiler.testing.spmd import run_spmd  # noqa: E402
 
@@ -219,8 +220,6 @@ def _confirm_worker(rank: int, world: int, op_name: str, sample_index: int, pl_n
 
 
 def confirm(case: tuple[str, int, str], which: str) -> str:
-    from datetime import timedelta
-
     from spmd_compiler.runtime.launch import WorkerError, run_processes
 
     try:
@@ -347,9 +346,7 @@ def main() -> None:
         *table,
         "",
     ]
-    DOC.write_text("\n".join(text))
-    print("\n".join(summary))
-    print(f"wrote {DOC}")
+    write_results(DOC, text, show=summary)
 
 
 # what a forward-only sweep of isolated ops cannot see, kept in the generated page

@@ -188,11 +188,13 @@ def _top_ops(rank: int, step: Any, args: Any, n: int = 5, top: int = 10) -> list
 def strong_main(args: Any) -> None:
     """Run the ``--strong`` comparison and write its table to ``args.out``."""
     import os
-    import pathlib
     import platform
     import sys
 
+    from _table import write_results
+
     from spmd_compiler.runtime.launch import run_processes
+
     text = ["# Step time: our eager and inductor backends against the strongest peers", "",
             f"`python benchmarks/step_time.py{''.join(' ' + a for a in sys.argv[1:])}` on {platform.machine()}, "
             f"{os.cpu_count()} cores (shared with other jobs: absolute times are noise, ratios are paired), "
@@ -217,7 +219,4 @@ def strong_main(args: Any) -> None:
             text += ['Top ops of the backend="inductor" step by self CPU time (rank 0, torch.profiler, ms per step):', "",
                      "| op | ms |", "|---|---|", *(f"| `{k}` | {v:.2f} |" for k, v in got["top_ops"]), ""]
         print("\n".join(text[-30:]), flush=True)
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(text))
-    print(f"wrote {out}")
+    write_results(args.out, text, show=())  # each kind's table was printed as it finished

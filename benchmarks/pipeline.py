@@ -34,13 +34,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # _table.py
 
 import spmd_compiler as sc  # noqa: E402
+from _table import results_path, write_results  # noqa: E402
 from spmd_compiler.pipeline.timeline import bubble_fractions  # noqa: E402
 from spmd_compiler.runtime.launch import run_processes  # noqa: E402
 from spmd_compiler.testing.models import GPT, GPTConfig, train_step  # noqa: E402
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results" / "pipeline.md"
+RESULTS = results_path("pipeline")
 SCHEDULES = ("GPipe", "1F1B")
 
 
@@ -218,9 +220,7 @@ def main() -> None:
         memory,
         "",
     ]
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text("\n".join(text))
-    print(f"wrote {RESULTS}")
+    write_results(RESULTS, text)
 
 
 if __name__ == "__main__":

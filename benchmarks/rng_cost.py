@@ -26,7 +26,9 @@ import time
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # _table.py
 
+from _table import results_path, write_results  # noqa: E402
 from torch.distributed.tensor import Shard  # noqa: E402
 
 from spmd_compiler.testing import fake_mesh, run_spmd  # noqa: E402
@@ -52,7 +54,7 @@ def main() -> None:
     ap.add_argument("--shape", type=int, nargs="+", default=[16, 256, 512])
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results" / "rng_cost.md"))
+    ap.add_argument("--out", default=str(results_path("rng_cost")))
     args = ap.parse_args()
     torch.manual_seed(0)
     x = torch.randn(*args.shape)
@@ -77,11 +79,7 @@ def main() -> None:
     ]
     for world, shape, tl, te, tf in rows:
         lines.append(f"| {world} | {shape} | {tl:.2f} | {te:.2f} | {tf:.2f} | {te / tl:.2f}x | {tf / tl:.2f}x |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
+    write_results(args.out, "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -58,6 +58,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # gpt_setup.py, peers.py, _table.py
 
 import spmd_compiler as sc  # noqa: E402
+from _table import results_path, write_results  # noqa: E402
 from gpt_setup import (  # noqa: E402
     PEERS,
     TIMING_WORLD,
@@ -73,7 +74,7 @@ from gpt_setup import (  # noqa: E402
 from spmd_compiler.runtime.launch import run_processes  # noqa: E402
 from spmd_compiler.testing.models import GPT, train_step  # noqa: E402
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results" / "step_time.md"
+RESULTS = results_path("step_time")
 
 
 def _pair_worker(rank: int, world: int, kind: str, args: Any, dim: int, profile: bool) -> dict[str, Any]:
@@ -245,11 +246,7 @@ def main() -> None:
         for kind, prof in profiles.items():
             text.append(f"| {kind} | " + " | ".join(f"{prof[c]:.1f}" for c in cols) + " |")
         text.append("")
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(text))
-    print("\n".join(text))
-    print(f"wrote {out}")
+    write_results(args.out, text)
 
 
 if __name__ == "__main__":
