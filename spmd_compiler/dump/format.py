@@ -8,15 +8,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from .._format import format_bytes
+
 __all__ = ["shape_text", "target_name", "short_source", "describe_collective", "format_bytes"]
-
-
-def format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
 
 
 def shape_text(shape: Any) -> str:

@@ -22,7 +22,7 @@ import math
 from typing import Any
 
 from .. import _private_torch as pt
-from ..dump.format import format_bytes
+from .._format import format_bytes
 
 __all__ = ["activation_gather_advice", "log_advice"]
 
