@@ -71,6 +71,17 @@ def branching_step(model, optimizer, x, y):
     return loss
 
 
+def threshold_step(model, optimizer, x, y):
+    out = model(x)
+    if x.shape[0] > 4:  # a guard on the size (4 < s or s <= 4), not a pin: both sides stay symbolic
+        out = out * 2
+    loss = torch.nn.functional.mse_loss(out, y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
 def _rows(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     """torch.chunk's piece of rank ``rank`` (empty past the end)."""
     c = -(-t.shape[0] // world)
@@ -91,19 +102,23 @@ def _train(rank: int, world: int, fn, sizes) -> dict:
         loss = step(model, opt, _rows(x, rank, world), _rows(y, rank, world))
         errs.append(abs(loss.item() - fn(ref, ref_opt, x, y).item()))
         errs.append(max((p.full_tensor() - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters())))
-    return {"err": max(errs), "compiles": step.compiles, "checks": dict(step.checks),
+    return {"err": max(errs), "compiles": step.compiles, "checks": dict(step.checks), "programs": len(step._programs),
             "size_inputs": sum(n.op == "placeholder" and n.name.startswith("size_") for n in step.last.gm.graph.nodes)}
 
 
 def _two_ranks(rank: int, world: int) -> dict:
-    out = {"train": _train(rank, world, mse_step, [8, 5, 3, 8, 1, 7])}
-    logs: list[str] = []
+    logs: list[tuple[str, str]] = []
     handler = logging.Handler()
-    handler.emit = lambda r: logs.append(r.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("spmd_compiler.driver.dynamic").addHandler(handler)
-    logging.getLogger("spmd_compiler.driver.dynamic").setLevel(logging.INFO)
+    handler.emit = lambda r: logs.append((r.name, r.getMessage()))  # type: ignore[method-assign]
+    logging.getLogger("spmd_compiler").addHandler(handler)  # INFO: the compile's logs run too
+    logging.getLogger("spmd_compiler").setLevel(logging.INFO)
+    out = {"train": _train(rank, world, mse_step, [8, 5, 3, 8, 1, 7])}
+    del logs[:]
     out["branch"] = _train(rank, world, branching_step, [6, 5, 7, 6, 9])
-    out["branch_logs"] = logs
+    out["branch_logs"] = [m for name, m in logs if name == "spmd_compiler.driver.dynamic"]
+    del logs[:]
+    out["threshold"] = _train(rank, world, threshold_step, [8, 3, 2, 8])
+    out["threshold_logs"] = [m for _, m in logs if "agreeing on the program anew" in m or "replaced" in m]
     # rank 0 holds 1 row, rank 1 holds 3: not torch.chunk's layout of 4 rows
     torch.manual_seed(0)
     model = MLP().double()
@@ -130,6 +145,13 @@ def test_two_ranks_one_compile_serves_every_batch_size():
         branch = res["branch"]
         assert branch["err"] < 1e-10 and branch["compiles"] == 2, (rank, branch)
         assert len(res["branch_logs"]) == 1 and "one program per batch shape" in res["branch_logs"][0], res["branch_logs"]
+        # 8 compiles (guard 4 < s); 3 breaks it on every rank and compiles a program that
+        # replaces the first (guard s <= 4); 2 reuses it; 8 compiles again
+        threshold = res["threshold"]
+        assert threshold["err"] < 1e-10 and threshold["compiles"] == 3 and threshold["programs"] == 1, (rank, threshold)
+        logs = res["threshold_logs"]
+        assert sum("break a size guard" in m and "agreeing on the program anew" in m for m in logs) == 2, logs
+        assert sum("is replaced" in m for m in logs) == 2, logs
         msg = res["layout"]
         assert msg is not None and "rank 0: 1, rank 1: 3" in msg and "fix:" in msg, (rank, msg)
 

@@ -335,7 +335,8 @@ class StepDriver:
 
             log.info("collectives per rank per step:\n%s", comm_summary(step.gm).table())
             backend = dist.get_backend() if dist.is_initialized() else None
-            log.info("memory per rank per step (static trace):\n%s", memory_trace(step.gm, backend=backend).table())
+            if not step.size_symbols:  # a symbolic program's bytes depend on the batch sizes of each call
+                log.info("memory per rank per step (static trace):\n%s", memory_trace(step.gm, backend=backend).table())
             log.info(
                 "compiled %s in %.2fs (%s): %d nodes, %d collectives", name, elapsed,
                 ", ".join(f"{k} {v:.2f}s" for k, v in step.timings.items() if not k.startswith("pass ") and k != "total"),
