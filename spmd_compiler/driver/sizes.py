@@ -21,6 +21,7 @@ never carries the check in its first all_reduce (:mod:`.fold`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -157,12 +158,31 @@ class BatchSizes:
             self.coords[int(mesh.mesh[tuple(idx)])] = tuple(idx)
         self._dims: dict[Any, list[ShardedDim] | None] = {}
 
+    @classmethod
+    def over(cls, mesh: Any, plan: Any, exchanged: bool) -> "BatchSizes | None":
+        """The sizes of a step whose check runs over the whole world (``exchanged``; one
+        process and the fake group exchange nothing); None, after one INFO line, when
+        the check does not span the world (the sizes cannot ride in it)."""
+        if not exchanged and dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() != "fake":
+            log.info("dynamic=True: the mesh does not span the world, so the ranks cannot agree on batch sizes in the "
+                     "step check; compiling one program per batch shape")
+            return None
+        return cls(mesh, plan, exchanged)
+
     def dims(self, batch: tuple, kwargs: dict) -> list[ShardedDim] | None:
         leaves, spec, paths = flatten_batch(batch, kwargs)
         k = (str(spec), tuple((p, getattr(x, "ndim", None)) for p, x in zip(paths, leaves)))
         if k not in self._dims:
             self._dims[k] = sharded_dims(self.plan, batch, kwargs, len(self.mesh_shape))
         return self._dims[k]
+
+    def options(self, options: Any, batch: tuple, kwargs: dict) -> Any:
+        """The compile options for this call: ``dynamic=False`` (one INFO line) when a
+        batch dim is split over several mesh axes, whose sizes cannot ride in the check yet."""
+        if self.dims(batch, kwargs) is not None:
+            return options
+        log.info("dynamic=True: a batch dim is split over more than one mesh axis; compiling one program per batch shape")
+        return dataclasses.replace(options, dynamic=False)
 
     def free_key(self, state: Any, batch: tuple, kwargs: dict) -> Any:
         """The call signature without the sharded sizes (what selects a symbolic program)."""

@@ -60,7 +60,7 @@ class CompiledStep(StepDriver):
         args, kw = global_batch(batch, kwargs, mesh, self.plan, exchange)
         texts: dict[str, Any] | None = {} if self._dumping() else None
         step = build_program(
-            self.fn, model, optimizer, args, kw, mesh, self.plan, self.options,
+            self.fn, model, optimizer, args, kw, mesh, self.plan, self._sizes.options(self.options, batch, kwargs) if self._sizes else self.options,
             coordinate=tuple(mesh.get_coordinate()), cache=self.cache, texts=texts,
         )
         return step, texts or {}
