@@ -70,9 +70,11 @@ class _Pending:
     """The check of one step: wait for the exchange, then resync or go on (drawing from
     rank 0's generator if the ranks' generators differ); :meth:`finish` after the step."""
 
-    def __init__(self, flag: torch.Tensor, work: Any, rng: RngSync | None = None) -> None:
+    def __init__(self, flag: torch.Tensor, work: Any, rng: RngSync | None = None, sizes: int = 0) -> None:
         self.flag, self.work, self.rng = flag, work, rng
         self.own: Any = None
+        self.n_sizes = sizes
+        self.sizes: list[int] | None = None  # every rank's size slots, after the wait (:mod:`.sizes`)
 
     def __call__(self) -> None:
         """Wait for the flag; raise :class:`Resync` if any rank raised it."""
@@ -84,7 +86,9 @@ class _Pending:
         values = self.flag.tolist()
         if values[0]:
             raise Resync()
-        if self.rng is not None and not self.rng.agree(values[1:]):
+        if self.n_sizes:
+            self.sizes = values[len(values) - self.n_sizes :]
+        if self.rng is not None and not self.rng.agree(values[1:3]):
             self.own = self.rng.adopt_rank0()
 
     def finish(self) -> None:
@@ -144,7 +148,7 @@ class StepGuard:
         gloo only (reading a flag that came through NCCL would synchronize the GPU)."""
         return self.group is not None and self._gloo
 
-    def start(self, changed: bool, fold: Any = None, draws: bool = False) -> Any:
+    def start(self, changed: bool, fold: Any = None, draws: bool = False, sizes: list[int] | None = None) -> Any:
         """Start the flag exchange; returns the check to call before the first effect
         (and whose ``finish()`` to call after the step).
 
@@ -152,7 +156,9 @@ class StepGuard:
         itself: a changed rank joins that one collective and raises Resync, the others
         get a check that does nothing. For a program that ``draws`` random numbers the
         exchange carries the generators' fingerprint too (:mod:`.rng`); such programs
-        are never given a ``fold``."""
+        are never given a ``fold``. ``sizes``: this rank's size slots (:mod:`.sizes`,
+        zeros but its own; the MAX hands every rank every rank's local sizes), read back
+        as the check's ``sizes`` after its wait."""
         if fold is not None and self.group is not None:
             if changed:
                 fold.join()
@@ -162,9 +168,9 @@ class StepGuard:
                 raise Resync()
             return _no_check
         rng = self.rng if draws else None
-        flag = torch.tensor([1 if changed else 0] + (rng.fingerprint() if rng else []), dtype=torch.int64)
+        flag = torch.tensor([1 if changed else 0] + (rng.fingerprint() if rng else []) + list(sizes or []), dtype=torch.int64)
         work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-        return _Pending(flag, work, rng)
+        return _Pending(flag, work, rng, len(sizes or []))
 
     def agreed(self, draws: bool) -> Any:
         """The check of a step whose program every rank has just agreed on (no flag to

@@ -42,6 +42,7 @@ from .distribute import distribute_state, is_distributed
 from .failure import collective_failure
 from .guard import GuardError, Resync, StepGuard
 from .rng import draws
+from .sizes import BatchSizes
 
 __all__ = ["StepDriver", "Program", "as_mesh"]
 
@@ -59,6 +60,7 @@ class Program:
     timings: dict[str, float] = field(default_factory=dict)
     local_key: Any = None  # this rank's call signature for it
     draws: bool = False  # the program has random ops (the step check agrees the generators too)
+    sizes: Any = None  # a symbolic program's (dynamic=True) sizes.SizeProgram: keyed without the sharded sizes
 
 
 _LIVE: "weakref.WeakSet[StepDriver]" = weakref.WeakSet()
@@ -122,13 +124,13 @@ class StepDriver:
             raise TypeError(f"plan must be a spmd_compiler.Plan, got {type(plan).__name__}; fix: plan=spmd_compiler.Plan(...)")
         self.fn = fn
         self.options = Options.from_kwargs(options)
-        if self.options.dynamic:
-            # the ranks do not yet agree on the global batch sizes a symbolic program
-            # takes (issue #17, milestone 2: the step guard carries them); until then one
-            # program per batch shape, as without the option
-            log.info("dynamic=True: compile() keeps one program per batch shape for now; the simulator "
-                     "(spmd_compiler.testing) runs the symbolic program (docs/dynamic_shapes.md)")
+        self.explain = os.environ.get("SPMD_COMPILER_EXPLAIN") == "1"  # compile and dump, never execute
+        why = self._per_shape()
+        if self.options.dynamic and why:
+            log.info("dynamic=True: %s compiles one program per batch shape (docs/dynamic_shapes.md)", why)
             self.options = dataclasses.replace(self.options, dynamic=False)
+        self._sizes: BatchSizes | None = None  # dynamic=True: the ranks' agreement on the batch sizes
+        self._feed: list[int] = []  # the size_* inputs of the running call
         self._mesh_arg = mesh
         self._mesh: DeviceMesh | None = mesh if isinstance(mesh, DeviceMesh) else None
         self.plan = plan or Plan()
@@ -145,8 +147,6 @@ class StepDriver:
         self.last: Any = None
         self.dumps: list[Any] = []
         self.passes = self.options.pass_list()
-        # explain mode (python -m spmd_compiler explain): compile and dump, never execute
-        self.explain = os.environ.get("SPMD_COMPILER_EXPLAIN") == "1"
         functools.update_wrapper(self, fn)
 
     # options, as attributes (read by dumps and tests)
@@ -184,31 +184,37 @@ class StepDriver:
         self.calls += 1
         if self._guard is None:  # every rank's first call: set up together
             self._setup_groups()
+        free = self._sizes.free_key(self._state(model, optimizer), batch, kwargs) if self._sizes is not None else None
         current = self._current
         name = getattr(self.fn, "__name__", "step")
+        self._feed = []
         if current is not None:
-            fold = self._fold_point(current.step)
+            sized = current.sizes is not None
+            mine = free if sized else key
+            fold = None if sized else self._fold_point(current.step)
             path = "folded" if fold is not None else "standalone" if self._guard.group is not None else "unchecked"
             self.checks[path] += 1
             try:
-                check = self._guard.start(changed=current.local_key != key, fold=fold, draws=current.draws)
-                if current.local_key == key:
+                slots = self._sizes.slots(current.sizes, batch, kwargs, current.local_key == mine) if sized else None
+                check = self._guard.start(changed=current.local_key != mine, fold=fold, draws=current.draws, sizes=slots)
+                if current.local_key == mine:
+                    if sized:  # needs every rank's sizes before it starts; a broken size guard: Resync
+                        self._feed, check = self._sizes.wait(current.sizes, check, batch, kwargs)
                     self._last_key, self.last = key, current.step
                     return self._run_checked(current, model, optimizer, batch, kwargs, check)
                 check()  # raises Resync: this rank's signature changed, the others learn it from the flag
-            except Resync:
+            except Resync as e:
                 self.checks[f"resync ({path})"] += 1
-                log.info("call %d: a rank's call signature changed; agreeing on the program anew", self.calls)
+                log.info("call %d: %s; agreeing on the program anew", self.calls, e.args[0] if e.args else "a rank's call signature changed")
             except GuardError as e:
                 where = e.where or "the per-step check that every rank runs the same program (before the step's first collective)"
                 raise collective_failure(e, where=where, step_name=name, call=self.calls, timeout=self.options.timeout) from e
         try:
-            digest = hashlib.sha1(repr(key).encode()).hexdigest()
-            everyone = tuple(exchange(digest))
+            everyone = tuple(exchange(self._payload(key, free, batch, kwargs)))
         except RuntimeError as e:
             raise collective_failure(e, where="the exchange of call signatures that picks the program", step_name=name,
                                      call=self.calls, timeout=self.options.timeout) from e
-        program = self._agree_program(model, optimizer, batch, kwargs, key, everyone)
+        program = self._agree_program(model, optimizer, batch, kwargs, key, everyone, free)
         self._current = program
         self._last_key, self.last = key, program.step
         return self._run_checked(program, model, optimizer, batch, kwargs, self._guard.agreed(program.draws))
@@ -223,6 +229,10 @@ class StepDriver:
         """The step guard's group, and the collective timeout on the mesh's groups."""
         timeout = self.options.timeout
         self._guard = StepGuard(self.mesh, timeout)
+        if self.options.dynamic:
+            self._sizes = BatchSizes.over(self.mesh, self.plan, self._guard.group is not None)
+            if self._sizes is None:  # the sizes cannot ride in the step check: one program per shape
+                self.options = dataclasses.replace(self.options, dynamic=False)
         if timeout is None or not dist.is_initialized() or dist.get_backend() == "fake":
             return
         for axis in range(self.mesh.ndim):
@@ -230,21 +240,53 @@ class StepDriver:
         if self._guard.group is not None:
             pt.set_group_timeout(self._guard.group, timeout)
 
-    def _agree_program(self, model: Any, optimizer: Any, batch: tuple, kwargs: dict, key: Any, everyone: tuple) -> Program:
+    def _payload(self, key: Any, free: Any, batch: tuple, kwargs: dict) -> Any:
+        """What a rank sends to agree on the program: its signature's digest (dynamic=True:
+        also the digest without the sharded sizes, and its local sizes)."""
+        digest = hashlib.sha1(repr(key).encode()).hexdigest()
+        if self._sizes is None:
+            return digest
+        return digest, hashlib.sha1(repr(free).encode()).hexdigest(), self._sizes.local(batch, kwargs)
+
+    def _per_shape(self) -> str | None:
+        """Why this step cannot serve every batch size with one program (None: it can)."""
+        return "this step"
+
+    def _agree_program(self, model: Any, optimizer: Any, batch: tuple, kwargs: dict, key: Any, everyone: tuple, free: Any = None) -> Program:
         """Every rank together, with every rank's call signature (``everyone``): reuse the
-        program compiled for exactly these signatures or compile one (collective)."""
+        program compiled for exactly these signatures (or, dynamic=True, a symbolic one
+        whose size guards hold for the sizes of every rank) or compile one (collective)."""
+        reason, payloads = None, everyone
+        if self._sizes is not None:
+            symbolic = self._programs.get(("sizes", tuple(p[1] for p in payloads)))
+            if symbolic is not None:
+                self._feed, reason = self._sizes.agreed_values(symbolic.sizes, [p[2] for p in payloads])
+                if reason is None:
+                    self._programs.move_to_end(("sizes", tuple(p[1] for p in payloads)))
+                    return symbolic
+            everyone = tuple(p[0] for p in payloads)
         program = self._programs.get(everyone)
         if program is not None:
             self._programs.move_to_end(everyone)
             return program
-        program = self._compile(model, optimizer, batch, kwargs, why_recompile(self._last_key, key))
+        program = self._compile(model, optimizer, batch, kwargs, reason or why_recompile(self._last_key, key))
         known = len(self._states.value_guards)
         self._states.add_value_guards(getattr(getattr(program.step, "traced", None), "value_guards", []))
         if len(self._states.value_guards) > known:  # the same on every rank (they agreed on the program)
             # the outcomes of the optimizer's branches it found join the signature (trace/value_guards.py)
             key = signature(self._state(model, optimizer), batch, kwargs)
-            everyone = tuple(exchange(hashlib.sha1(repr(key).encode()).hexdigest()))
+            free = self._sizes.free_key(self._state(model, optimizer), batch, kwargs) if self._sizes is not None else None
+            payloads = tuple(exchange(self._payload(key, free, batch, kwargs)))
+            everyone = payloads if self._sizes is None else tuple(p[0] for p in payloads)
         program.local_key = key
+        if self._sizes is not None and program.step.size_symbols:  # serves every size its guards allow
+            program.sizes = self._sizes.describe(program.step, self._sizes.dims(batch, kwargs))
+            program.local_key = free
+            self._feed, broken = self._sizes.agreed_values(program.sizes, [p[2] for p in payloads])
+            assert broken is None, broken  # compiled for these sizes
+            everyone = ("sizes", tuple(p[1] for p in payloads))
+            if everyone in self._programs:
+                log.info("the symbolic program for these batch shapes is replaced (%s)", reason)
         self._programs[everyone] = program
         while len(self._programs) > self.options.cache_size:
             _, old = self._programs.popitem(last=False)
@@ -284,7 +326,8 @@ class StepDriver:
 
             log.info("collectives per rank per step:\n%s", comm_summary(step.gm).table())
             backend = dist.get_backend() if dist.is_initialized() else None
-            log.info("memory per rank per step (static trace):\n%s", memory_trace(step.gm, backend=backend).table())
+            if not step.size_symbols:  # a symbolic program's bytes depend on the batch sizes of each call
+                log.info("memory per rank per step (static trace):\n%s", memory_trace(step.gm, backend=backend).table())
             log.info(
                 "compiled %s in %.2fs (%s): %d nodes, %d collectives", name, elapsed,
                 ", ".join(f"{k} {v:.2f}s" for k, v in step.timings.items() if not k.startswith("pass ") and k != "total"),
@@ -317,6 +360,10 @@ class StepDriver:
         if not self._dumping():
             return
         name = getattr(self.fn, "__name__", "step")
+        if step.size_symbols:  # its static memory trace needs concrete sizes (docs/dynamic_shapes.md, "left")
+            log.warning("dump of %s skipped: a dynamic=True program has symbolic batch sizes, which dumps do not "
+                        "print yet; fix: compile with dynamic=False to dump the program of one batch shape", name)
+            return
         folder = write_dump(
             dump_root(self.dump_dir), step, name=name, expanded_text=texts.get("expanded"), pass_texts=texts.get("passes", []),
             info={"world size": dist.get_world_size() if dist.is_initialized() else 1},

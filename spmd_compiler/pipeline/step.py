@@ -62,6 +62,9 @@ class PipelinedStep(StepDriver):
         self.last_timeline: list[Any] = []
         self._user_plan = self.plan
 
+    def _per_shape(self) -> str | None:
+        return "a pipelined step"
+
     # ------------------------------------------------------------------ mesh and plan
     @property
     def pp_index(self) -> int:

@@ -25,6 +25,7 @@ from ..driver import StepDriver, build_program, exchange, global_batch, is_host_
 from ..driver.failure import collective_failure, failed_node, is_collective_node
 from ..driver.fold import FoldPoint, find_fold, fold_guard_pass
 from ..driver.guard import GuardError, Resync, first_effect
+from ..expand.symbolic import concrete_shape
 from ..plan import Plan
 from ..trace.tracer import flatten_batch
 from .executor import compile_runner
@@ -49,12 +50,17 @@ class CompiledStep(StepDriver):
 
     fold_guard = True
 
+    def _per_shape(self) -> str | None:
+        if self.options.backend == "inductor":
+            return "backend='inductor'"
+        return "explain mode" if self.explain else None
+
     def _build(self, model: Any, optimizer: Any, batch: tuple, kwargs: dict) -> tuple[Any, dict[str, Any]]:
         mesh = self.mesh
         args, kw = global_batch(batch, kwargs, mesh, self.plan, exchange)
         texts: dict[str, Any] | None = {} if self._dumping() else None
         step = build_program(
-            self.fn, model, optimizer, args, kw, mesh, self.plan, self.options,
+            self.fn, model, optimizer, args, kw, mesh, self.plan, self._sizes.options(self.options, batch, kwargs) if self._sizes else self.options,
             coordinate=tuple(mesh.get_coordinate()), cache=self.cache, texts=texts,
         )
         return step, texts or {}
@@ -69,7 +75,8 @@ class CompiledStep(StepDriver):
     def _run(self, step: Any, model: Any, optimizer: Any, batch: tuple, kwargs: dict, check: Callable[[], None]) -> Any:
         state = self._state(model, optimizer)
         leaves, _, _ = flatten_batch(batch, kwargs)
-        inputs: list[Any] = [*step.mctx.coordinate, *(pt.local_tensor(v) for v in program_inputs(step, state, leaves))]
+        feed = self._feed if step.size_symbols else []  # dynamic=True: the global sizes every rank agreed on
+        inputs: list[Any] = [*step.mctx.coordinate, *feed, *(pt.local_tensor(v) for v in program_inputs(step, state, leaves))]
         if self.explain:
             check()
             vals = [n.meta["val"] for n in step.gm.graph.find_nodes(op="output")[0].args[0]]
@@ -96,17 +103,24 @@ class CompiledStep(StepDriver):
                                          timeout=self.options.timeout) from e
             pt.mark_optimizer_stepped(optimizer)
         mesh = self.mesh
+        values = dict(zip((s.symbol for s in step.size_symbols), feed))
 
         def wrap(slot: Any, out: Any) -> Any:
             if is_host_scalar(out) or (slot.kind == "user" and all(p.is_replicate() for p in slot.spec.placements)):
                 return out
-            return DTensor.from_local(out, mesh, slot.spec.placements, run_check=False, shape=slot.spec.shape, stride=slot.spec.stride)
+            shape, stride = slot.spec.shape, slot.spec.stride
+            if values and any(pt.is_symbolic(n) for n in (*shape, *stride)):  # a batch-shaped result (dynamic=True)
+                shape = concrete_shape(shape, values, step.size_definitions)
+                stride = concrete_shape(stride, values, step.size_definitions)
+            return DTensor.from_local(out, mesh, slot.spec.placements, run_check=False, shape=shape, stride=stride)
 
         return store_outputs(step, outs, state, optimizer, wrap)
 
     def _fold_point(self, step: Any) -> FoldPoint | None:
         """The program's first collective over every rank, if the check can ride on it (gloo
         and the eager backend only: inductor's program is one call, checked before it)."""
+        if step.size_symbols:
+            return None  # a symbolic program waits for the sizes before it starts (driver/sizes.py)
         if not self.fold_guard or self.explain or self._guard is None or not self._guard.can_fold or self.options.backend != "eager":
             return None
         if not hasattr(step, "fold_point"):
@@ -141,8 +155,8 @@ def compile(fn: Callable[..., Any] | None = None, *, mesh: Any, plan: Plan | Non
             :mod:`spmd_compiler.runtime.inductor`), ``rng`` ("exact" | "fast": how random ops
             draw, docs/randomness.md; default "exact", the single-device numbers); ``dynamic`` (one
             program for every size of the sharded batch dims, docs/dynamic_shapes.md; default
-            False; for now only the simulator runs the symbolic program, compile() keeps one
-            program per shape); and ``pipeline`` (a :class:`spmd_compiler.Pipeline`: run
+            False; the ranks agree on the global sizes in the step check; pipelines and
+            backend="inductor" keep one program per shape); and ``pipeline`` (a :class:`spmd_compiler.Pipeline`: run
             the step as a pipeline over one mesh axis; the plan then gives placements for
             the other axes).
     """

@@ -1,0 +1,165 @@
+"""compile(dynamic=True) across real processes (gloo): the ranks agree on the global batch
+sizes in the step check (driver/sizes.py); one compile serves every batch size, equal to
+one device. Plus the pure functions (global sizes, torch.chunk layout) without processes.
+
+Tolerance: float64, 1e-10 on parameters after every step.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+
+import spmd_compiler as sc
+from spmd_compiler.driver.sizes import ShardedDim, global_sizes, sharded_dims
+from spmd_compiler.runtime.launch import run_processes
+from spmd_compiler.testing.models import MLP
+
+DIM = ShardedDim(leaf=0, dim=0, axis=0, path="batch[0]")
+
+
+# ----------------------------------------------------------------------------- pure functions
+
+def test_global_sizes_sum_the_ranks_of_the_axis():
+    assert global_sizes([DIM], [((0,), [4]), ((1,), [3])], (2,)) == [7]
+    assert global_sizes([DIM], [((0,), [3]), ((1,), [3]), ((2,), [1])], (3,)) == [7]
+    assert global_sizes([DIM], [((0,), [1]), ((1,), [1]), ((2,), [0])], (3,)) == [2]  # an empty shard
+    assert global_sizes([DIM], [((0,), [0]), ((1,), [0])], (2,)) == [0]
+    # a 2x2 mesh, batch split over axis 0 only: each group of axis 0 holds the batch
+    two_d = [((0, 0), [3]), ((0, 1), [3]), ((1, 0), [2]), ((1, 1), [2])]
+    assert global_sizes([DIM], two_d, (2, 2)) == [5]
+
+
+def test_a_batch_not_laid_out_as_torch_chunk_is_refused_naming_every_rank():
+    with pytest.raises(ValueError) as e:
+        global_sizes([DIM], [((0,), [1]), ((1,), [3])], (2,))
+    msg = str(e.value)
+    assert "rank 0: 1, rank 1: 3" in msg and "global 4" in msg and "[2, 2]" in msg and "fix:" in msg, msg
+    with pytest.raises(ValueError, match=r"rank 0: 2, rank 1: 3, rank 2: 2"):  # tensor_split's layout, not chunk's
+        global_sizes([DIM], [((0,), [2]), ((1,), [3]), ((2,), [2])], (3,))
+    with pytest.raises(ValueError, match="different global sizes"):  # groups of the axis disagree
+        global_sizes([DIM], [((0, 0), [3]), ((0, 1), [2]), ((1, 0), [2]), ((1, 1), [2])], (2, 2))
+
+
+def test_sharded_dims_follow_the_plan():
+    x, y = torch.zeros(4, 3), torch.zeros(4)
+    dims = sharded_dims(sc.Plan(), (x, y), {}, 1)
+    assert [(d.leaf, d.dim, d.axis, d.path) for d in dims] == [(0, 0, 0, "batch[0]"), (1, 0, 0, "batch[1]")]
+
+
+# ----------------------------------------------------------------------------- gloo
+
+def mse_step(model, optimizer, x, y):
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def branching_step(model, optimizer, x, y):
+    out = model(x)
+    if x.shape[0] == 6:  # pins this size: its own program, the others share one
+        out = out * 2
+    loss = torch.nn.functional.mse_loss(out, y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def threshold_step(model, optimizer, x, y):
+    out = model(x)
+    if x.shape[0] > 4:  # a guard on the size (4 < s or s <= 4), not a pin: both sides stay symbolic
+        out = out * 2
+    loss = torch.nn.functional.mse_loss(out, y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def _rows(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """torch.chunk's piece of rank ``rank`` (empty past the end)."""
+    c = -(-t.shape[0] // world)
+    return t[min(rank * c, t.shape[0]) : min((rank + 1) * c, t.shape[0])]
+
+
+def _train(rank: int, world: int, fn, sizes) -> dict:
+    torch.manual_seed(0)
+    model = MLP().double()
+    ref = copy.deepcopy(model)
+    # plain SGD: no optimizer state appears after the first step (that would be a second compile)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    step = sc.compile(fn, mesh=(world,), dynamic=True)
+    errs = []
+    for i, b in enumerate(sizes):
+        g = torch.Generator().manual_seed(100 + i)
+        x, y = (torch.randn(b, 16, dtype=torch.float64, generator=g) for _ in range(2))
+        loss = step(model, opt, _rows(x, rank, world), _rows(y, rank, world))
+        errs.append(abs(loss.item() - fn(ref, ref_opt, x, y).item()))
+        errs.append(max((p.full_tensor() - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters())))
+    return {"err": max(errs), "compiles": step.compiles, "checks": dict(step.checks), "programs": len(step._programs),
+            "size_inputs": sum(n.op == "placeholder" and n.name.startswith("size_") for n in step.last.gm.graph.nodes)}
+
+
+def _two_ranks(rank: int, world: int) -> dict:
+    logs: list[tuple[str, str]] = []
+    handler = logging.Handler()
+    handler.emit = lambda r: logs.append((r.name, r.getMessage()))  # type: ignore[method-assign]
+    logging.getLogger("spmd_compiler").addHandler(handler)  # INFO: the compile's logs run too
+    logging.getLogger("spmd_compiler").setLevel(logging.INFO)
+    out = {"train": _train(rank, world, mse_step, [8, 5, 3, 8, 1, 7])}
+    del logs[:]
+    out["branch"] = _train(rank, world, branching_step, [6, 5, 7, 6, 9])
+    out["branch_logs"] = [m for name, m in logs if name == "spmd_compiler.driver.dynamic"]
+    del logs[:]
+    out["threshold"] = _train(rank, world, threshold_step, [8, 3, 2, 8])
+    out["threshold_logs"] = [m for _, m in logs if "agreeing on the program anew" in m or "replaced" in m]
+    # rank 0 holds 1 row, rank 1 holds 3: not torch.chunk's layout of 4 rows
+    torch.manual_seed(0)
+    model = MLP().double()
+    step = sc.compile(mse_step, mesh=(world,), dynamic=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step(model, opt, torch.randn(2, 16, dtype=torch.float64), torch.randn(2, 16, dtype=torch.float64))
+    rows = 1 if rank == 0 else 3
+    try:
+        step(model, opt, torch.randn(rows, 16, dtype=torch.float64), torch.randn(rows, 16, dtype=torch.float64))
+        out["layout"] = None
+    except ValueError as e:
+        out["layout"] = str(e)
+    return out
+
+
+def test_two_ranks_one_compile_serves_every_batch_size():
+    for rank, res in enumerate(run_processes(_two_ranks, 2, timeout=400)):
+        train = res["train"]
+        assert train["err"] < 1e-10, (rank, train)
+        assert train["compiles"] == 1, (rank, train)  # 8, 5, 3, 8, 1, 7: one program
+        assert train["size_inputs"] == 1, train
+        assert train["checks"] == {"standalone": 5}, train  # no resync: a new size reuses the program
+        # the branch on the size: 6 gets its own program (one INFO log), 5 a symbolic one serving 7 and 9
+        branch = res["branch"]
+        assert branch["err"] < 1e-10 and branch["compiles"] == 2, (rank, branch)
+        assert len(res["branch_logs"]) == 1 and "one program per batch shape" in res["branch_logs"][0], res["branch_logs"]
+        # 8 compiles (guard 4 < s); 3 breaks it on every rank and compiles a program that
+        # replaces the first (guard s <= 4); 2 reuses it; 8 compiles again
+        threshold = res["threshold"]
+        assert threshold["err"] < 1e-10 and threshold["compiles"] == 3 and threshold["programs"] == 1, (rank, threshold)
+        logs = res["threshold_logs"]
+        assert sum("break a size guard" in m and "agreeing on the program anew" in m for m in logs) == 2, logs
+        assert sum("is replaced" in m for m in logs) == 2, logs
+        msg = res["layout"]
+        assert msg is not None and "rank 0: 1, rank 1: 3" in msg and "fix:" in msg, (rank, msg)
+
+
+def _three_ranks(rank: int, world: int) -> dict:
+    return _train(rank, world, mse_step, [9, 7, 2, 1, 6])  # 3,3,1 and 1,1,0 and 1,0,0
+
+
+def test_three_ranks_uneven_and_empty_shards():
+    for rank, res in enumerate(run_processes(_three_ranks, 3, timeout=400)):
+        assert res["err"] < 1e-10 and res["compiles"] == 1, (rank, res)
