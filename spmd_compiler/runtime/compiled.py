@@ -28,7 +28,7 @@ from ..driver.guard import GuardError, Resync, first_effect
 from ..plan import Plan
 from ..trace.tracer import flatten_batch
 from .executor import compile_runner
-from .inductor import InductorRunner
+from .inductor import InductorRunner, piece_runner
 
 __all__ = ["compile", "CompiledStep"]
 
@@ -157,10 +157,8 @@ def compile(fn: Callable[..., Any] | None = None, *, mesh: Any, plan: Plan | Non
                 f"fix: pipeline=spmd_compiler.Pipeline(chunks=4, schedule='1F1B')"
             )
 
-        if options.get("backend", "eager") != "eager":
-            raise ValueError(f"backend={options['backend']!r} does not apply to pipelines yet (their stages run eagerly); "
-                             f"fix: leave backend unset, or compile without pipeline=")
-        cls: Any = lambda f, **kw: PipelinedStep(f, pipeline=pipeline, **kw)  # noqa: E731
+        pieces = piece_runner if options.get("backend") == "inductor" else None  # each stage piece compiled
+        cls: Any = lambda f, **kw: PipelinedStep(f, pipeline=pipeline, piece_runner=pieces, **kw)  # noqa: E731
     else:
         cls = CompiledStep
     if fn is None:

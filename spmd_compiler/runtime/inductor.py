@@ -46,7 +46,7 @@ import torch.fx as fx
 
 from .. import _private_torch as pt
 
-__all__ = ["InductorRunner", "bool_collectives_as_uint8", "scalars_as_tensors"]
+__all__ = ["InductorRunner", "bool_collectives_as_uint8", "piece_runner", "scalars_as_tensors"]
 
 log = logging.getLogger(__name__)
 
@@ -171,17 +171,20 @@ def bool_collectives_as_uint8(gm: fx.GraphModule) -> int:
 class InductorRunner:
     """Runs the per-rank program compiled by inductor, one compiled graph per input shape
     signature, with the same calling convention as :func:`compile_runner`'s guarded run
-    (``runner(*inputs, _check=check)``). ``eager`` is the fallback runner."""
+    (``runner(*inputs, _check=check)``; without ``_check`` nothing is checked: a pipeline's
+    stage piece). ``eager`` is the fallback runner; ``name`` says what ``gm`` is in logs."""
 
-    def __init__(self, gm: fx.GraphModule, eager: Callable[..., Any], *, timings: dict[str, float] | None = None) -> None:
-        self.gm, self.eager, self.timings = gm, eager, timings if timings is not None else {}
+    def __init__(self, gm: fx.GraphModule, eager: Callable[..., Any], *, timings: dict[str, float] | None = None,
+                 name: str = "the per-rank program") -> None:
+        self.gm, self.eager, self.timings, self.name = gm, eager, timings if timings is not None else {}, name
         self.compiled: dict[tuple, Callable[..., Any]] = {}
         self.failed: str | None = None
         self.node_at_line = getattr(eager, "node_at_line", {})
 
     @staticmethod
     def _key(inputs: tuple) -> tuple:
-        return tuple((tuple(x.shape), x.dtype, x.device) if isinstance(x, torch.Tensor) else x for x in inputs)
+        # strides too: the compiled code asserts its inputs' (a stage piece may get a transposed view)
+        return tuple((tuple(x.shape), x.stride(), x.dtype, x.device) if isinstance(x, torch.Tensor) else x for x in inputs)
 
     def compile(self, inputs: tuple) -> Callable[..., Any] | None:
         """Compile for ``inputs``' shapes; None (after one WARNING) if inductor cannot."""
@@ -204,17 +207,17 @@ class InductorRunner:
                 break
         if fn is None:
             self.failed = reason
-            log.warning("inductor could not compile the per-rank program (%s); this program runs on the eager runner "
-                        "(backend='eager')", reason)
+            log.warning("inductor could not compile %s (%s); it runs on the eager runner (backend='eager') instead",
+                        self.name, reason)
             return None
         seconds = time.perf_counter() - t0
         hit = pt.inductor_cache_counts()[0] > hits
         self.timings["backend inductor"] = self.timings.get("backend inductor", 0.0) + seconds
-        log.info("inductor compiled the per-rank program in %.2fs (FX graph cache %s)", seconds,
+        log.info("inductor compiled %s in %.2fs (FX graph cache %s)", self.name, seconds,
                  "hit" if hit else ("miss" if pt.inductor_cache_counts()[1] > misses else "unused"))
         return fn
 
-    def __call__(self, *inputs: Any, _check: Callable[[], None]) -> Any:
+    def __call__(self, *inputs: Any, _check: Callable[[], None] | None = None) -> Any:
         fn = None
         if self.failed is None:
             key = self._key(inputs)
@@ -222,7 +225,20 @@ class InductorRunner:
             if fn is None:
                 fn = self.compiled[key] = self.compile(inputs)
         if fn is None:
-            return self.eager(*inputs, _check=_check)
-        _check()  # before the program's first effect: the compiled program is one call
+            return self.eager(*inputs) if _check is None else self.eager(*inputs, _check=_check)
+        if _check is not None:
+            _check()  # before the program's first effect: the compiled program is one call
         with torch.no_grad():
             return fn(*inputs)
+
+
+_PIECE_KINDS = {"F": "forward", "B": "backward", "O": "optimizer"}
+
+
+def piece_runner(piece: Any, timings: dict[str, float]) -> InductorRunner:
+    """The runner of one stage piece of a pipeline (``compile(..., backend="inductor",
+    pipeline=...)``): the piece's GraphModule compiled by inductor on its first call, or
+    run as it is after one WARNING if inductor cannot compile it. Compile time adds up in
+    ``timings["backend inductor"]``."""
+    name = f"stage {piece.stage}'s {_PIECE_KINDS.get(piece.kind, piece.kind)} piece ({piece.kind})"
+    return InductorRunner(piece.gm, piece.gm, timings=timings, name=name)
