@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
+import pathlib
+import time
 
 import pytest
 import torch
@@ -20,7 +23,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import spmd_compiler as sc
 from spmd_compiler.runtime.executor import compile_runner
 from spmd_compiler.runtime.inductor import InductorRunner, bool_collectives_as_uint8, scalars_as_tensors
-from spmd_compiler.runtime.launch import run_processes
+from spmd_compiler.runtime.launch import WorkerError, run_processes
 from spmd_compiler.testing.models import GPT, MLP, gpt_tp_plan, mse_train_step, train_step
 
 aten = torch.ops.aten
@@ -163,3 +166,40 @@ def test_pipeline_stage_pieces_are_compiled_and_match_one_device():
         assert r["pieces"] == [f"{rank}B", f"{rank}F", f"{rank}O"], res
         assert r["compiled"] == r["pieces"], res  # inductor ran every piece, no fallback
         assert r["seconds"] > 0, res
+
+
+def _peer_dies_inside_the_program(rank: int, world: int, report: str) -> None:
+    torch.manual_seed(0)
+    model = MLP().double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = sc.compile(mse_train_step, mesh=(world,), backend="inductor", timeout=20)
+    x, y = _data(0, "dp")
+    x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+    step(model, opt, x, y)
+    runner = step.last.runner
+    assert isinstance(runner, InductorRunner) and runner.failed is None and runner.compiled
+    if rank == 1:  # passes the step check with rank 0, then dies where the compiled program starts
+        runner.compiled = {k: (lambda *a: os._exit(3)) for k in runner.compiled}
+    start = time.monotonic()
+    try:
+        step(model, opt, x, y)
+        text = "no error"
+    except Exception as e:  # noqa: BLE001
+        text = f"{type(e).__name__}: {e}"
+    pathlib.Path(report).write_text(f"{time.monotonic() - start:.1f}\n{text}")
+    os._exit(0)  # the group cannot be torn down cleanly without its peer
+
+
+@pytest.mark.gloo
+def test_collective_failure_inside_the_compiled_program_is_named(tmp_path):
+    """A peer that dies while the survivor runs inductor's compiled program: the survivor
+    gets a CollectiveError naming the gradient all_reduce it was in (as the eager runner
+    does, tests/test_runtime_consistency.py), not gloo's bare RuntimeError."""
+    report = tmp_path / "rank0.txt"
+    with pytest.raises(WorkerError):
+        run_processes(_peer_dies_inside_the_program, 2, str(report), timeout=600)
+    seconds, text = report.read_text().split("\n", 1)
+    assert float(seconds) < 60, seconds
+    assert text.startswith("CollectiveError"), text
+    assert "'mse_train_step'" in text and "rank(s) [1] did not report" in text and "fix:" in text, text
+    assert "all_reduce on mesh axis 'axis0'" in text, text

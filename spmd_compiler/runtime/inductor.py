@@ -28,16 +28,25 @@ vectorizer fails on a gathered bool mask (torch 2.13).
 kernels (logged at INFO). If inductor cannot compile it at all, that program runs on the
 eager runner instead, with one WARNING naming the reason; the step never fails for it.
 
-**Known gap.** A collective that fails inside the compiled program (a dead peer, a
-timeout) surfaces as torch's own error, not a CollectiveError naming the node: the
-compiled code has no line per node to map the failure back to.
+**A failed collective** (a dead peer, a timeout) inside the compiled program surfaces
+as a CollectiveError naming the collective, as on the eager runner:
+:meth:`InductorRunner.failed_node` finds the ``_c10d_functional`` call of inductor's
+generated code that raised and maps it to the graph's node by order (inductor runs
+collectives as extern kernels in the graph's order).
+
+**Pipelines** (``compile(..., backend="inductor", pipeline=...)``): each stage piece
+(forward, backward, optimizer) of this rank's stages is compiled on its first call
+(:func:`piece_runner`), with the same fallback per piece.
 """
 
 from __future__ import annotations
 
+import linecache
 import logging
 import operator
+import re
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -45,6 +54,7 @@ import torch
 import torch.fx as fx
 
 from .. import _private_torch as pt
+from ..optimize.graph_utils import is_collective, is_wait
 
 __all__ = ["InductorRunner", "bool_collectives_as_uint8", "piece_runner", "scalars_as_tensors"]
 
@@ -217,6 +227,23 @@ class InductorRunner:
                  "hit" if hit else ("miss" if pt.inductor_cache_counts()[1] > misses else "unused"))
         return fn
 
+    def failed_node(self, error: BaseException) -> fx.Node | None:
+        """The collective (or wait) node of ``gm`` whose call in inductor's generated code
+        raised ``error`` (a dead peer, a timeout), for :func:`~spmd_compiler.driver.failure.
+        collective_failure`; None if it was not one. Inductor keeps the graph's collectives
+        and waits in order (extern kernels, no reordering), so the i-th wait of the code is
+        the graph's i-th wait; if the counts differ, None rather than a wrong name."""
+        where = generated_collective(error)
+        if where is None:
+            return None
+        wait, index, count = where
+        nodes = [n for n in self.gm.graph.nodes if (is_wait(n) if wait else is_collective(n))]
+        if count != len(nodes):
+            log.debug("inductor's code has %d %s, the graph %d: cannot name the failed one", count,
+                      "waits" if wait else "collectives", len(nodes))
+            return None
+        return nodes[index]
+
     def __call__(self, *inputs: Any, _check: Callable[[], None] | None = None) -> Any:
         fn = None
         if self.failed is None:
@@ -230,6 +257,36 @@ class InductorRunner:
             _check()  # before the program's first effect: the compiled program is one call
         with torch.no_grad():
             return fn(*inputs)
+
+
+_C10D_CALL = re.compile(r"_c10d_functional\.(\w+)\.")
+
+
+def _c10d_call(line: str) -> str | None:
+    """The ``_c10d_functional`` op a line of generated code calls (not a comment), or None."""
+    m = _C10D_CALL.search(line)
+    return m.group(1) if m and not line.lstrip().startswith("#") else None
+
+
+def generated_collective(error: BaseException) -> tuple[bool, int, int] | None:
+    """Where in inductor's generated code ``error`` was raised, if by a functional
+    collective: (a wait?, its index among the code's waits, or among its other collective
+    calls, in code order, and how many of those the code has). None if no generated-code
+    frame was calling one."""
+    root = pt.inductor_cache_dir()
+    hit = None
+    for frame, lineno in traceback.walk_tb(error.__traceback__):
+        filename = frame.f_code.co_filename
+        if filename.startswith(root):
+            op = _c10d_call(linecache.getline(filename, lineno))
+            hit = (filename, lineno, op) if op else hit
+    if hit is None:
+        return None
+    filename, lineno, op = hit
+    wait = op == "wait_tensor"
+    same = [i for i, text in enumerate(linecache.getlines(filename), 1)
+            if (other := _c10d_call(text)) is not None and (other == "wait_tensor") == wait]
+    return wait, same.index(lineno), len(same)
 
 
 _PIECE_KINDS = {"F": "forward", "B": "backward", "O": "optimizer"}
