@@ -1,5 +1,5 @@
 """backend="inductor" (spmd_compiler/runtime/inductor.py): the per-rank program compiled
-by inductor computes what one device computes (float64, 1e-12) under DP, FSDP and TP on real
+by inductor computes what one device computes (float64, 1e-12; TP 5e-12, see TOLERANCE) under DP, FSDP and TP on real
 gloo processes; host scalars reach its kernels in double precision; a program inductor
 cannot compile runs eagerly after one WARNING.
 
@@ -101,6 +101,15 @@ def _data(step: int, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, torch.roll(ids, -1, 1)
 
 
+# float64 against one device, losses and parameters after 3 AdamW steps. TP: 5e-12 (measured
+# 1.2e-12 split into segments, 1.6e-12 as one graph; losses within 5e-15): inductor's
+# vectorized reductions (LayerNorm and softmax backward, the sums over batch rows) add in another
+# order than eager's kernels, and AdamW's update lr * m / sqrt(v) scales a gradient by its own
+# size, so a gradient element that is small by cancellation carries its relative rounding
+# (about 1e-10) into the parameter as lr * 1e-10.
+TOLERANCE = {"dp": 1e-12, "fsdp": 1e-12, "tp": 5e-12}
+
+
 def _inductor_numerics(rank: int, world: int) -> dict:
     out = {}
     plans = {"dp": None, "fsdp": sc.Plan(params={"*": [sc.Shard(0)]}), "tp": gpt_tp_plan()}
@@ -120,8 +129,10 @@ def _inductor_numerics(rank: int, world: int) -> dict:
             errs.append(abs(loss.item() - fn(ref, ref_opt, *_data(i, kind)).item()))
         errs.append(max((p.full_tensor() - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters())))
         out[kind] = max(errs)
-        runner = step.last.runner
+        runner = getattr(step.last, "folded_runner", None) or step.last.runner
         out[kind + "_compiled"] = isinstance(runner, InductorRunner) and runner.failed is None and bool(runner.compiled)
+        out[kind + "_checks"] = dict(step.checks)
+        out[kind + "_segments"] = ["host" if g.host is not None else "graph" for g in runner.segments]
         out[kind + "_seconds"] = step.last.timings.get("backend inductor", 0.0)
     return out
 
@@ -130,9 +141,12 @@ def _inductor_numerics(rank: int, world: int) -> dict:
 def test_inductor_matches_one_device_under_dp_fsdp_and_tp():
     for res in run_processes(_inductor_numerics, 2, timeout=1200):
         for kind in ("dp", "fsdp", "tp"):
-            assert res[kind] < 1e-12, res
+            assert res[kind] < TOLERANCE[kind], res
             assert res[kind + "_compiled"], res  # inductor ran, no fallback
             assert res[kind + "_seconds"] > 0, res  # compile time reported separately
+            # the step check rides on the first all_reduce (no extra collective): the program is cut
+            # after its wait, where resync_if_flagged reads the flag in Python
+            assert res[kind + "_checks"].get("folded", 0) >= 2 and "host" in res[kind + "_segments"], res
 
 
 def _pipeline_numerics(rank: int, world: int) -> dict:
@@ -176,10 +190,15 @@ def _peer_dies_inside_the_program(rank: int, world: int, report: str) -> None:
     x, y = _data(0, "dp")
     x, y = x.chunk(world)[rank], y.chunk(world)[rank]
     step(model, opt, x, y)
+    step.fold_guard = False  # the standalone check: rank 1 passes it, then dies inside the compiled program
+    step(model, opt, x, y)
     runner = step.last.runner
     assert isinstance(runner, InductorRunner) and runner.failed is None and runner.compiled
-    if rank == 1:  # passes the step check with rank 0, then dies where the compiled program starts
-        runner.compiled = {k: (lambda *a: os._exit(3)) for k in runner.compiled}
+    if rank == 1:  # runs the segment before the check (if any), passes the check, dies in the next segment
+        checked = [g.check_before for g in runner.segments]
+        cut = checked.index(True) if True in checked else 0
+        runner.compiled = {k: [f if i < cut else (lambda *a: os._exit(3)) for i, f in enumerate(v)]
+                           for k, v in runner.compiled.items()}
     start = time.monotonic()
     try:
         step(model, opt, x, y)

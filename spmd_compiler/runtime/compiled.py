@@ -105,9 +105,9 @@ class CompiledStep(StepDriver):
         return store_outputs(step, outs, state, optimizer, wrap)
 
     def _fold_point(self, step: Any) -> FoldPoint | None:
-        """The program's first collective over every rank, if the check can ride on it (gloo
-        and the eager backend only: inductor's program is one call, checked before it)."""
-        if not self.fold_guard or self.explain or self._guard is None or not self._guard.can_fold or self.options.backend != "eager":
+        """The program's first collective over every rank, if the check can ride on it (gloo;
+        under inductor the program is cut after that collective's wait, runtime/segments.py)."""
+        if not self.fold_guard or self.explain or self._guard is None or not self._guard.can_fold:
             return None
         if not hasattr(step, "fold_point"):
             step.fold_point = find_fold(step.gm, world_size=dist.get_world_size())

@@ -54,7 +54,11 @@ import torch
 import torch.fx as fx
 
 from .. import _private_torch as pt
+from ..driver.fold import resync_if_flagged
+from ..driver.guard import first_effect
 from ..optimize.graph_utils import is_collective, is_wait
+from .executor import compile_runner
+from .segments import Segment, split_segments
 
 __all__ = ["InductorRunner", "bool_collectives_as_uint8", "piece_runner", "scalars_as_tensors"]
 
@@ -178,87 +182,6 @@ def bool_collectives_as_uint8(gm: fx.GraphModule) -> int:
     return done
 
 
-class InductorRunner:
-    """Runs the per-rank program compiled by inductor, one compiled graph per input shape
-    signature, with the same calling convention as :func:`compile_runner`'s guarded run
-    (``runner(*inputs, _check=check)``; without ``_check`` nothing is checked: a pipeline's
-    stage piece). ``eager`` is the fallback runner; ``name`` says what ``gm`` is in logs."""
-
-    def __init__(self, gm: fx.GraphModule, eager: Callable[..., Any], *, timings: dict[str, float] | None = None,
-                 name: str = "the per-rank program") -> None:
-        self.gm, self.eager, self.timings, self.name = gm, eager, timings if timings is not None else {}, name
-        self.compiled: dict[tuple, Callable[..., Any]] = {}
-        self.failed: str | None = None
-        self.node_at_line = getattr(eager, "node_at_line", {})
-
-    @staticmethod
-    def _key(inputs: tuple) -> tuple:
-        # strides too: the compiled code asserts its inputs' (a stage piece may get a transposed view)
-        return tuple((tuple(x.shape), x.stride(), x.dtype, x.device) if isinstance(x, torch.Tensor) else x for x in inputs)
-
-    def compile(self, inputs: tuple) -> Callable[..., Any] | None:
-        """Compile for ``inputs``' shapes; None (after one WARNING) if inductor cannot."""
-        t0 = time.perf_counter()
-        hits, misses = pt.inductor_cache_counts()
-        fn, reason = None, ""
-        for vectorize in (True, False):  # the C++ vectorizer fails on some graphs: retry with scalar kernels
-            try:
-                gm = fx.GraphModule(self.gm, self.gm.graph.__deepcopy__())  # the reference graph stays as it is
-                scalars_as_tensors(gm)
-                bool_collectives_as_uint8(gm)
-                fn = pt.inductor_compile(gm, inputs, vectorize=vectorize)
-                break
-            except Exception as e:  # noqa: BLE001 -- any compile failure falls back, by contract
-                reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-                log.debug("inductor failed (vectorize=%s)", vectorize, exc_info=True)
-                if vectorize and any(isinstance(x, torch.Tensor) and x.device.type == "cpu" for x in inputs):
-                    log.info("inductor failed with vectorized C++ kernels (%s); retrying with scalar kernels", reason)
-                    continue
-                break
-        if fn is None:
-            self.failed = reason
-            log.warning("inductor could not compile %s (%s); it runs on the eager runner (backend='eager') instead",
-                        self.name, reason)
-            return None
-        seconds = time.perf_counter() - t0
-        hit = pt.inductor_cache_counts()[0] > hits
-        self.timings["backend inductor"] = self.timings.get("backend inductor", 0.0) + seconds
-        log.info("inductor compiled %s in %.2fs (FX graph cache %s)", self.name, seconds,
-                 "hit" if hit else ("miss" if pt.inductor_cache_counts()[1] > misses else "unused"))
-        return fn
-
-    def failed_node(self, error: BaseException) -> fx.Node | None:
-        """The collective (or wait) node of ``gm`` whose call in inductor's generated code
-        raised ``error`` (a dead peer, a timeout), for :func:`~spmd_compiler.driver.failure.
-        collective_failure`; None if it was not one. Inductor keeps the graph's collectives
-        and waits in order (extern kernels, no reordering), so the i-th wait of the code is
-        the graph's i-th wait; if the counts differ, None rather than a wrong name."""
-        where = generated_collective(error)
-        if where is None:
-            return None
-        wait, index, count = where
-        nodes = [n for n in self.gm.graph.nodes if (is_wait(n) if wait else is_collective(n))]
-        if count != len(nodes):
-            log.debug("inductor's code has %d %s, the graph %d: cannot name the failed one", count,
-                      "waits" if wait else "collectives", len(nodes))
-            return None
-        return nodes[index]
-
-    def __call__(self, *inputs: Any, _check: Callable[[], None] | None = None) -> Any:
-        fn = None
-        if self.failed is None:
-            key = self._key(inputs)
-            fn = self.compiled.get(key)
-            if fn is None:
-                fn = self.compiled[key] = self.compile(inputs)
-        if fn is None:
-            return self.eager(*inputs) if _check is None else self.eager(*inputs, _check=_check)
-        if _check is not None:
-            _check()  # before the program's first effect: the compiled program is one call
-        with torch.no_grad():
-            return fn(*inputs)
-
-
 _C10D_CALL = re.compile(r"_c10d_functional\.(\w+)\.")
 
 
@@ -287,6 +210,149 @@ def generated_collective(error: BaseException) -> tuple[bool, int, int] | None:
     same = [i for i, text in enumerate(linecache.getlines(filename), 1)
             if (other := _c10d_call(text)) is not None and (other == "wait_tensor") == wait]
     return wait, same.index(lineno), len(same)
+
+
+class InductorRunner:
+    """Runs the per-rank program compiled by inductor, with the same calling convention as
+    :func:`compile_runner`'s guarded run (``runner(*inputs, _check=check)``; without
+    ``_check`` nothing is checked: a pipeline's stage piece). The program is cut into
+    segments (:mod:`.segments`) where Python must run: the step check before the first
+    effect, the folded check's ``resync_if_flagged``; each graph segment is compiled on its
+    first call, once per input signature, or, if inductor cannot, runs on the eager runner
+    after one WARNING. ``eager`` runs the whole program if it cannot be cut; ``name`` says
+    what ``gm`` is in logs."""
+
+    def __init__(self, gm: fx.GraphModule, eager: Callable[..., Any], *, timings: dict[str, float] | None = None,
+                 name: str = "the per-rank program") -> None:
+        self.gm, self.eager, self.timings, self.name = gm, eager, timings if timings is not None else {}, name
+        self.compiled: dict[tuple, list[Callable[..., Any] | None]] = {}  # per signature, per segment
+        self.failed: str | None = None
+        self.node_at_line = getattr(eager, "node_at_line", {})
+        self.segments: list[Segment] | None = None
+        self._params = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        self._out = next(n for n in gm.graph.nodes if n.op == "output")
+        self._by_name = {n.name: n for n in gm.graph.nodes}
+        self._running: tuple[int, Any] | None = None
+
+    @staticmethod
+    def _key(inputs: tuple) -> tuple:
+        # strides too: the compiled code asserts its inputs' (a stage piece may get a transposed view)
+        return tuple((tuple(x.shape), x.stride(), x.dtype, x.device) if isinstance(x, torch.Tensor) else x for x in inputs)
+
+    def _segments(self, checked: bool) -> list[Segment]:
+        if self.segments is None:
+            folded = any(n.op == "call_function" and _is_host(n) for n in self.gm.graph.nodes)
+            point = first_effect(self.gm) if checked and not folded else None  # folded: the check is in the program
+            self.segments = split_segments(self.gm, host=_is_host, check_before=point)
+            if len(self.segments) > 1:
+                log.info("%s runs as %d segments (%s)", self.name, len(self.segments),
+                         ", ".join(f"host {g.host.name}" if g.host is not None else
+                                   f"{len(g.gm.graph.nodes)} nodes" + (" after the step check" if g.check_before else "")
+                                   for g in self.segments))
+        return self.segments
+
+    def compile(self, gm: fx.GraphModule, inputs: tuple, name: str) -> Callable[..., Any] | None:
+        """``gm`` compiled for ``inputs``' shapes; None (after one WARNING) if inductor cannot."""
+        t0 = time.perf_counter()
+        hits, misses = pt.inductor_cache_counts()
+        fn, reason = None, ""
+        for vectorize in (True, False):  # the C++ vectorizer fails on some graphs: retry with scalar kernels
+            try:
+                copy = fx.GraphModule(gm, gm.graph.__deepcopy__())  # the reference graph stays as it is
+                scalars_as_tensors(copy)
+                bool_collectives_as_uint8(copy)
+                fn = pt.inductor_compile(copy, inputs, vectorize=vectorize)
+                break
+            except Exception as e:  # noqa: BLE001 -- any compile failure falls back, by contract
+                reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+                log.debug("inductor failed (vectorize=%s)", vectorize, exc_info=True)
+                if vectorize and any(isinstance(x, torch.Tensor) and x.device.type == "cpu" for x in inputs):
+                    log.info("inductor failed with vectorized C++ kernels (%s); retrying with scalar kernels", reason)
+                    continue
+                break
+        if fn is None:
+            self.failed = self.failed or reason
+            log.warning("inductor could not compile %s (%s); it runs on the eager runner (backend='eager') instead",
+                        name, reason)
+            return None
+        seconds = time.perf_counter() - t0
+        hit = pt.inductor_cache_counts()[0] > hits
+        self.timings["backend inductor"] = self.timings.get("backend inductor", 0.0) + seconds
+        log.info("inductor compiled %s in %.2fs (FX graph cache %s)", name, seconds,
+                 "hit" if hit else ("miss" if pt.inductor_cache_counts()[1] > misses else "unused"))
+        return fn
+
+    def failed_node(self, error: BaseException) -> fx.Node | None:
+        """The collective (or wait) node of ``gm`` whose call raised ``error`` (a dead peer,
+        a timeout), for :func:`~spmd_compiler.driver.failure.collective_failure`; None if it
+        was not one. In inductor's generated code: inductor keeps a segment's collectives
+        and waits in order (extern kernels, no reordering), so the i-th wait of the code is
+        the segment's i-th wait; if the counts differ, None rather than a wrong name. In a
+        segment on the eager runner: the line of its generated code."""
+        if self._running is None:
+            return None
+        index, fn = self._running
+        seg = self.segments[index]
+        node = None
+        where = generated_collective(error)
+        if where is not None:
+            wait, i, count = where
+            nodes = [n for n in seg.gm.graph.nodes if (is_wait(n) if wait else is_collective(n))]
+            if count == len(nodes):
+                node = nodes[i]
+            else:
+                log.debug("inductor's code has %d %s, the segment %d: cannot name the failed one", count,
+                          "waits" if wait else "collectives", len(nodes))
+        lines = getattr(fn, "node_at_line", {})
+        for frame, lineno in traceback.walk_tb(error.__traceback__):
+            if frame.f_code.co_filename.startswith("<spmd_compiler per-rank step"):
+                node = lines.get(lineno, node)
+        return None if node is None else self._by_name.get(node.name, node)
+
+    def __call__(self, *inputs: Any, _check: Callable[[], None] | None = None) -> Any:
+        try:
+            segments = self._segments(_check is not None)
+        except Exception as e:  # noqa: BLE001 -- cannot cut: the whole program runs eagerly, by contract
+            if self.failed is None:
+                self.failed = f"{type(e).__name__}: {e}"
+                log.warning("could not cut %s into segments for inductor (%s); it runs on the eager runner "
+                            "(backend='eager') instead", self.name, self.failed)
+            self.segments = []
+        if not segments:
+            return self.eager(*inputs) if _check is None else self.eager(*inputs, _check=_check)
+        fns = self.compiled.setdefault(self._key(inputs), [None] * len(segments))
+        env = dict(zip(self._params, inputs))
+        pending = _check
+        if pending is not None and not any(g.check_before for g in segments):
+            pending()  # no effect to run before (or folded: the check is a no-op there)
+            pending = None
+        for i, seg in enumerate(segments):
+            if seg.check_before and pending is not None:
+                pending()  # the ops before the first effect ran meanwhile
+                pending = None
+            args = [env[name] for name in seg.inputs]
+            if seg.host is not None:
+                host = seg.host
+                env[host.name] = host.target(*fx.map_arg(host.args, lambda a: env[a.name]),
+                                             **fx.map_arg(host.kwargs, lambda a: env[a.name]))
+            else:
+                fn = fns[i]
+                if fn is None:
+                    part = self.name if len(segments) == 1 else f"{self.name} (segment {i + 1} of {len(segments)})"
+                    fn = fns[i] = self.compile(seg.gm, tuple(args), part) or compile_runner(seg.gm)
+                self._running = (i, fn)
+                with torch.no_grad():
+                    outs = fn(*args)
+                self._running = None
+                env.update(zip(seg.outputs, outs))
+            for name in seg.free:
+                env.pop(name, None)
+        return list(fx.map_arg(self._out.args[0], lambda a: env[a.name]))
+
+
+def _is_host(n: fx.Node) -> bool:
+    """A node that runs in Python between compiled segments (the folded check)."""
+    return n.target is resync_if_flagged
 
 
 _PIECE_KINDS = {"F": "forward", "B": "backward", "O": "optimizer"}
