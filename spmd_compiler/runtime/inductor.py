@@ -17,15 +17,16 @@ kernels read from memory in double precision, with the op order eager uses (``ad
 and ``addcmul`` become ``self + value * t1 / t2`` and ``self + value * t1 * t2``).
 A consumer it does not know keeps its ``.item()`` (and inductor's float32 scalar).
 
-**The step guard.** The compiled program is one call, so the guard's check runs before
-it rather than just before the program's first effect: a step that must resync still
-stops before any effect, but the flag's round trip no longer hides behind the forward.
+**The step guard.** Python runs in the middle of the program: the standalone check right
+before the first effect, or the folded check's ``resync_if_flagged`` after the first
+all_reduce's wait. The program is cut there into segments (:mod:`.segments`), each
+compiled on its own, so the check keeps its overlap and its fold as on the eager runner.
 
 **Bool collectives** run on uint8 copies (:func:`bool_collectives_as_uint8`): the C++
 vectorizer fails on a gathered bool mask (torch 2.13).
 
-**Fallback.** If inductor's C++ vectorizer fails on a CPU program anyway, the program is compiled again with scalar C++
-kernels (logged at INFO). If inductor cannot compile it at all, that program runs on the
+**Fallback.** If inductor's C++ vectorizer fails on a CPU program anyway, the segment is compiled again with scalar C++
+kernels (logged at INFO). If inductor cannot compile it at all, that segment runs on the
 eager runner instead, with one WARNING naming the reason; the step never fails for it.
 
 **A failed collective** (a dead peer, a timeout) inside the compiled program surfaces
