@@ -222,3 +222,27 @@ def test_collective_failure_inside_the_compiled_program_is_named(tmp_path):
     assert text.startswith("CollectiveError"), text
     assert "'mse_train_step'" in text and "rank(s) [1] did not report" in text and "fix:" in text, text
     assert "all_reduce on mesh axis 'axis0'" in text, text
+
+
+def _sgd_like(w, x):
+    wt = aten.t.default(w)
+    h = aten.relu.default(aten.mm.default(x, wt))
+    w.add_(aten.mul.Tensor(aten.mm.default(aten.t.default(h), x), -0.1))  # the first effect
+    return [aten.sum.default(aten.mm.default(x, wt))]  # reads the view of w after the update
+
+
+def test_step_check_runs_between_compiled_segments():
+    """The standalone check runs after the ops before the first effect (compiled as their own
+    segment) and before the effect; the view ``t(w)`` is recomputed after the cut, so it sees
+    the update as in eager; results equal the GraphModule's bit for bit."""
+    w, x = torch.randn(4, 3, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64)
+    gm = make_fx(_sgd_like)(w.clone(), x)
+    runner = InductorRunner(gm, compile_runner(gm, guard=True))
+    seen = []
+    w_eager, w_ind = w.clone(), w.clone()
+    want = gm(w_eager, x)
+    got = runner(w_ind, x, _check=lambda: seen.append([f is not None for f in runner.compiled[next(iter(runner.compiled))]]))
+    assert [g.check_before for g in runner.segments] == [False, True], runner.segments
+    assert seen == [[True, False]]  # the first segment compiled and ran, the second not yet
+    assert "t" not in runner.segments[0].outputs and runner.segments[1].inputs == ["w_1", "mul", "x_1"]
+    assert runner.failed is None and torch.equal(w_eager, w_ind) and torch.equal(want[0], got[0])
