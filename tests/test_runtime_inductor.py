@@ -1,5 +1,5 @@
 """backend="inductor" (spmd_compiler/runtime/inductor.py): the per-rank program compiled
-by inductor computes what one device computes (float64, 1e-12) under DP, FSDP and TP on real
+by inductor computes what one device computes (float64, 1e-12; TP 5e-12, see TOLERANCE) under DP, FSDP and TP on real
 gloo processes; host scalars reach its kernels in double precision; a program inductor
 cannot compile runs eagerly after one WARNING.
 
@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
+import pathlib
+import time
 
 import pytest
 import torch
@@ -20,7 +23,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import spmd_compiler as sc
 from spmd_compiler.runtime.executor import compile_runner
 from spmd_compiler.runtime.inductor import InductorRunner, bool_collectives_as_uint8, scalars_as_tensors
-from spmd_compiler.runtime.launch import run_processes
+from spmd_compiler.runtime.launch import WorkerError, run_processes
 from spmd_compiler.testing.models import GPT, MLP, gpt_tp_plan, mse_train_step, train_step
 
 aten = torch.ops.aten
@@ -29,11 +32,6 @@ aten = torch.ops.aten
 def test_backend_option_is_validated():
     with pytest.raises(ValueError, match=r"backend='tvm': expected one of \['eager', 'inductor'\]"):
         sc.compile(mse_train_step, mesh=(1,), backend="tvm")
-
-
-def test_pipelines_refuse_the_inductor_backend():
-    with pytest.raises(ValueError, match=r"backend='inductor' does not apply to pipelines yet"):
-        sc.compile(mse_train_step, mesh=(1,), backend="inductor", pipeline=sc.Pipeline(chunks=2))
 
 
 def _adam_like(p, lr_t, step_t, a, b):
@@ -103,6 +101,15 @@ def _data(step: int, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, torch.roll(ids, -1, 1)
 
 
+# float64 against one device, losses and parameters after 3 AdamW steps. TP: 5e-12 (measured
+# 1.2e-12 split into segments, 1.6e-12 as one graph; losses within 5e-15): inductor's
+# vectorized reductions (LayerNorm and softmax backward, the sums over batch rows) add in another
+# order than eager's kernels, and AdamW's update lr * m / sqrt(v) scales a gradient by its own
+# size, so a gradient element that is small by cancellation carries its relative rounding
+# (about 1e-10) into the parameter as lr * 1e-10.
+TOLERANCE = {"dp": 1e-12, "fsdp": 1e-12, "tp": 5e-12}
+
+
 def _inductor_numerics(rank: int, world: int) -> dict:
     out = {}
     plans = {"dp": None, "fsdp": sc.Plan(params={"*": [sc.Shard(0)]}), "tp": gpt_tp_plan()}
@@ -122,8 +129,10 @@ def _inductor_numerics(rank: int, world: int) -> dict:
             errs.append(abs(loss.item() - fn(ref, ref_opt, *_data(i, kind)).item()))
         errs.append(max((p.full_tensor() - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters())))
         out[kind] = max(errs)
-        runner = step.last.runner
+        runner = getattr(step.last, "folded_runner", None) or step.last.runner
         out[kind + "_compiled"] = isinstance(runner, InductorRunner) and runner.failed is None and bool(runner.compiled)
+        out[kind + "_checks"] = dict(step.checks)
+        out[kind + "_segments"] = ["host" if g.host is not None else "graph" for g in runner.segments]
         out[kind + "_seconds"] = step.last.timings.get("backend inductor", 0.0)
     return out
 
@@ -132,6 +141,108 @@ def _inductor_numerics(rank: int, world: int) -> dict:
 def test_inductor_matches_one_device_under_dp_fsdp_and_tp():
     for res in run_processes(_inductor_numerics, 2, timeout=1200):
         for kind in ("dp", "fsdp", "tp"):
-            assert res[kind] < 1e-12, res
+            assert res[kind] < TOLERANCE[kind], res
             assert res[kind + "_compiled"], res  # inductor ran, no fallback
             assert res[kind + "_seconds"] > 0, res  # compile time reported separately
+            # the step check rides on the first all_reduce (no extra collective): the program is cut
+            # after its wait, where resync_if_flagged reads the flag in Python
+            assert res[kind + "_checks"].get("folded", 0) >= 2 and "host" in res[kind + "_segments"], res
+
+
+def _pipeline_numerics(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    model = MLP().double()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=0.01), torch.optim.AdamW(ref.parameters(), lr=0.01)
+    pipe = sc.Pipeline(chunks=2, schedule="1F1B", split={"l2": sc.SplitPoint.BEGINNING})
+    step = sc.compile(mse_train_step, mesh={"pp": world}, pipeline=pipe, backend="inductor")
+    errs = []
+    for i in range(2):
+        x, y = _data(i, "dp")
+        errs.append(abs(step(model, opt, x, y).item() - mse_train_step(ref, ref_opt, x, y).item()))
+    ref_sd = ref.state_dict()
+    errs += [(v.full_tensor() - ref_sd[k]).abs().max().item() for k, v in model.state_dict().items()]
+    runners = step.last.pipeline.runners
+    return {"err": max(errs), "pieces": sorted(f"{s}{k}" for s, k in runners),
+            "compiled": sorted(f"{s}{k}" for (s, k), r in runners.items()
+                               if isinstance(r, InductorRunner) and r.failed is None and r.compiled),
+            "seconds": step.last.timings.get("backend inductor", 0.0)}
+
+
+@pytest.mark.gloo
+def test_pipeline_stage_pieces_are_compiled_and_match_one_device():
+    """Two stages on two gloo ranks, 1F1B over two micro-batches: every piece of a rank's
+    stage (forward, backward, optimizer) is compiled by inductor, and the loss and
+    parameters equal one device's (float64, 1e-12)."""
+    res = run_processes(_pipeline_numerics, 2, timeout=1200)
+    for rank, r in enumerate(res):
+        assert r["err"] < 1e-12, res
+        assert r["pieces"] == [f"{rank}B", f"{rank}F", f"{rank}O"], res
+        assert r["compiled"] == r["pieces"], res  # inductor ran every piece, no fallback
+        assert r["seconds"] > 0, res
+
+
+def _peer_dies_inside_the_program(rank: int, world: int, report: str) -> None:
+    torch.manual_seed(0)
+    model = MLP().double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = sc.compile(mse_train_step, mesh=(world,), backend="inductor", timeout=20)
+    x, y = _data(0, "dp")
+    x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+    step(model, opt, x, y)
+    step.fold_guard = False  # the standalone check: rank 1 passes it, then dies inside the compiled program
+    step(model, opt, x, y)
+    runner = step.last.runner
+    assert isinstance(runner, InductorRunner) and runner.failed is None and runner.compiled
+    if rank == 1:  # runs the segment before the check (if any), passes the check, dies in the next segment
+        checked = [g.check_before for g in runner.segments]
+        cut = checked.index(True) if True in checked else 0
+        runner.compiled = {k: [f if i < cut else (lambda *a: os._exit(3)) for i, f in enumerate(v)]
+                           for k, v in runner.compiled.items()}
+    start = time.monotonic()
+    try:
+        step(model, opt, x, y)
+        text = "no error"
+    except Exception as e:  # noqa: BLE001
+        text = f"{type(e).__name__}: {e}"
+    pathlib.Path(report).write_text(f"{time.monotonic() - start:.1f}\n{text}")
+    os._exit(0)  # the group cannot be torn down cleanly without its peer
+
+
+@pytest.mark.gloo
+def test_collective_failure_inside_the_compiled_program_is_named(tmp_path):
+    """A peer that dies while the survivor runs inductor's compiled program: the survivor
+    gets a CollectiveError naming the gradient all_reduce it was in (as the eager runner
+    does, tests/test_runtime_consistency.py), not gloo's bare RuntimeError."""
+    report = tmp_path / "rank0.txt"
+    with pytest.raises(WorkerError):
+        run_processes(_peer_dies_inside_the_program, 2, str(report), timeout=600)
+    seconds, text = report.read_text().split("\n", 1)
+    assert float(seconds) < 60, seconds
+    assert text.startswith("CollectiveError"), text
+    assert "'mse_train_step'" in text and "rank(s) [1] did not report" in text and "fix:" in text, text
+    assert "all_reduce on mesh axis 'axis0'" in text, text
+
+
+def _sgd_like(w, x):
+    wt = aten.t.default(w)
+    h = aten.relu.default(aten.mm.default(x, wt))
+    w.add_(aten.mul.Tensor(aten.mm.default(aten.t.default(h), x), -0.1))  # the first effect
+    return [aten.sum.default(aten.mm.default(x, wt))]  # reads the view of w after the update
+
+
+def test_step_check_runs_between_compiled_segments():
+    """The standalone check runs after the ops before the first effect (compiled as their own
+    segment) and before the effect; the view ``t(w)`` is recomputed after the cut, so it sees
+    the update as in eager; results equal the GraphModule's bit for bit."""
+    w, x = torch.randn(4, 3, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64)
+    gm = make_fx(_sgd_like)(w.clone(), x)
+    runner = InductorRunner(gm, compile_runner(gm, guard=True))
+    seen = []
+    w_eager, w_ind = w.clone(), w.clone()
+    want = gm(w_eager, x)
+    got = runner(w_ind, x, _check=lambda: seen.append([f is not None for f in runner.compiled[next(iter(runner.compiled))]]))
+    assert [g.check_before for g in runner.segments] == [False, True], runner.segments
+    assert seen == [[True, False]]  # the first segment compiled and ran, the second not yet
+    assert "t" not in runner.segments[0].outputs and runner.segments[1].inputs == ["w_1", "mul", "x_1"]
+    assert runner.failed is None and torch.equal(w_eager, w_ind) and torch.equal(want[0], got[0])

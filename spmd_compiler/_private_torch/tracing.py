@@ -25,7 +25,7 @@ __all__ = [
     "reparametrize_module", "static_fake_mode", "example_tensor", "local_tensor", "tracing_graph", "rename_node",
     "preserve_node_meta", "link_backward_to_forward", "record_stack_traces_of", "data_dependent_exceptions",
     "batchnorm_base", "is_view_op", "written_args", "writes_first_arg", "raw_operator", "mark_optimizer_stepped",
-    "inductor_compile", "inductor_cache_counts",
+    "inductor_compile", "inductor_cache_counts", "inductor_cache_dir",
 ]
 
 
@@ -205,3 +205,11 @@ def inductor_cache_counts() -> tuple[int, int]:
     from torch._dynamo.utils import counters
 
     return counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+
+
+def inductor_cache_dir() -> str:
+    """The folder inductor writes its generated code under (``$TORCHINDUCTOR_CACHE_DIR``
+    or its default)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return cache_dir()

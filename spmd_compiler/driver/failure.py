@@ -32,7 +32,12 @@ ROLL_CALL_SECONDS = 5.0
 
 
 def failed_node(error: BaseException, runner: Any) -> fx.Node | None:
-    """The node of the per-rank program that was running when ``error`` was raised."""
+    """The node of the per-rank program that was running when ``error`` was raised (the
+    runner's ``failed_node(error)`` first, where it has one: inductor's compiled code)."""
+    if callable(getattr(runner, "failed_node", None)):
+        node = runner.failed_node(error)
+        if node is not None:
+            return node
     lines = getattr(runner, "node_at_line", {})
     node = None
     for frame, lineno in traceback.walk_tb(error.__traceback__):

@@ -22,7 +22,7 @@ import contextlib
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +32,7 @@ import torch.distributed as dist
 from ..errors import SpmdError
 from ..expand.rules.random import is_random
 from .schedule import Action, build_schedule
-from .stages import StageProgram
+from .stages import Piece, StageProgram
 
 __all__ = ["PipelineRunner", "Span"]
 
@@ -67,7 +67,8 @@ class PipelineRunner:
     """Executes a :class:`StageProgram` on this rank for a given schedule."""
 
     def __init__(self, program: StageProgram, *, pp_size: int, pp_coord: int, stage_rank: Any, chunks: int,
-                 schedule: str, stages_per_rank: int, scale_grads: bool, pp_group: Any, checkpoint: str = "never") -> None:
+                 schedule: str, stages_per_rank: int, scale_grads: bool, pp_group: Any, checkpoint: str = "never",
+                 piece_runner: Callable[[Piece], Callable[..., Any]] | None = None) -> None:
         self.program = program
         self.pp = pp_size
         self.me = pp_coord
@@ -78,6 +79,11 @@ class PipelineRunner:
         self.checkpoint = checkpoint
         self.my_stages = [s for s in range(program.num_stages) if s % pp_size == pp_coord]
         self.order = build_schedule(schedule, pp_size, chunks, stages_per_rank)[pp_coord]
+        # what runs each piece of this rank's stages: its GraphModule, or (backend="inductor")
+        # the runner ``piece_runner`` makes of it (compiled on first use)
+        self.runners: dict[tuple[int, str], Callable[..., Any]] = {
+            key: (piece_runner(piece) if piece_runner is not None else piece.gm)
+            for key, piece in program.pieces.items() if key[0] in self.my_stages}
         self.routes: list[_Route] = []
         first_use: dict[tuple[str, int, int], tuple[str, str]] = {}
         for value, t, s, tk, k in sorted(program.cross_stage()):
@@ -157,7 +163,7 @@ class PipelineRunner:
             t0 = time.perf_counter()
             log.debug("run %s%d mb %s", kind, stage, mb)
             with torch.no_grad():
-                outs = piece.gm(*args)
+                outs = self.runners[(stage, kind)](*args)
             for name, v in zip(piece.outputs, outs):
                 values[name] = v
             self._span(label or kind, stage, mb, t0)

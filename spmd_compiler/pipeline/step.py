@@ -51,10 +51,15 @@ class PipelinedStep(StepDriver):
     """A compiled step whose program runs as a pipeline over ``pipeline.axis`` (built on
     the same driver as :class:`~spmd_compiler.CompiledStep`: signature cache, agreement)."""
 
-    def __init__(self, fn: Any, *, mesh: Any, plan: Any = None, pipeline: Pipeline, **options: Any) -> None:
+    def __init__(self, fn: Any, *, mesh: Any, plan: Any = None, pipeline: Pipeline, piece_runner: Any = None,
+                 **options: Any) -> None:
         options.setdefault("passes", [])
         super().__init__(fn, mesh=mesh, plan=plan, **options)
+        if self.options.backend != "eager" and piece_runner is None:
+            raise ValueError(f"backend={self.options.backend!r} needs a piece_runner for the stage pieces; "
+                             f"fix: compile through spmd_compiler.compile(..., pipeline=...)")
         self.pipeline = pipeline
+        self.piece_runner = piece_runner  # (piece, timings) -> runner of the piece; None: its GraphModule
         self._ghosts: dict[str, tuple[Any, ...]] = {}  # dropped params: shape, dtype, device, grad, group, position
         self._ghost_states: dict[str, dict[str, Any]] = {}  # their optimizer state: key -> (shape, dtype)
         self._ghost_buffers: dict[str, tuple[Any, ...]] = {}  # dropped buffers: shape, dtype, device
@@ -167,6 +172,7 @@ class PipelinedStep(StepDriver):
             program, pp_size=pp, pp_coord=coord[pp_index], stage_rank=stage_rank, chunks=cfg.chunks,
             schedule=cfg.schedule, stages_per_rank=cfg.stages_per_rank, scale_grads=cfg.scale_grads,
             pp_group=mesh.get_group(pp_index), checkpoint=cfg.checkpoint,
+            piece_runner=None if self.piece_runner is None else (lambda piece: self.piece_runner(piece, step.timings)),
         )
         step.assignment = assignment
         step.program = program

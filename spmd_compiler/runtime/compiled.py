@@ -29,7 +29,7 @@ from ..expand.symbolic import concrete_shape
 from ..plan import Plan
 from ..trace.tracer import flatten_batch
 from .executor import compile_runner
-from .inductor import InductorRunner
+from .inductor import InductorRunner, piece_runner
 
 __all__ = ["compile", "CompiledStep"]
 
@@ -117,11 +117,11 @@ class CompiledStep(StepDriver):
         return store_outputs(step, outs, state, optimizer, wrap)
 
     def _fold_point(self, step: Any) -> FoldPoint | None:
-        """The program's first collective over every rank, if the check can ride on it (gloo
-        and the eager backend only: inductor's program is one call, checked before it)."""
+        """The program's first collective over every rank, if the check can ride on it (gloo;
+        under inductor the program is cut after that collective's wait, runtime/segments.py)."""
         if step.size_symbols:
             return None  # a symbolic program waits for the sizes before it starts (driver/sizes.py)
-        if not self.fold_guard or self.explain or self._guard is None or not self._guard.can_fold or self.options.backend != "eager":
+        if not self.fold_guard or self.explain or self._guard is None or not self._guard.can_fold:
             return None
         if not hasattr(step, "fold_point"):
             step.fold_point = find_fold(step.gm, world_size=dist.get_world_size())
@@ -171,10 +171,8 @@ def compile(fn: Callable[..., Any] | None = None, *, mesh: Any, plan: Plan | Non
                 f"fix: pipeline=spmd_compiler.Pipeline(chunks=4, schedule='1F1B')"
             )
 
-        if options.get("backend", "eager") != "eager":
-            raise ValueError(f"backend={options['backend']!r} does not apply to pipelines yet (their stages run eagerly); "
-                             f"fix: leave backend unset, or compile without pipeline=")
-        cls: Any = lambda f, **kw: PipelinedStep(f, pipeline=pipeline, **kw)  # noqa: E731
+        pieces = piece_runner if options.get("backend") == "inductor" else None  # each stage piece compiled
+        cls: Any = lambda f, **kw: PipelinedStep(f, pipeline=pipeline, piece_runner=pieces, **kw)  # noqa: E731
     else:
         cls = CompiledStep
     if fn is None:

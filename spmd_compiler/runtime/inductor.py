@@ -17,27 +17,37 @@ kernels read from memory in double precision, with the op order eager uses (``ad
 and ``addcmul`` become ``self + value * t1 / t2`` and ``self + value * t1 * t2``).
 A consumer it does not know keeps its ``.item()`` (and inductor's float32 scalar).
 
-**The step guard.** The compiled program is one call, so the guard's check runs before
-it rather than just before the program's first effect: a step that must resync still
-stops before any effect, but the flag's round trip no longer hides behind the forward.
+**The step guard.** Python runs in the middle of the program: the standalone check right
+before the first effect, or the folded check's ``resync_if_flagged`` after the first
+all_reduce's wait. The program is cut there into segments (:mod:`.segments`), each
+compiled on its own, so the check keeps its overlap and its fold as on the eager runner.
 
 **Bool collectives** run on uint8 copies (:func:`bool_collectives_as_uint8`): the C++
 vectorizer fails on a gathered bool mask (torch 2.13).
 
-**Fallback.** If inductor's C++ vectorizer fails on a CPU program anyway, the program is compiled again with scalar C++
-kernels (logged at INFO). If inductor cannot compile it at all, that program runs on the
+**Fallback.** If inductor's C++ vectorizer fails on a CPU program anyway, the segment is compiled again with scalar C++
+kernels (logged at INFO). If inductor cannot compile it at all, that segment runs on the
 eager runner instead, with one WARNING naming the reason; the step never fails for it.
 
-**Known gap.** A collective that fails inside the compiled program (a dead peer, a
-timeout) surfaces as torch's own error, not a CollectiveError naming the node: the
-compiled code has no line per node to map the failure back to.
+**A failed collective** (a dead peer, a timeout) inside the compiled program surfaces
+as a CollectiveError naming the collective, as on the eager runner:
+:meth:`InductorRunner.failed_node` finds the ``_c10d_functional`` call of inductor's
+generated code that raised and maps it to the graph's node by order (inductor runs
+collectives as extern kernels in the graph's order).
+
+**Pipelines** (``compile(..., backend="inductor", pipeline=...)``): each stage piece
+(forward, backward, optimizer) of this rank's stages is compiled on its first call
+(:func:`piece_runner`), with the same fallback per piece.
 """
 
 from __future__ import annotations
 
+import linecache
 import logging
 import operator
+import re
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -45,8 +55,13 @@ import torch
 import torch.fx as fx
 
 from .. import _private_torch as pt
+from ..driver.fold import resync_if_flagged
+from ..driver.guard import first_effect
+from ..optimize.graph_utils import is_collective, is_wait
+from .executor import compile_runner
+from .segments import Segment, split_segments
 
-__all__ = ["InductorRunner", "bool_collectives_as_uint8", "scalars_as_tensors"]
+__all__ = ["InductorRunner", "bool_collectives_as_uint8", "piece_runner", "scalars_as_tensors"]
 
 log = logging.getLogger(__name__)
 
@@ -168,32 +183,86 @@ def bool_collectives_as_uint8(gm: fx.GraphModule) -> int:
     return done
 
 
-class InductorRunner:
-    """Runs the per-rank program compiled by inductor, one compiled graph per input shape
-    signature, with the same calling convention as :func:`compile_runner`'s guarded run
-    (``runner(*inputs, _check=check)``). ``eager`` is the fallback runner."""
+_C10D_CALL = re.compile(r"_c10d_functional\.(\w+)\.")
 
-    def __init__(self, gm: fx.GraphModule, eager: Callable[..., Any], *, timings: dict[str, float] | None = None) -> None:
-        self.gm, self.eager, self.timings = gm, eager, timings if timings is not None else {}
-        self.compiled: dict[tuple, Callable[..., Any]] = {}
+
+def _c10d_call(line: str) -> str | None:
+    """The ``_c10d_functional`` op a line of generated code calls (not a comment), or None."""
+    m = _C10D_CALL.search(line)
+    return m.group(1) if m and not line.lstrip().startswith("#") else None
+
+
+def generated_collective(error: BaseException) -> tuple[bool, int, int] | None:
+    """Where in inductor's generated code ``error`` was raised, if by a functional
+    collective: (a wait?, its index among the code's waits, or among its other collective
+    calls, in code order, and how many of those the code has). None if no generated-code
+    frame was calling one."""
+    root = pt.inductor_cache_dir()
+    hit = None
+    for frame, lineno in traceback.walk_tb(error.__traceback__):
+        filename = frame.f_code.co_filename
+        if filename.startswith(root):
+            op = _c10d_call(linecache.getline(filename, lineno))
+            hit = (filename, lineno, op) if op else hit
+    if hit is None:
+        return None
+    filename, lineno, op = hit
+    wait = op == "wait_tensor"
+    same = [i for i, text in enumerate(linecache.getlines(filename), 1)
+            if (other := _c10d_call(text)) is not None and (other == "wait_tensor") == wait]
+    return wait, same.index(lineno), len(same)
+
+
+class InductorRunner:
+    """Runs the per-rank program compiled by inductor, with the same calling convention as
+    :func:`compile_runner`'s guarded run (``runner(*inputs, _check=check)``; without
+    ``_check`` nothing is checked: a pipeline's stage piece). The program is cut into
+    segments (:mod:`.segments`) where Python must run: the step check before the first
+    effect, the folded check's ``resync_if_flagged``; each graph segment is compiled on its
+    first call, once per input signature, or, if inductor cannot, runs on the eager runner
+    after one WARNING. ``eager`` runs the whole program if it cannot be cut; ``name`` says
+    what ``gm`` is in logs."""
+
+    def __init__(self, gm: fx.GraphModule, eager: Callable[..., Any], *, timings: dict[str, float] | None = None,
+                 name: str = "the per-rank program") -> None:
+        self.gm, self.eager, self.timings, self.name = gm, eager, timings if timings is not None else {}, name
+        self.compiled: dict[tuple, list[Callable[..., Any] | None]] = {}  # per signature, per segment
         self.failed: str | None = None
         self.node_at_line = getattr(eager, "node_at_line", {})
+        self.segments: list[Segment] | None = None
+        self._params = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        self._out = next(n for n in gm.graph.nodes if n.op == "output")
+        self._by_name = {n.name: n for n in gm.graph.nodes}
+        self._running: tuple[int, Any] | None = None
 
     @staticmethod
     def _key(inputs: tuple) -> tuple:
-        return tuple((tuple(x.shape), x.dtype, x.device) if isinstance(x, torch.Tensor) else x for x in inputs)
+        # strides too: the compiled code asserts its inputs' (a stage piece may get a transposed view)
+        return tuple((tuple(x.shape), x.stride(), x.dtype, x.device) if isinstance(x, torch.Tensor) else x for x in inputs)
 
-    def compile(self, inputs: tuple) -> Callable[..., Any] | None:
-        """Compile for ``inputs``' shapes; None (after one WARNING) if inductor cannot."""
+    def _segments(self, checked: bool) -> list[Segment]:
+        if self.segments is None:
+            folded = any(n.op == "call_function" and _is_host(n) for n in self.gm.graph.nodes)
+            point = first_effect(self.gm) if checked and not folded else None  # folded: the check is in the program
+            self.segments = split_segments(self.gm, host=_is_host, check_before=point)
+            if len(self.segments) > 1:
+                log.info("%s runs as %d segments (%s)", self.name, len(self.segments),
+                         ", ".join(f"host {g.host.name}" if g.host is not None else
+                                   f"{len(g.gm.graph.nodes)} nodes" + (" after the step check" if g.check_before else "")
+                                   for g in self.segments))
+        return self.segments
+
+    def compile(self, gm: fx.GraphModule, inputs: tuple, name: str) -> Callable[..., Any] | None:
+        """``gm`` compiled for ``inputs``' shapes; None (after one WARNING) if inductor cannot."""
         t0 = time.perf_counter()
         hits, misses = pt.inductor_cache_counts()
         fn, reason = None, ""
         for vectorize in (True, False):  # the C++ vectorizer fails on some graphs: retry with scalar kernels
             try:
-                gm = fx.GraphModule(self.gm, self.gm.graph.__deepcopy__())  # the reference graph stays as it is
-                scalars_as_tensors(gm)
-                bool_collectives_as_uint8(gm)
-                fn = pt.inductor_compile(gm, inputs, vectorize=vectorize)
+                copy = fx.GraphModule(gm, gm.graph.__deepcopy__())  # the reference graph stays as it is
+                scalars_as_tensors(copy)
+                bool_collectives_as_uint8(copy)
+                fn = pt.inductor_compile(copy, inputs, vectorize=vectorize)
                 break
             except Exception as e:  # noqa: BLE001 -- any compile failure falls back, by contract
                 reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
@@ -203,26 +272,97 @@ class InductorRunner:
                     continue
                 break
         if fn is None:
-            self.failed = reason
-            log.warning("inductor could not compile the per-rank program (%s); this program runs on the eager runner "
-                        "(backend='eager')", reason)
+            self.failed = self.failed or reason
+            log.warning("inductor could not compile %s (%s); it runs on the eager runner (backend='eager') instead",
+                        name, reason)
             return None
         seconds = time.perf_counter() - t0
         hit = pt.inductor_cache_counts()[0] > hits
         self.timings["backend inductor"] = self.timings.get("backend inductor", 0.0) + seconds
-        log.info("inductor compiled the per-rank program in %.2fs (FX graph cache %s)", seconds,
+        log.info("inductor compiled %s in %.2fs (FX graph cache %s)", name, seconds,
                  "hit" if hit else ("miss" if pt.inductor_cache_counts()[1] > misses else "unused"))
         return fn
 
-    def __call__(self, *inputs: Any, _check: Callable[[], None]) -> Any:
-        fn = None
-        if self.failed is None:
-            key = self._key(inputs)
-            fn = self.compiled.get(key)
-            if fn is None:
-                fn = self.compiled[key] = self.compile(inputs)
-        if fn is None:
-            return self.eager(*inputs, _check=_check)
-        _check()  # before the program's first effect: the compiled program is one call
-        with torch.no_grad():
-            return fn(*inputs)
+    def failed_node(self, error: BaseException) -> fx.Node | None:
+        """The collective (or wait) node of ``gm`` whose call raised ``error`` (a dead peer,
+        a timeout), for :func:`~spmd_compiler.driver.failure.collective_failure`; None if it
+        was not one. In inductor's generated code: inductor keeps a segment's collectives
+        and waits in order (extern kernels, no reordering), so the i-th wait of the code is
+        the segment's i-th wait; if the counts differ, None rather than a wrong name. In a
+        segment on the eager runner: the line of its generated code."""
+        if self._running is None:
+            return None
+        index, fn = self._running
+        seg = self.segments[index]
+        node = None
+        where = generated_collective(error)
+        if where is not None:
+            wait, i, count = where
+            nodes = [n for n in seg.gm.graph.nodes if (is_wait(n) if wait else is_collective(n))]
+            if count == len(nodes):
+                node = nodes[i]
+            else:
+                log.debug("inductor's code has %d %s, the segment %d: cannot name the failed one", count,
+                          "waits" if wait else "collectives", len(nodes))
+        lines = getattr(fn, "node_at_line", {})
+        for frame, lineno in traceback.walk_tb(error.__traceback__):
+            if frame.f_code.co_filename.startswith("<spmd_compiler per-rank step"):
+                node = lines.get(lineno, node)
+        return None if node is None else self._by_name.get(node.name, node)
+
+    def __call__(self, *inputs: Any, _check: Callable[[], None] | None = None) -> Any:
+        try:
+            segments = self._segments(_check is not None)
+        except Exception as e:  # noqa: BLE001 -- cannot cut: the whole program runs eagerly, by contract
+            if self.failed is None:
+                self.failed = f"{type(e).__name__}: {e}"
+                log.warning("could not cut %s into segments for inductor (%s); it runs on the eager runner "
+                            "(backend='eager') instead", self.name, self.failed)
+            self.segments = []
+        if not segments:
+            return self.eager(*inputs) if _check is None else self.eager(*inputs, _check=_check)
+        fns = self.compiled.setdefault(self._key(inputs), [None] * len(segments))
+        env = dict(zip(self._params, inputs))
+        pending = _check
+        if pending is not None and not any(g.check_before for g in segments):
+            pending()  # no effect to run before (or folded: the check is a no-op there)
+            pending = None
+        for i, seg in enumerate(segments):
+            if seg.check_before and pending is not None:
+                pending()  # the ops before the first effect ran meanwhile
+                pending = None
+            args = [env[name] for name in seg.inputs]
+            if seg.host is not None:
+                host = seg.host
+                env[host.name] = host.target(*fx.map_arg(host.args, lambda a: env[a.name]),
+                                             **fx.map_arg(host.kwargs, lambda a: env[a.name]))
+            else:
+                fn = fns[i]
+                if fn is None:
+                    part = self.name if len(segments) == 1 else f"{self.name} (segment {i + 1} of {len(segments)})"
+                    fn = fns[i] = self.compile(seg.gm, tuple(args), part) or compile_runner(seg.gm)
+                self._running = (i, fn)
+                with torch.no_grad():
+                    outs = fn(*args)
+                self._running = None
+                env.update(zip(seg.outputs, outs))
+            for name in seg.free:
+                env.pop(name, None)
+        return list(fx.map_arg(self._out.args[0], lambda a: env[a.name]))
+
+
+def _is_host(n: fx.Node) -> bool:
+    """A node that runs in Python between compiled segments (the folded check)."""
+    return n.target is resync_if_flagged
+
+
+_PIECE_KINDS = {"F": "forward", "B": "backward", "O": "optimizer"}
+
+
+def piece_runner(piece: Any, timings: dict[str, float]) -> InductorRunner:
+    """The runner of one stage piece of a pipeline (``compile(..., backend="inductor",
+    pipeline=...)``): the piece's GraphModule compiled by inductor on its first call, or
+    run as it is after one WARNING if inductor cannot compile it. Compile time adds up in
+    ``timings["backend inductor"]``."""
+    name = f"stage {piece.stage}'s {_PIECE_KINDS.get(piece.kind, piece.kind)} piece ({piece.kind})"
+    return InductorRunner(piece.gm, piece.gm, timings=timings, name=name)
