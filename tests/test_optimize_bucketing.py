@@ -36,6 +36,21 @@ def test_dp_mlp_one_launch_per_bucket_and_the_loss_rides(mesh4):
     assert any(m.get("rider") for m in first.meta["spmd_comm"]["bucket"])  # the first bucket (last layer's gradients)
 
 
+def test_fsdp_mlp_loss_rides_in_every_row_of_a_reduce_scatter(mesh4):
+    """FSDP reduce_scatters gradients: the loss's mean rides in the bucket, its value in
+    every rank's row (n x 8 bytes in the buffer instead of an all_reduce of 8)."""
+    batches = [(torch.randn(8, 16, dtype=torch.float64), torch.randn(8, 16, dtype=torch.float64)) for _ in range(3)]
+    plan = sc.Plan(params={"*": [sc.Shard(0)]}, fsdp_axes=("dp",))
+    res = assert_training_matches(mse_train_step, MLP().double(), lambda p: torch.optim.AdamW(p, lr=0.01), batches, mesh4, plan,
+                                  passes=default_passes(bucket_mb=0.004), atol=1e-12, rtol=1e-12)
+    gm = res.sim.expansions[(0,)].gm
+    (rs,) = [n for n in gm.graph.nodes if is_collective(n) and any(m.get("rider") for m in n.meta["spmd_comm"].get("bucket") or ())]
+    assert rs.meta["spmd_comm"]["kind"] == "reduce_scatter"
+    assert [m["bytes"] for m in rs.meta["spmd_comm"]["bucket"] if m.get("rider")] == [4 * 8]
+    kinds = [n.meta["spmd_comm"]["kind"] for n in gm.graph.nodes if is_collective(n)]
+    assert "all_reduce" not in kinds and kinds.count("reduce_scatter") == 2, kinds  # the loss has no launch of its own
+
+
 def test_riders_can_be_turned_off(mesh4):
     from spmd_compiler.optimize import PassSpec, bucket_gradients_pass
 

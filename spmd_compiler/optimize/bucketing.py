@@ -166,7 +166,9 @@ def _fuse(gm: fx.GraphModule, bucket: list[fx.Node], pos: dict[fx.Node, float], 
         flats = [add(aten.reshape.default, (x, [-1])) for x in inputs]
         sizes = [int(f.meta["val"].numel()) for f in flats]
     else:  # reduce_scatter along dim 0: rank j's share of every gradient goes in row j
-        flats = [add(aten.reshape.default, (x, [n, -1])) for x in inputs]
+        flats = [add(aten.reshape.default, (x, [n, -1])) for x in inputs[:grads]]
+        for x in inputs[grads:]:  # a rider's whole value in every row: each rank receives all of its sum
+            flats.append(add(aten.expand.default, (add(aten.reshape.default, (x, [1, -1])), [n, -1])))
         sizes = [int(f.meta["val"].shape[1]) for f in flats]
     cat = add(aten.cat.default, (flats, 0 if kind == "all_reduce" else 1))
     buf = cat if kind == "all_reduce" else add(aten.reshape.default, (cat, [-1]))
@@ -177,6 +179,11 @@ def _fuse(gm: fx.GraphModule, bucket: list[fx.Node], pos: dict[fx.Node, float], 
     comm = fused_comm(bucket, reason=reason, label="bucket", what=f"{kind}s")
     for entry in comm["bucket"][grads:]:
         entry["rider"] = True  # not a gradient: a value that rides in the bucket
+        if kind == "reduce_scatter":  # sent n times (once per row): n x its bytes in the buffer
+            own, wire = entry["bytes"], 2 * (n - 1) * entry["bytes"] // n
+            entry["bytes"] = n * own
+            comm["bytes"] += (n - 1) * own
+            comm["wire_bytes"] += (n - 1) * own - wire
     if kind == "all_reduce":
         coll = add(c10d.all_reduce.default, (buf, op, group), meta={"spmd_comm": comm})
     else:
@@ -206,7 +213,12 @@ def _riders(
     that forward or backward needs: a forward all_reduce that backward reads is used
     before the optimizer reads the gradients). Each rides in the earliest bucket that
     takes it. The step's loss (output phase, read only by the output) is the usual rider."""
-    writes = writes_by_root(gm)
+    if any(n.target is MARKER for n in gm.graph.nodes):
+        return {}  # pipeline stages: a value does not move across a stage boundary
+    writes: dict[Any, list[float]] = defaultdict(list)  # every write, any written argument
+    for w in gm.graph.nodes:
+        for x in written_inputs(w):
+            writes[alias_root(x)].append(pos[w])
     out: dict[int, list[fx.Node]] = {}
     for n in list(gm.graph.nodes):
         if not is_collective(n) or n in reductions or n.meta["spmd_comm"]["kind"] != "all_reduce" or n.meta.get("spmd_comm", {}).get("op") == "bucket":
@@ -217,12 +229,17 @@ def _riders(
             continue
         c = n.meta["spmd_comm"]
         val = src.meta.get("val")
-        floating = isinstance(val, torch.Tensor) and val.dtype.is_floating_point
+        if not isinstance(val, torch.Tensor) or not all(isinstance(d, int) for d in val.shape):
+            continue  # a bucket's split sizes are static
+        floating = val.dtype.is_floating_point
         op = "sum" if n.args[1] == "avg" and floating else n.args[1]  # a mean is a sum divided by the group size
         key = (c["kind"], n.args[-1], op, c["dtype"], c["group_size"])
+        candidates = [*planned.get(key, ())]
+        if op == "sum" and floating:  # a sum can also ride in a reduce_scatter bucket (FSDP), in every row
+            candidates += planned.get(("reduce_scatter", *key[1:]), ())
         use = first_use(n)
-        written = [pos[w] for w in writes.get(alias_root(src), ())]
-        for b in planned.get(key, ()):
+        written = writes.get(alias_root(src), ())
+        for b in candidates:
             issue = max(pos[m] for m in b)
             lo, hi = sorted((pos[n], issue))
             if pos[src] >= issue or any(lo < w < hi for w in written):
