@@ -29,7 +29,10 @@ this: its buckets hold gradients only): same group, reduce op, dtype and group s
 floating ``avg`` rides in a ``sum`` bucket and is divided by the group size after it), the
 value exists before the bucket is issued and is not written until then, and nothing reads
 it before the bucket's gradients are read (so the bucket is never waited earlier, and a
-value the forward or backward needs is never delayed). The step's loss is the usual one:
+value the forward or backward needs is never delayed). A floating sum also rides in a
+reduce_scatter bucket (FSDP): its whole value goes in every rank's row, so each rank
+receives the whole sum, for n times its bytes in the buffer (a scalar loss: n elements
+instead of one all_reduce launch). The step's loss is the usual one:
 a DP step then makes one launch per bucket plus, for a mean over targets (cross entropy),
 the target count the forward divides by at once. ``fuse_other_all_reduces=False`` turns
 this off.
