@@ -11,7 +11,6 @@ import torch
 from torch.distributed.tensor import Shard
 
 import spmd_compiler as sc
-from spmd_compiler.dump.summary import comm_summary
 from spmd_compiler.optimize import (
     PassSpec,
     bucket_gradients_pass,
