@@ -78,11 +78,13 @@ def test_comm_summary_counts_launches_and_buckets_per_group(mesh4):
     before = comm_summary(step.gm).groups
     assert [(g.axis, g.launches, g.buckets, g.bucketed) for g in before] == [("dp", 5, 0, 0)]
     summary = comm_summary(bucket_gradients_pass(step.gm))
-    assert [(g.axis, g.launches, g.buckets, g.bucketed) for g in summary.groups] == [("dp", 2, 1, 4)]  # the loss + one bucket
-    assert summary.total_count == 2
+    assert [(g.axis, g.launches, g.buckets, g.bucketed) for g in summary.groups] == [("dp", 1, 1, 5)]  # one bucket, the loss in it
+    assert summary.total_count == 1
     table = summary.table().splitlines()
     assert table[-2].split() == ["group", "launches", "buckets", "values", "in", "buckets", "single"]
-    assert table[-1].split() == ["dp", "2", "1", "4", "1"]
+    assert table[-1].split() == ["dp", "1", "1", "5", "0"]
+    alone = comm_summary(bucket_gradients_pass(sc.expand(traced, mesh4).gm, fuse_other_all_reduces=False))
+    assert [(g.axis, g.launches, g.buckets, g.bucketed) for g in alone.groups] == [("dp", 2, 1, 4)]  # the loss + one bucket
 
 
 @pytest.mark.slow

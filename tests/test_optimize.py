@@ -11,7 +11,6 @@ import torch
 from torch.distributed.tensor import Shard
 
 import spmd_compiler as sc
-from spmd_compiler.dump.summary import comm_summary
 from spmd_compiler.optimize import (
     PassSpec,
     bucket_gradients_pass,
@@ -146,6 +145,12 @@ def train_step_mse(model, opt, x, y):
     return loss
 
 
+def _grad_bytes(n):
+    """Bytes of the gradients a reduction carries (not of the values riding in its bucket)."""
+    members = n.meta["spmd_comm"].get("bucket")
+    return sum(m["bytes"] for m in members if not m.get("rider")) if members else n.meta["spmd_comm"]["bytes"]
+
+
 @pytest.mark.parametrize("bucket_mb", [0.002, 0.01, 25.0])
 def test_bucket_count_is_ceil_of_bytes(mesh4, bucket_mb):
     traced = adam_gpt(layers=2)
@@ -163,7 +168,7 @@ def test_bucket_count_is_ceil_of_bytes(mesh4, bucket_mb):
     assert len(buckets) >= total / (cap + largest)
     if largest * 4 < cap:  # gradients small next to a bucket: exactly ceil(bytes / bucket)
         assert len(buckets) == math.ceil(total / cap)
-    assert sum(n.meta["spmd_comm"]["bytes"] for n in buckets) == total
+    assert sum(_grad_bytes(n) for n in buckets) == total
 
 
 @pytest.mark.parametrize("first_mb", [None, 0.002])
@@ -181,8 +186,8 @@ def test_first_bucket_is_small_as_in_ddp(mesh4, first_mb):
         assert len(buckets) == math.ceil(total / cap)
     else:
         first = first_mb * 2**20
-        assert first <= buckets[0].meta["spmd_comm"]["bytes"] < cap  # closed at the small size
-        assert len(buckets) == 1 + math.ceil((total - buckets[0].meta["spmd_comm"]["bytes"]) / cap)
+        assert first <= _grad_bytes(buckets[0]) < cap  # closed at the small size
+        assert len(buckets) == 1 + math.ceil((total - _grad_bytes(buckets[0])) / cap)
     with pytest.raises(ValueError, match="first_bucket_mb must be positive"):
         bucket_gradients_pass(step.gm, first_bucket_mb=0)
 
@@ -216,7 +221,9 @@ def test_gradients_kept_across_calls_are_reduced_in_one_bucket(mesh4, plan):
     for reason, step in list(programs.items())[:3]:  # the steady step (last) is covered by the bucket tests
         reductions = [n for n in step.collectives() if n.meta["spmd_comm"]["kind"] == kind and n.args[1] == "sum"]
         assert len(reductions) == 1, (reason, [n.meta["spmd_comm"]["reason"] for n in reductions])
-        assert len(reductions[0].meta["spmd_comm"]["bucket"]) == 4, reason  # every gradient of the MLP
+        members = reductions[0].meta["spmd_comm"]["bucket"]
+        assert len([m for m in members if not m.get("rider")]) == 4, reason  # every gradient of the MLP
+        assert len(members) == 5, reason  # and the loss, riding along (FSDP: in every row of the reduce_scatter)
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, atol=1e-12, rtol=1e-10, msg=lambda m, name=name: f"{name}: {m}")
         torch.testing.assert_close(p.grad, q.grad, atol=1e-12, rtol=1e-10, msg=lambda m, name=name: f"{name}.grad: {m}")

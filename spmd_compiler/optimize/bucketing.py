@@ -23,6 +23,19 @@ each reduced gradient in place into its ``grad`` input (backward phase). Those
 reductions are bucketed the same way: each accumulation ``add_`` first sinks to just
 before the next access of its gradient (the optimizer's read, or the end of the step),
 so no gradient's reduction is needed before backward ends.
+
+Other all_reduces of the step ride in a bucket when that costs nothing (DDP cannot do
+this: its buckets hold gradients only): same group, reduce op, dtype and group size (a
+floating ``avg`` rides in a ``sum`` bucket and is divided by the group size after it), the
+value exists before the bucket is issued and is not written until then, and nothing reads
+it before the bucket's gradients are read (so the bucket is never waited earlier, and a
+value the forward or backward needs is never delayed). A floating sum also rides in a
+reduce_scatter bucket (FSDP): its whole value goes in every rank's row, so each rank
+receives the whole sum, for n times its bytes in the buffer (a scalar loss: n elements
+instead of one all_reduce launch). The step's loss is the usual one:
+a DP step then makes one launch per bucket plus, for a mean over targets (cross entropy),
+the target count the forward divides by at once. ``fuse_other_all_reduces=False`` turns
+this off.
 """
 
 from __future__ import annotations
@@ -124,10 +137,14 @@ def _wait_of(n: fx.Node) -> fx.Node:
     return waits[0]
 
 
-def _fuse(gm: fx.GraphModule, bucket: list[fx.Node], pos: dict[fx.Node, float]) -> None:
+def _fuse(gm: fx.GraphModule, bucket: list[fx.Node], pos: dict[fx.Node, float], riders: tuple[fx.Node, ...] = ()) -> None:
+    """Replace ``bucket``'s reductions (and the all_reduces ``riders`` that ride in it,
+    :func:`_riders`) by one collective right after the last gradient reduction."""
     g = gm.graph
+    grads = len(bucket)
+    bucket = [*bucket, *riders]
     kind = bucket[0].meta["spmd_comm"]["kind"]
-    last = max(bucket, key=lambda n: pos[n])
+    last = max(bucket[:grads], key=lambda n: pos[n])
     first_comm = bucket[0].meta["spmd_comm"]
     group = bucket[0].args[-1]
     op = bucket[0].args[1]
@@ -152,11 +169,24 @@ def _fuse(gm: fx.GraphModule, bucket: list[fx.Node], pos: dict[fx.Node, float]) 
         flats = [add(aten.reshape.default, (x, [-1])) for x in inputs]
         sizes = [int(f.meta["val"].numel()) for f in flats]
     else:  # reduce_scatter along dim 0: rank j's share of every gradient goes in row j
-        flats = [add(aten.reshape.default, (x, [n, -1])) for x in inputs]
+        flats = [add(aten.reshape.default, (x, [n, -1])) for x in inputs[:grads]]
+        for x in inputs[grads:]:  # a rider's whole value in every row: each rank receives all of its sum
+            flats.append(add(aten.expand.default, (add(aten.reshape.default, (x, [1, -1])), [n, -1])))
         sizes = [int(f.meta["val"].shape[1]) for f in flats]
     cat = add(aten.cat.default, (flats, 0 if kind == "all_reduce" else 1))
     buf = cat if kind == "all_reduce" else add(aten.reshape.default, (cat, [-1]))
-    comm = fused_comm(bucket, reason=f"bucket of {len(bucket)} gradient {kind}s", label="bucket", what=f"{kind}s")
+    reason = f"bucket of {grads} gradient {kind}s"
+    if riders:
+        why = "; ".join(str(r.meta["spmd_comm"].get("reason", r.name)).split(":")[0] for r in riders)
+        reason += f" and {len(riders)} all_reduce{'s' if len(riders) > 1 else ''} riding along ({why})"
+    comm = fused_comm(bucket, reason=reason, label="bucket", what=f"{kind}s")
+    for entry in comm["bucket"][grads:]:
+        entry["rider"] = True  # not a gradient: a value that rides in the bucket
+        if kind == "reduce_scatter":  # sent n times (once per row): n x its bytes in the buffer
+            own, wire = entry["bytes"], 2 * (n - 1) * entry["bytes"] // n
+            entry["bytes"] = n * own
+            comm["bytes"] += (n - 1) * own
+            comm["wire_bytes"] += (n - 1) * own - wire
     if kind == "all_reduce":
         coll = add(c10d.all_reduce.default, (buf, op, group), meta={"spmd_comm": comm})
     else:
@@ -167,14 +197,70 @@ def _fuse(gm: fx.GraphModule, bucket: list[fx.Node], pos: dict[fx.Node, float]) 
         piece = add(operator.getitem, (parts, i))
         old_wait = _wait_of(member)
         view = add(aten.reshape.default, (piece, list(old_wait.meta["val"].shape)))
+        if member.args[1] == "avg" and op == "sum":  # a mean riding in a sum bucket: sum, then divide
+            view = add(aten.div.Tensor, (view, n))
         old_wait.replace_all_uses_with(view)
         g.erase_node(old_wait)
         g.erase_node(member)
 
 
-def bucket_gradients_pass(gm: fx.GraphModule, *, bucket_mb: float = 25.0, first_bucket_mb: float | None = 1.0) -> fx.GraphModule:
+def _riders(
+    gm: fx.GraphModule, planned: dict[tuple, list[list[fx.Node]]], reductions: set[fx.Node], pos: dict[fx.Node, float],
+    first_use: Any,
+) -> dict[int, list[fx.Node]]:
+    """Other all_reduces that can ride in a gradient bucket (by ``id`` of the bucket):
+    same kind, group, reduce op, dtype and group size; the value exists before the
+    bucket's collective is issued (right after its last gradient reduction) and is not
+    written in between; and no user reads it before any of the bucket's gradients is
+    used (so fusing never makes the bucket be waited earlier, and never delays a value
+    that forward or backward needs: a forward all_reduce that backward reads is used
+    before the optimizer reads the gradients). Each rides in the earliest bucket that
+    takes it. The step's loss (output phase, read only by the output) is the usual rider."""
+    if any(n.target is MARKER for n in gm.graph.nodes):
+        return {}  # pipeline stages: a value does not move across a stage boundary
+    writes: dict[Any, list[float]] = defaultdict(list)  # every write, any written argument
+    for w in gm.graph.nodes:
+        for x in written_inputs(w):
+            writes[alias_root(x)].append(pos[w])
+    out: dict[int, list[fx.Node]] = {}
+    for n in list(gm.graph.nodes):
+        if not is_collective(n) or n in reductions or n.meta["spmd_comm"]["kind"] != "all_reduce" or n.meta.get("spmd_comm", {}).get("op") == "bucket":
+            continue
+        waits = [u for u in n.users if is_wait(u)]
+        src = n.args[0]
+        if len(n.users) != 1 or len(waits) != 1 or not waits[0].users or not isinstance(src, fx.Node):
+            continue
+        c = n.meta["spmd_comm"]
+        val = src.meta.get("val")
+        if not isinstance(val, torch.Tensor) or not all(isinstance(d, int) for d in val.shape):
+            continue  # a bucket's split sizes are static
+        floating = val.dtype.is_floating_point
+        op = "sum" if n.args[1] == "avg" and floating else n.args[1]  # a mean is a sum divided by the group size
+        key = (c["kind"], n.args[-1], op, c["dtype"], c["group_size"])
+        candidates = [*planned.get(key, ())]
+        if op == "sum" and floating:  # a sum can also ride in a reduce_scatter bucket (FSDP), in every row
+            candidates += planned.get(("reduce_scatter", *key[1:]), ())
+        use = first_use(n)
+        written = writes.get(alias_root(src), ())
+        for b in candidates:
+            issue = max(pos[m] for m in b)
+            lo, hi = sorted((pos[n], issue))
+            if pos[src] >= issue or any(lo < w < hi for w in written):
+                continue
+            if use < min(first_use(m) for m in b):
+                continue
+            out.setdefault(id(b), []).append(n)
+            break
+    return out
+
+
+def bucket_gradients_pass(
+    gm: fx.GraphModule, *, bucket_mb: float = 25.0, first_bucket_mb: float | None = 1.0, fuse_other_all_reduces: bool = True,
+) -> fx.GraphModule:
     """Fuse gradient reductions into buckets of about ``bucket_mb`` MB (1 MB = 2**20 bytes);
-    the first bucket of each process group holds about ``first_bucket_mb`` MB."""
+    the first bucket of each process group holds about ``first_bucket_mb`` MB. With
+    ``fuse_other_all_reduces``, compatible all_reduces whose result is needed only after
+    a bucket's gradients (the step's loss) ride in that bucket (:func:`_riders`)."""
     if bucket_mb <= 0:
         raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
     if first_bucket_mb is not None and first_bucket_mb <= 0:
@@ -197,7 +283,8 @@ def bucket_gradients_pass(gm: fx.GraphModule, *, bucket_mb: float = 25.0, first_
         users = list(_wait_of(n).users)
         return min(pos[u] for u in users) if users else len(pos)
 
-    for members in groups.values():
+    planned: dict[tuple, list[list[fx.Node]]] = {}
+    for key, members in groups.items():
         bucket: list[fx.Node] = []
         size = 0
         deadline = len(pos)  # the bucket's collective must run before any member is used
@@ -214,8 +301,12 @@ def bucket_gradients_pass(gm: fx.GraphModule, *, bucket_mb: float = 25.0, first_
                 bucket, size, deadline = [], 0, len(pos)
         if bucket:
             buckets.append(bucket)
+        planned[key] = buckets
+    riders = _riders(gm, planned, set(reductions), pos, first_use) if fuse_other_all_reduces else {}
+    for buckets in planned.values():
         for b in buckets:
-            if len(b) > 1:
-                _fuse(gm, b, pos)
+            extra = tuple(riders.get(id(b), ()))
+            if len(b) + len(extra) > 1:
+                _fuse(gm, b, pos, extra)
     gm.graph.eliminate_dead_code()
     return gm
