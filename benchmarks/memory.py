@@ -21,9 +21,12 @@ and a gloo collective's staging buffer (a second output-size buffer of an all_ga
 input-size one of a reduce_scatter) is freed by whichever thread drops its last reference
 first, the main thread at the wait or gloo's worker after the transfer: when gloo's
 worker frees it, the free goes unrecorded and the buffer counts as resident from then on.
-That is a race, so a side's figure varies from run to run by up to about one such buffer
-(0.4 to 1 MiB here), above the true peak, never below. (``profile_all_threads=True``
-would close it, but on torch 2.13 it records no memory events at all.)
+That is a race. The timeline closes most of it: the profiler gives each event the block's
+address, and an address allocated again with no free seen in between was freed, unseen,
+before that reuse; the block is counted until then (the latest it can have been freed),
+so a side's figure stays above the true peak, never below, by what a missed free leaves
+until its address is reused. (``profile_all_threads=True`` would close it, but on torch
+2.13 it records no memory events at all.)
 
 **The static trace.** For the compiled sides, ``spmd_compiler.dump.memory_trace`` of the
 per-rank program predicts the same peak from the graph alone; the table shows both, and
@@ -95,12 +98,32 @@ def _peer(kind: str, model: torch.nn.Module, rank: int, world: int) -> torch.nn.
     return step_time_peer(kind, model, world)  # dp: DDP; 2d: eager DTensor TP + dp all_reduce
 
 
+def _allocations(prof: Any) -> list[tuple[int, int, int]]:
+    """(time ns, address, bytes: + allocated, - freed) of every CPU allocator event the profiler saw."""
+    out, todo = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while todo:
+        e = todo.pop()
+        todo.extend(e.children)
+        f = e.extra_fields
+        if type(f).__name__ == "_ExtraFields_Allocation":
+            out.append((e.start_time_ns, f.ptr, f.alloc_size))
+    return sorted(out)
+
+
 def resident_timeline(prof: Any) -> list[tuple[int, int]]:
     """(time ns, bytes resident) after every allocation and free the profiler saw, from
-    its start: the running sum of the CPU allocator's ``[memory]`` events."""
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    its start: the running sum of the CPU allocator's events. A free the profiler missed
+    (done by gloo's thread, see the module doc) shows as the same address allocated again
+    with no free in between: the old block is counted freed right before that reuse (it
+    was freed at the latest then), so the figure stays an upper bound of the truth."""
     out, total = [], 0
-    for t, nbytes in events:
+    live: dict[int, int] = {}  # address -> bytes of the block allocated there, not seen freed
+    for t, ptr, nbytes in _allocations(prof):
+        if nbytes > 0:
+            total -= live.pop(ptr, 0)
+            live[ptr] = nbytes
+        else:
+            live.pop(ptr, None)
         total += nbytes
         out.append((t, total))
     return out

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 import spmd_compiler as sc
 from spmd_compiler.dump import memory_trace
 from spmd_compiler.optimize import PassSpec, default_passes, run_passes
-from spmd_compiler.optimize.graph_utils import is_collective, is_wait, positions
+from spmd_compiler.optimize.graph_utils import is_collective, is_wait, positions, prep_chain
 from spmd_compiler.optimize.overlap import is_param_gather
 from spmd_compiler.testing import assert_training_matches, fake_mesh
 from spmd_compiler.testing.models import GPT, GPTConfig, gpt_fsdp_plan, train_step
@@ -38,8 +40,6 @@ def bench_steps():
 
 
 def _peak(step, passes):
-    import copy
-
     gm, _ = run_passes(copy.deepcopy(step.gm), passes)
     return gm, memory_trace(gm, backend="gloo")
 
@@ -58,9 +58,9 @@ def test_benchmark_fsdp_static_peak_drops(bench_steps):
         remat = [n for n in gm.graph.nodes if "spmd_remat" in n.meta and n.target is aten.gelu.default]
         assert len(remat) == 2 and all(n.meta["spmd_phase"] == "backward" for n in remat)
         assert not any(v.what == "forward gelu.default" for v in trace.at_peak)
-    assert new[True] < 9.7 * MiB  # 9.6 MiB
+    assert new[True] < 9.0 * MiB  # 8.9 MiB
     assert new[False] < 10.2 * MiB  # 10.1 MiB
-    assert new[True] <= 0.91 * old[True] and new[False] <= 0.92 * old[False]
+    assert new[True] <= 0.84 * old[True] and new[False] <= 0.92 * old[False]
 
 
 def test_budget_prefetch_keeps_collective_order_and_delays_only_where_the_peak_rises(bench_steps):
@@ -82,11 +82,19 @@ def test_budget_prefetch_keeps_collective_order_and_delays_only_where_the_peak_r
     for g in (n for n in after.graph.nodes if is_collective(n) and is_param_gather(n)):
         (w,) = [u for u in g.users if is_wait(u)]
         assert pos[g] < pos[w]
-    # still a prefetch: block 0's gather is issued before block 1's backward ends
-    g0 = next(n for n in moved if n.meta.get("spmd_param_gather") == "blocks.0")
-    (w0,) = [u for u in g0.users if is_wait(u)]
-    between = [n for n in after.graph.nodes if pos[g0] < pos[n] < pos[w0] and n.target is aten.mm.default]
-    assert len(between) >= 3
+    # where the budget held a block's gather back, issuing it one node earlier raises the static
+    # peak (the root unit's was held in the first sweep against the peak of then, higher)
+    held = [n for n in moved if "earlier would raise the peak" in n.meta["spmd_prefetch_budget"]]
+    assert {n.meta["spmd_param_gather"] for n in held} >= {"blocks.0", "blocks.1"}
+    for g in (n for n in held if n.meta["spmd_param_gather"].startswith("blocks.")):
+        movers = sorted(prep_chain(g), key=lambda c: positions(after)[c]) + [g]
+        earlier, home = movers[0].prev, g.next
+        for m in movers:
+            earlier.prepend(m)
+        assert memory_trace(after, backend="gloo").peak_bytes > trace.peak_bytes, g.name
+        for m in movers:
+            home.prepend(m)
+    assert memory_trace(after, backend="gloo").peak_bytes == trace.peak_bytes
 
 
 @pytest.mark.parametrize("reshard", [True, False])

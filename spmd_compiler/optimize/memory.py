@@ -150,47 +150,64 @@ def _place(gm: fx.GraphModule, movers: list[fx.Node], anchor: fx.Node, pos: dict
         move_before(m, anchor, pos)
 
 
+def _to_latest(gm: fx.GraphModule, g: fx.Node) -> tuple[list[fx.Node], set[fx.Node]] | None:
+    """Move gather ``g`` (and its prep chain) as late as it may go; returns the movers and
+    the nodes it may be issued before again (where it was, up to there), or None."""
+    waits = [u for u in g.users if is_wait(u)]
+    if len(waits) != 1 or not isinstance(g.meta.get("val"), torch.Tensor):
+        return None
+    pos = positions(gm)
+    chain = sorted(prep_chain(g), key=lambda c: pos[c])
+    movers = [*chain, g]
+    after, limit = _window(g, waits[0], chain)
+    if after is not None:  # a gradient bucket's reduction first: its copy-in is freed before the gather's buffers come
+        _place(gm, movers, after.next, pos)
+        g.meta["spmd_prefetch_budget"] = f"issued after the gradient reduction {after.name}"
+    spots, n = set(), g.next
+    while n is not limit:
+        spots.add(n)
+        n = n.next
+    _place(gm, movers, limit, pos)
+    return movers, spots
+
+
+def _pull_earlier(gm: fx.GraphModule, movers: list[fx.Node], spots: set[fx.Node], backend: str | None, staged: bool) -> None:
+    """Issue the gather (``movers[-1]``) at the earliest of ``spots`` from which holding
+    its buffers does not raise the program's peak."""
+    from ..dump.memory import memory_trace, tensor_bytes
+
+    g = movers[-1]
+    out = tensor_bytes(g.meta["val"]) * (2 if staged else 1)  # its output (and staging) until the wait
+    trace = memory_trace(gm, backend=backend)
+    peak, nodes = trace.peak_bytes, list(gm.graph.nodes)
+    hi = at = nodes.index(movers[0])
+    home = g.next
+    while at > 0 and nodes[at - 1] in spots and trace.live[at - 1] + out <= peak:
+        at -= 1
+    while at < hi:  # the copy-in is alive at the issue too: check the placement itself
+        _place(gm, movers, nodes[at], positions(gm))
+        if memory_trace(gm, backend=backend).peak_bytes <= peak:
+            break
+        at += 1
+    if at == hi and g.next is not home:
+        _place(gm, movers, home, positions(gm))
+    if nodes[at - 1] in spots:
+        g.meta["spmd_prefetch_budget"] = f"issued before {nodes[at].name}: earlier would raise the peak ({peak} bytes)"
+
+
 def budget_prefetch_pass(gm: fx.GraphModule, *, backend: str | None = "auto") -> fx.GraphModule:
     """Issue each parameter gather as early as its memory allows (see module doc).
     ``backend``: the process group's backend whose staging buffers count ("auto": the
-    initialized default group's, None: none)."""
-    from ..dump.memory import STAGING, memory_trace, tensor_bytes
+    initialized default group's, None: none). Every gather first goes as late as it may
+    (the budget: that program's peak), then each, in program order, as early as fits
+    under that peak."""
+    from ..dump.memory import STAGING
 
     backend = _backend(backend)
     staged = STAGING.get(backend or "", {}).get("all_gather") == "output"
     gathers = [n for n in gm.graph.nodes if is_collective(n) and is_param_gather(n)]
-    for g in gathers:
-        waits = [u for u in g.users if is_wait(u)]
-        val = g.meta.get("val")
-        if len(waits) != 1 or not isinstance(val, torch.Tensor):
-            continue
-        wait = waits[0]
-        pos = positions(gm)
-        chain = sorted(prep_chain(g), key=lambda c: pos[c])
-        movers = [*chain, g]
-        after, limit = _window(g, wait, chain)
-        if after is not None:  # a gradient bucket's reduction first: its copy-in is freed before the gather's buffers come
-            _place(gm, movers, after.next, pos)
-            g.meta["spmd_prefetch_budget"] = f"issued after the gradient reduction {after.name}"
-        home = movers[0].prev
-        if limit is g.next:
-            continue
-        extra = tensor_bytes(val) * (2 if staged else 1)
-        inp = g.args[0].meta.get("val") if isinstance(g.args[0], fx.Node) else None
-        extra += tensor_bytes(inp) if isinstance(inp, torch.Tensor) else 0  # the copy-in, alive at the issue
-        # the budget: the peak with the gather issued as late as it may be
-        _place(gm, movers, limit, pos)
-        trace = memory_trace(gm, backend=backend)
-        nodes = list(gm.graph.nodes)
-        index = {n: i for i, n in enumerate(nodes)}
-        lo, hi = index[home] + 1, index[movers[0]]  # issue before nodes[at], lo <= at <= hi (lo: where overlap put it)
-        at = hi
-        while at > lo and trace.live[at - 1] + extra <= trace.peak_bytes:
-            at -= 1
-        anchor = nodes[at]
-        if at < hi:
-            _place(gm, movers, anchor, pos)
-        if at > lo:
-            g.meta["spmd_prefetch_budget"] = f"issued before {anchor.name}: earlier would raise the peak ({trace.peak_bytes} bytes)"
+    spans = [s for s in (_to_latest(gm, g) for g in gathers) if s is not None]
+    for movers, spots in spans:
+        _pull_earlier(gm, movers, spots, backend, staged)
     gm.graph.lint()
     return gm
