@@ -201,7 +201,7 @@ def main() -> None:
         peer = max(r["peak"] for r in got["peer"])
         r0 = got["ours"][0]
         rows.append(
-            f"| {kind} | {world} | {ours_name} | {peer_name} | {format_bytes(ours)} | {format_bytes(peer)} | {ours / peer:.2f} | "
+            f"| {kind} | {world} | {ours_name} | {peer_name} | {format_bytes(ours)} | {format_bytes(peer)} | {ours / peer:.3f} | "
             f"{format_bytes(max(r['start'] for r in got['ours']))} | {format_bytes(max(r['start'] for r in got['peer']))} | "
             f"{format_bytes(r0['static'])} | {r0['static'] / got['ours'][0]['peak']:.3f} |"
         )
@@ -223,7 +223,8 @@ def main() -> None:
         f"GPT: {args.layers} layers, dim {args.dim}, {args.heads} heads, seq {args.seq}, vocab {args.vocab}, "
         f"global batch {args.batch}, AdamW, float32.",
         "Measured the same way for both sides: torch.profiler(profile_memory=True) from before the model is built, the running sum",
-        "of the CPU allocator's allocations and frees; the peak during step "
+        "of the CPU allocator's allocations and frees (a free done by gloo's thread, which the profiler misses, counted at the "
+        "reuse of its address); the peak during step "
         f"{args.warmup + 1} (after {args.warmup} warm-up steps), the largest over the ranks; the lowest of {args.repeat} runs "
         "per side (fresh processes: a gloo staging buffer freed by gloo's thread goes unrecorded, see the script's doc). "
         "Below 1: ours uses less.",
