@@ -21,9 +21,12 @@ and a gloo collective's staging buffer (a second output-size buffer of an all_ga
 input-size one of a reduce_scatter) is freed by whichever thread drops its last reference
 first, the main thread at the wait or gloo's worker after the transfer: when gloo's
 worker frees it, the free goes unrecorded and the buffer counts as resident from then on.
-That is a race, so a side's figure varies from run to run by up to about one such buffer
-(0.4 to 1 MiB here), above the true peak, never below. (``profile_all_threads=True``
-would close it, but on torch 2.13 it records no memory events at all.)
+That is a race. The timeline closes most of it: the profiler gives each event the block's
+address, and an address allocated again with no free seen in between was freed, unseen,
+before that reuse; the block is counted until then (the latest it can have been freed),
+so a side's figure stays above the true peak, never below, by what a missed free leaves
+until its address is reused. (``profile_all_threads=True`` would close it, but on torch
+2.13 it records no memory events at all.)
 
 **The static trace.** For the compiled sides, ``spmd_compiler.dump.memory_trace`` of the
 per-rank program predicts the same peak from the graph alone; the table shows both, and
@@ -96,12 +99,32 @@ def _peer(kind: str, model: torch.nn.Module, rank: int, world: int) -> torch.nn.
     return gpt_peer(kind, model, world)  # dp: DDP; 2d: eager DTensor TP + dp all_reduce
 
 
+def _allocations(prof: Any) -> list[tuple[int, int, int]]:
+    """(time ns, address, bytes: + allocated, - freed) of every CPU allocator event the profiler saw."""
+    out, todo = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while todo:
+        e = todo.pop()
+        todo.extend(e.children)
+        f = e.extra_fields
+        if type(f).__name__ == "_ExtraFields_Allocation":
+            out.append((e.start_time_ns, f.ptr, f.alloc_size))
+    return sorted(out)
+
+
 def resident_timeline(prof: Any) -> list[tuple[int, int]]:
     """(time ns, bytes resident) after every allocation and free the profiler saw, from
-    its start: the running sum of the CPU allocator's ``[memory]`` events."""
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    its start: the running sum of the CPU allocator's events. A free the profiler missed
+    (done by gloo's thread, see the module doc) shows as the same address allocated again
+    with no free in between: the old block is counted freed right before that reuse (it
+    was freed at the latest then), so the figure stays an upper bound of the truth."""
     out, total = [], 0
-    for t, nbytes in events:
+    live: dict[int, int] = {}  # address -> bytes of the block allocated there, not seen freed
+    for t, ptr, nbytes in _allocations(prof):
+        if nbytes > 0:
+            total -= live.pop(ptr, 0)
+            live[ptr] = nbytes
+        else:
+            live.pop(ptr, None)
         total += nbytes
         out.append((t, total))
     return out
@@ -179,7 +202,7 @@ def main() -> None:
         peer = max(r["peak"] for r in got["peer"])
         r0 = got["ours"][0]
         rows.append(
-            f"| {kind} | {world} | {ours_name} | {peer_name} | {format_bytes(ours)} | {format_bytes(peer)} | {ours / peer:.2f} | "
+            f"| {kind} | {world} | {ours_name} | {peer_name} | {format_bytes(ours)} | {format_bytes(peer)} | {ours / peer:.3f} | "
             f"{format_bytes(max(r['start'] for r in got['ours']))} | {format_bytes(max(r['start'] for r in got['peer']))} | "
             f"{format_bytes(r0['static'])} | {r0['static'] / got['ours'][0]['peak']:.3f} |"
         )
@@ -201,7 +224,8 @@ def main() -> None:
         f"GPT: {args.layers} layers, dim {args.dim}, {args.heads} heads, seq {args.seq}, vocab {args.vocab}, "
         f"global batch {args.batch}, AdamW, float32.",
         "Measured the same way for both sides: torch.profiler(profile_memory=True) from before the model is built, the running sum",
-        "of the CPU allocator's allocations and frees; the peak during step "
+        "of the CPU allocator's allocations and frees (a free done by gloo's thread, which the profiler misses, counted at the "
+        "reuse of its address); the peak during step "
         f"{args.warmup + 1} (after {args.warmup} warm-up steps), the largest over the ranks; the lowest of {args.repeat} runs "
         "per side (fresh processes: a gloo staging buffer freed by gloo's thread goes unrecorded, see the script's doc). "
         "Below 1: ours uses less.",

@@ -278,7 +278,9 @@ def test_runner_logs_disables_and_names_failures(mesh4, caplog):
     step = sc.expand(traced, mesh4)
     with caplog.at_level(logging.INFO, logger="spmd_compiler.optimize"):
         gm, records = run_passes(step.gm, default_passes(), disabled=["overlap", "schedule"])
-    assert [r.name for r in records] == ["remove_redundant_collectives", "bucket_gradients", "bucket_parameter_gathers"]
+    assert [r.name for r in records] == [
+        "remove_redundant_collectives", "bucket_gradients", "bucket_parameter_gathers", "rematerialize", "budget_prefetch",
+    ]
     assert any("pass overlap: disabled" in r.getMessage() for r in caplog.records)
     assert any(r.getMessage().startswith("pass bucket_gradients:") and "collectives" in r.getMessage() for r in caplog.records)
     with pytest.raises(ValueError, match="cannot disable unknown passes"):

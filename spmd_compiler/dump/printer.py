@@ -71,6 +71,10 @@ def node_annotation(node: fx.Node) -> str:
         parts.append(f"replicate fallback: {node.meta['spmd_fallback']}")
     if "spmd_schedule" in node.meta:
         parts.append(f"moved: {node.meta['spmd_schedule']}")
+    if "spmd_prefetch_budget" in node.meta:
+        parts.append(f"moved: {node.meta['spmd_prefetch_budget']}")
+    if "spmd_remat" in node.meta:
+        parts.append(f"recomputed: {node.meta['spmd_remat']}")
     return " | ".join(parts)
 
 

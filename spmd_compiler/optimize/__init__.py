@@ -2,6 +2,7 @@
 
 from .bucketing import bucket_gradients_pass
 from .gathers import bucket_parameter_gathers_pass
+from .memory import budget_prefetch_pass, rematerialize_pass
 from .overlap import overlap_pass
 from .redundant import cse_pass, fold_gather_narrow_pass, remove_redundant_collectives_pass
 from .runner import DEFAULT_PASSES, PassCheckError, PassRecord, PassSpec, check_program, default_passes, run_passes
@@ -22,4 +23,6 @@ __all__ = [
     "bucket_parameter_gathers_pass",
     "overlap_pass",
     "schedule_for_overlap_pass",
+    "rematerialize_pass",
+    "budget_prefetch_pass",
 ]

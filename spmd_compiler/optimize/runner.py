@@ -194,9 +194,12 @@ def default_passes(
 ) -> list[PassSpec]:
     """The default pipeline: remove redundant collectives, bucket gradient reductions,
     gather FSDP parameters per module unit, overlap communication with compute (issue
-    early, wait late), then move compute into the gaps (:mod:`.schedule`)."""
+    early, wait late), then move compute into the gaps (:mod:`.schedule`), recompute cheap
+    saved activations in backward and delay parameter gathers that would raise the peak
+    (:mod:`.memory`)."""
     from .bucketing import bucket_gradients_pass
     from .gathers import bucket_parameter_gathers_pass
+    from .memory import budget_prefetch_pass, rematerialize_pass
     from .overlap import overlap_pass
     from .redundant import remove_redundant_collectives_pass
     from .schedule import schedule_for_overlap_pass
@@ -209,7 +212,13 @@ def default_passes(
     if overlap:
         out.append(PassSpec("overlap", overlap_pass, {"prefetch": prefetch, "backward_prefetch": backward_prefetch}))
         out.append(PassSpec("schedule", schedule_for_overlap_pass))
+    out.append(PassSpec("rematerialize", rematerialize_pass))
+    if overlap:
+        out.append(PassSpec("budget_prefetch", budget_prefetch_pass))
     return out
 
 
-DEFAULT_PASSES = ("remove_redundant_collectives", "bucket_gradients", "bucket_parameter_gathers", "overlap", "schedule")
+DEFAULT_PASSES = (
+    "remove_redundant_collectives", "bucket_gradients", "bucket_parameter_gathers", "overlap", "schedule", "rematerialize",
+    "budget_prefetch",
+)
