@@ -8,8 +8,9 @@ whether the import is at module level, inside a function or under ``TYPE_CHECKIN
 The order is the stages of the data flow, with the shared bottom (private torch door,
 errors, text helpers, the Plan) first, and the parts that run the stages after them:
 
-* ``dump`` reads expanded programs (it imports ``expand``); the stages before it never
-  write dumps themselves, the driver does.
+* ``dump`` reads expanded programs (it imports ``expand`` only) and sits right after it:
+  the optimize passes measure with it (``budget_prefetch`` keeps the program under the
+  static peak of ``dump.memory_trace``); no stage writes dumps itself, the driver does.
 * ``driver`` is the compile-and-run loop (``StepDriver``, ``expand``, ``build_program``,
   the step guard) that ``runtime.CompiledStep`` and ``pipeline.PipelinedStep`` are built
   on, so it comes before ``pipeline`` and ``runtime``.
@@ -28,9 +29,9 @@ ORDER = [
     ["plan"],
     ["trace"],
     ["expand"],
+    ["dump"],
     ["rebuild"],
     ["optimize"],
-    ["dump"],
     ["driver"],
     ["pipeline"],
     ["runtime"],
