@@ -6,6 +6,7 @@ program of an even size."""
 from __future__ import annotations
 
 import copy
+import operator
 from collections import Counter
 
 import pytest
@@ -74,3 +75,72 @@ def test_fsdp_mlp_one_program_for_every_batch_size(ranks):
     static = _static_even(mse_train_step, model, (torch.randn(even, 8, dtype=torch.float64),) * 2, mesh, MLP_FSDP)
     # parameters gathered once per phase, gradients reduce-scattered in one bucket: as per shape
     assert _comms(prog) == _comms(static) and _comms(prog)["reduce_scatter"] == 1, (_comms(prog), _comms(static))
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+@pytest.mark.parametrize("plan", ["dp", "fsdp"])
+def test_gpt_one_program_for_every_batch_size(plan, ranks):
+    """The GPT flattens the sharded batch, ``(B, T, D) -> (B*T, D)`` in every Linear and
+    the loss: kept sharded in units of T rows for every B (no gather), so the program
+    makes the collectives of the per-shape program of an even batch."""
+    mesh = fake_mesh((ranks,), ("dp",))
+    the_plan = gpt_fsdp_plan() if plan == "fsdp" else None
+    model, batches = _gpt()
+    sim = _train(train_step, model, batches, mesh, the_plan, dynamic=True)
+    assert sim.compiles == 1, sim.reasons
+    prog = sim.expansions[(0,)]
+    static = _static_even(train_step, model, tuple(torch.randint(0, 16, (ranks * 2, 4)) for _ in range(2)), mesh, the_plan)
+    assert _comms(prog) == _comms(static), (_comms(prog), _comms(static))
+    if plan == "dp":  # the loss's target count, the loss, one gradient bucket
+        assert _comms(prog) == Counter(all_reduce=3)
+    # the flattened rows are this rank's chunk of B times T: an integer node 4 * local(B)
+    views = [n for n in prog.gm.graph.nodes if n.target is torch.ops.aten.view.default and n.args[0].name == "in_batch_1"]
+    assert views and views[0].args[1][0].target is operator.mul and 4 in views[0].args[1][0].args
+
+
+def _cumsum_step(model, optimizer, x, y):
+    out = model(x).flatten(0, 1)  # (B*T, D), split in units of T rows
+    loss = (out.cumsum(0) * y.flatten(0, 1)).mean()  # gathered for the cumsum, narrowed back in backward
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+@pytest.mark.parametrize("ranks", [3, 4])
+def test_flattened_batch_gathers_and_narrows_in_units_of_rows(ranks):
+    """A flattened uneven batch is not torch.chunk's layout of B*T (5 rows of 4 over 3
+    ranks: 8, 8, 4 rows, not 7, 7, 6): its gather pads each rank to T * ceil(B/n) rows and
+    its narrow starts at T * coord * ceil(B/n), for every size."""
+    torch.manual_seed(0)
+    batches = [(torch.randn(b, 4, 8, dtype=torch.float64), torch.randn(b, 4, 6, dtype=torch.float64)) for b in SIZES]
+    sim = _train(_cumsum_step, MLP(8, 6, 6).double(), batches, fake_mesh((ranks,), ("dp",)), None, dynamic=True)
+    assert sim.compiles == 1, sim.reasons
+    gathers = [n.meta["spmd_comm"]["reason"] for n in sim.expansions[(0,)].gm.graph.nodes
+               if n.meta.get("spmd_comm", {}).get("kind") == "all_gather"]
+    assert any("cumsum" in r for r in gathers), gathers
+
+
+def test_a_returned_flattened_batch_is_gathered_for_the_caller():
+    """The caller assembles a sharded output in torch.chunk's layout, which a dim split in
+    units of rows is not (uneven B): such an output is gathered, equal to one device."""
+    def step(model, optimizer, x, y):
+        out = model(x).flatten(0, 1)
+        loss = (out * y.flatten(0, 1)).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss, out.detach()
+
+    torch.manual_seed(0)
+    model = MLP(8, 6, 6).double()
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    sim = SimulatedTraining(step, model, torch.optim.SGD(model.parameters(), lr=0.1), fake_mesh((3,), ("dp",)), dynamic=True)
+    for b in SIZES:
+        x, y = torch.randn(b, 4, 8, dtype=torch.float64), torch.randn(b, 4, 6, dtype=torch.float64)
+        (loss, out), (ref_loss, ref_out) = sim.step(x, y), step(ref, ref_opt, x, y)
+        torch.testing.assert_close(out, ref_out, atol=1e-10, rtol=0)
+        torch.testing.assert_close(loss, ref_loss, atol=1e-10, rtol=0)
+    assert sim.compiles == 1, sim.reasons
+    assert sim.expansions[(0,)].outputs[1].spec.placements == (sc.Replicate(),)

@@ -106,7 +106,13 @@ class SubgraphBuilder:
         run-time int of the recipe, ``coord * chunk``, clamped to ``size`` when ``uneven``
         (decided by the caller from global sizes, so every rank emits the same ops)."""
         n = self.mctx.shape[axis]
-        chunk = (size + (n - 1)) // n if pt.is_symbolic(size) else chunk_size(size, n)
+        if pt.is_symbolic(size):  # in units of size_unit(size) elements (see expand/symbolic.py)
+            from .symbolic import size_unit
+
+            unit = size_unit(size)
+            chunk = unit * ((size // unit + (n - 1)) // n)
+        else:
+            chunk = chunk_size(size, n)
         start = self.call(operator.mul, self.coords[axis], chunk)
         if uneven:  # a symbolic size: torch's sym_min for the value, so no guard picks a side
             start = self.call(min, start, size, _val=torch.sym_min(start.meta["val"], size) if pt.is_symbolic(size) else None)

@@ -39,7 +39,7 @@ from torch.utils import _pytree as pytree
 from .. import _private_torch as pt
 from ..errors import UnsupportedPlacementError
 
-__all__ = ["trace_fake_mode", "symint_of", "symbolic_local_shape", "partial_needs_replicate", "size_hint", "coordinate_symbol", "local_size_expr", "LocalSizes", "concrete_shape", "local_size_symbolic", "SizeGuards", "emit_sizes_pass", "size_symbols_of", "SizeSymbol"]
+__all__ = ["size_unit", "trace_fake_mode", "symint_of", "symbolic_local_shape", "partial_needs_replicate", "size_hint", "coordinate_symbol", "local_size_expr", "LocalSizes", "concrete_shape", "local_size_symbolic", "SizeGuards", "emit_sizes_pass", "size_symbols_of", "SizeSymbol"]
 
 log = logging.getLogger(__name__)
 
@@ -95,14 +95,35 @@ def symint_of(traced: Any, sym: SizeSymbol) -> Any:
     return traced.placeholders()[sym.index].meta["val"].shape[sym.dim]
 
 
+def size_unit(size: Any) -> int:
+    """The integer factor ``g`` of a symbolic size ``g * m`` (1 for a plain symbol, or a
+    static size). A ``Shard`` of such a dim is split in units of ``g`` elements
+    (torch.chunk of ``m``, each piece ``g`` times longer): exactly what flattening a
+    sharded batch ``(B, T, ...)`` into ``(B*T, ...)`` leaves on each rank, for every B.
+    For an even B it is also torch.chunk's layout of ``B*T``; for an uneven B it is not
+    (5 rows of 4 over 3 ranks: 8, 8, 4 elements, where chunk(20) gives 7, 7, 6), so every
+    local size and offset of such a dim goes through this convention (:meth:`LocalSizes.local`,
+    ``builder.shard_offset``, the collectives of ``redistribute``)."""
+    if not pt.is_symbolic(size):
+        return 1
+    coeff, _ = sympy.sympify(pt.sym_expr(size)).as_coeff_Mul()
+    return int(coeff) if isinstance(coeff, sympy.Integer) and coeff > 1 else 1
+
+
 def symbolic_local_shape(shape: tuple, placements: Any, mctx: Any, sizes: "LocalSizes") -> tuple:
-    """The local shape of a tensor whose sharded dims may be symbolic (Shard only)."""
+    """The local shape of a batch input whose sharded dims may be symbolic (Shard only)."""
     out = list(shape)
     for axis, p in enumerate(placements):
         if isinstance(p, pt.StridedShard):
             raise UnsupportedPlacementError(
                 f"dynamic=True: batch placement {p} has no symbolic form yet (expected Shard or Replicate); "
                 f"this step compiles per batch shape"
+            )
+        if isinstance(p, pt.Shard) and size_unit(out[p.dim]) > 1:
+            # the driver splits inputs with torch.chunk, not in units (see size_unit)
+            raise UnsupportedPlacementError(
+                f"dynamic=True: batch dim {p.dim} of size {out[p.dim]} is a multiple of another batch size; expected "
+                f"a size of its own. This step compiles per batch shape"
             )
         if isinstance(p, pt.Shard):
             out[p.dim] = sizes.local(out[p.dim], mctx.shape[axis], axis)
@@ -135,6 +156,9 @@ def local_size_expr(size: Any, n: int, coord: Any) -> Any:
 
     if n == 1:
         return size
+    unit, rest = sympy.sympify(size).as_coeff_Mul()
+    if isinstance(unit, sympy.Integer) and unit > 1 and rest.free_symbols:  # in units (see size_unit)
+        return unit * local_size_expr(rest, n, coord)
     chunk = FloorDiv(size + (n - 1), n)
     return Max(0, Min(chunk, size - coord * chunk))
 
@@ -174,6 +198,9 @@ class LocalSizes:
         """The local size on this rank of a dim of global ``size`` split ``n`` ways on ``axis``."""
         if not pt.is_symbolic(size):
             return local_size_symbolic(size, n, list(self.coordinates.values())[axis])
+        unit = size_unit(size)
+        if unit > 1:  # g * (this rank's chunk of m): the same size symbol as m's own shard
+            return unit * self.local(size // unit, n, axis)
         return self.fresh(local_size_expr(pt.sym_expr(size), n, self.symbols[axis]))
 
     def fresh(self, expr: Any) -> Any:
