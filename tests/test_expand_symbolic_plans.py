@@ -144,3 +144,17 @@ def test_a_returned_flattened_batch_is_gathered_for_the_caller():
         torch.testing.assert_close(loss, ref_loss, atol=1e-10, rtol=0)
     assert sim.compiles == 1, sim.reasons
     assert sim.expansions[(0,)].outputs[1].spec.placements == (sc.Replicate(),)
+
+
+def test_2d_dp_by_tp_mlp_one_program_for_every_batch_size():
+    """Batch split on 'dp', the Megatron MLP on 'tp' (2 x 2): DTensor's planner and its
+    costs take the sizes' example values on two mesh axes (they hash shapes); the steps
+    and collectives are placement changes, emitted for any size."""
+    mesh = fake_mesh((2, 2), ("dp", "tp"))
+    plan = sc.Plan(params={"l1.weight": [sc.Replicate(), Shard(0)], "l1.bias": [sc.Replicate(), Shard(0)],
+                           "l2.weight": [sc.Replicate(), Shard(1)]}, default_input=[Shard(0), sc.Replicate()])
+    model = MLP(8, 6).double()
+    sim = _train(mse_train_step, model, _mlp_batches(), mesh, plan, dynamic=True)
+    assert sim.compiles == 1, sim.reasons
+    static = _static_even(mse_train_step, model, (torch.randn(4, 8, dtype=torch.float64),) * 2, mesh, plan)
+    assert _comms(sim.expansions[(0, 0)]) == _comms(static), (_comms(sim.expansions[(0, 0)]), _comms(static))

@@ -151,29 +151,44 @@ def symbolic_view_placements(in_shape: list[Any], out_shape: list[Any], placemen
     (B*T, D)``), or ``d`` split into a dim and static dims behind it (``(B*T, D) ->
     (B, T, D)``). Each rank's rows of ``d`` are a contiguous run of whole groups of the
     static dims behind, so the result is ``Shard(d)`` split in units
-    (:func:`..symbolic.size_unit`): exact for every size, even or uneven."""
+    (:func:`..symbolic.size_unit`): exact for every size, even or uneven. Other mesh axes
+    may split static dims the view leaves alone (``S(0)S(1)`` on a DP x TP mesh)."""
     from ..symbolic import size_unit
 
-    sharded = [(axis, p) for axis, p in enumerate(placements) if isinstance(p, pt.Shard) or isinstance(p, pt.StridedShard)]
-    if not sharded or any(type(p) is not pt.Shard or not pt.is_symbolic(in_shape[p.dim]) for _, p in sharded):
+    sharded = [(axis, p) for axis, p in enumerate(placements) if isinstance(p, (pt.Shard, pt.StridedShard))]
+    if any(type(p) is not pt.Shard for _, p in sharded):
         return None
-    if len({p.dim for _, p in sharded}) != 1 or len(sharded) != 1:
-        return None  # one mesh axis splits one dim: nested splits have no unit layout
-    d = sharded[0][1].dim
+    symbolic = [p.dim for _, p in sharded if pt.is_symbolic(in_shape[p.dim])]
+    if len(symbolic) != 1:
+        return None  # one mesh axis splits the symbolic dim: nested splits have no unit layout
+    d = symbolic[0]
     if len(out_shape) <= d or not all(_same(a, c) for a, c in zip(in_shape[:d], out_shape[:d])):
         return None
     a, c = in_shape[d], out_shape[d]
+    run = None  # (end of the run in in_shape, end in out_shape)
     if _same(a, c):
-        return list(placements)
+        run = (d + 1, d + 1)
     for i in range(d + 2, len(in_shape) + 1):  # flatten: out[d] = in[d] * static dims behind
         behind = _static_prod(in_shape[d + 1:i])
-        if behind is not None and _same(c, a * behind) and size_unit(c) == size_unit(a) * behind:
-            return list(placements)
+        if run is None and behind is not None and _same(c, a * behind) and size_unit(c) == size_unit(a) * behind:
+            run = (i, d + 1)
     for j in range(d + 2, len(out_shape) + 1):  # split: in[d] = out[d] * static dims behind
         behind = _static_prod(out_shape[d + 1:j])
-        if behind is not None and _same(a, c * behind) and size_unit(a) == size_unit(c) * behind:
-            return list(placements)
-    return None
+        if run is None and behind is not None and _same(a, c * behind) and size_unit(a) == size_unit(c) * behind:
+            run = (d + 1, j)
+    if run is None:
+        return None
+    i, j = run
+    out = []
+    for p in placements:
+        if not isinstance(p, pt.Shard) or p.dim <= d:
+            out.append(p)  # the symbolic dim, a dim before it (unchanged), Replicate, Partial
+            continue
+        # another axis splits a dim behind the run: the dims behind must be the same
+        if p.dim < i or len(in_shape) - i != len(out_shape) - j or not all(_same(x, y) for x, y in zip(in_shape[i:], out_shape[j:])):
+            return None
+        out.append(pt.Shard(p.dim - i + j))
+    return out
 
 
 def _symbolic_view(ctx: ExpandContext, b: SubgraphBuilder, op: Any, x: TensorArg, sizes: Any) -> Any:
