@@ -15,7 +15,7 @@ from torch.distributed.tensor import Shard
 
 import spmd_compiler as sc
 from spmd_compiler.testing import SimulatedTraining, fake_mesh
-from spmd_compiler.testing.models import GPT, MLP, gpt_fsdp_plan, mse_train_step, train_step
+from spmd_compiler.testing.models import GPT, MLP, gpt_2d_plan, gpt_fsdp_plan, mse_train_step, train_step
 
 SIZES = [5, 1, 2, 4, 7, 33]  # uneven, smaller than the mesh, even, one row
 
@@ -158,3 +158,20 @@ def test_2d_dp_by_tp_mlp_one_program_for_every_batch_size():
     assert sim.compiles == 1, sim.reasons
     static = _static_even(mse_train_step, model, (torch.randn(4, 8, dtype=torch.float64),) * 2, mesh, plan)
     assert _comms(sim.expansions[(0, 0)]) == _comms(static), (_comms(sim.expansions[(0, 0)]), _comms(static))
+
+
+def test_2d_gpt_falls_back_per_shape_equal_to_one_device(caplog):
+    """The GPT on DP x TP still needs concrete sizes (attention's views make
+    ``_StridedShard`` layouts, which have no symbolic local shape): each size compiles its
+    own program after an INFO line naming the op, never an error, equal to one device."""
+    import logging
+
+    mesh = fake_mesh((2, 2), ("dp", "tp"))
+    torch.manual_seed(0)
+    model = GPT(vocab=16, seq=4, dim=8, heads=2, layers=1).double()
+    batches = [(torch.randint(0, 16, (b, 4)), torch.randint(0, 16, (b, 4))) for b in (5, 2)]
+    with caplog.at_level(logging.INFO, logger="spmd_compiler.driver.dynamic"):
+        sim = _train(train_step, model, batches, mesh, gpt_2d_plan(), dynamic=True)
+    logs = [r.getMessage() for r in caplog.records if r.name == "spmd_compiler.driver.dynamic"]
+    assert logs and all("compiling one program per batch shape" in m and "models.py" in m for m in logs), logs
+    assert sim.compiles == 2, sim.reasons

@@ -131,6 +131,13 @@ class SubgraphBuilder:
         from .. import _private_torch as pt
 
         if any(isinstance(p, pt.StridedShard) for p in placements):
+            if any(pt.is_symbolic(s) for s in global_shape):  # DTensor's layout would pin the sizes (int())
+                from ..errors import UnsupportedPlacementError
+
+                raise UnsupportedPlacementError(
+                    f"dynamic=True: {placements} of a symbolic shape {list(global_shape)} has no symbolic local shape yet "
+                    f"(expected Shard or Replicate); this step compiles per batch shape"
+                )
             for axis, p in enumerate(placements):
                 dim = getattr(p, "dim", None)
                 if dim is not None and global_shape[dim] % self.mctx.shape[axis]:

@@ -129,6 +129,7 @@ def generic_expand(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple,
     """Expand ``op(*args, **kwargs)`` with DTensor's strategy; returns the result pytree."""
     out = _propagate(b, op, args, kwargs, ctx.activation_sharding)
     _guard_view_sizes(b, op, args, kwargs, out)
+    _check_symbolic_localized(b, op, out)
     _guard_empty_shards(b, op, args, kwargs, out)
     _guard_partition(args, kwargs, out)
     if out.use_val_from_redistribute_schema and any(
@@ -181,6 +182,20 @@ def generic_expand(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple,
 _SHAPE_ARG_OPS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default}
 
 
+def _check_symbolic_localized(b: SubgraphBuilder, op: Any, out: Any) -> None:
+    """Before anything is emitted: refuse (gather instead) an op whose size arguments
+    DTensor localized and :func:`_symbolic_local_sizes` cannot recompute."""
+    rs = out.redistribute_schema
+    if b.sizes is None or not out.use_val_from_redistribute_schema or rs is None:
+        return
+    leaves = pytree.tree_leaves((tuple(rs.args_schema), dict(rs.kwargs_schema)))
+    if not any(isinstance(s, torch.SymInt) and pt.is_symbolic(s) for s in leaves):
+        return
+    spec = out.output_spec
+    if op not in _SHAPE_ARG_OPS or not isinstance(spec, pt.DTensorSpec) or any(isinstance(p, pt.StridedShard) for p in spec.placements):
+        raise NoStrategy(f"{_op_name(op)}: DTensor localized its size arguments for one rank, which has no symbolic form")
+
+
 def _symbolic_local_sizes(b: SubgraphBuilder, op: Any, l_args: Any, out: Any) -> Any:
     """dynamic=True: DTensor localizes size arguments for one concrete coordinate (a
     different expression on every rank, and torch.chunk's layout only); the local sizes
@@ -190,7 +205,7 @@ def _symbolic_local_sizes(b: SubgraphBuilder, op: Any, l_args: Any, out: Any) ->
     if b.sizes is None or not any(pt.is_symbolic(s) for s in pytree.tree_leaves(l_args) if isinstance(s, torch.SymInt)):
         return l_args
     spec = out.output_spec
-    if op not in _SHAPE_ARG_OPS or not isinstance(spec, pt.DTensorSpec):
+    if op not in _SHAPE_ARG_OPS or not isinstance(spec, pt.DTensorSpec) or any(isinstance(p, pt.StridedShard) for p in spec.placements):
         raise NoStrategy(f"{_op_name(op)}: DTensor localized its size arguments for one rank, which has no symbolic form")
     l_args = list(l_args)
     l_args[1] = list(b.local_shape(tuple(spec.shape), spec.placements))

@@ -39,7 +39,7 @@ from torch.utils import _pytree as pytree
 from .. import _private_torch as pt
 from ..errors import UnsupportedPlacementError
 
-__all__ = ["size_unit", "trace_fake_mode", "symint_of", "symbolic_local_shape", "partial_needs_replicate", "size_hint", "coordinate_symbol", "local_size_expr", "LocalSizes", "concrete_shape", "local_size_symbolic", "SizeGuards", "emit_sizes_pass", "size_symbols_of", "SizeSymbol"]
+__all__ = ["resolve", "size_unit", "trace_fake_mode", "symint_of", "symbolic_local_shape", "partial_needs_replicate", "size_hint", "coordinate_symbol", "local_size_expr", "LocalSizes", "concrete_shape", "local_size_symbolic", "SizeGuards", "emit_sizes_pass", "size_symbols_of", "SizeSymbol"]
 
 log = logging.getLogger(__name__)
 
@@ -216,6 +216,17 @@ class LocalSizes:
         return self._memo[expr]
 
 
+def resolve(expr: Any, definitions: dict | None) -> Any:
+    """``expr`` with every local size symbol replaced by its definition, also those
+    defined through others (a dim split by two mesh axes: the inner split's size is a
+    chunk of the outer one's local size)."""
+    for _ in range(8):
+        if not definitions or not (getattr(expr, "free_symbols", set()) & definitions.keys()):
+            return expr
+        expr = expr.xreplace(definitions)
+    raise AssertionError(f"local size definitions nest deeper than 8 levels: {expr}")
+
+
 def size_hint(x: Any) -> int:
     """The example value of a size, also for a size symbol of :class:`LocalSizes`
     (which has none of its own: computed from its definition)."""
@@ -223,7 +234,7 @@ def size_hint(x: Any) -> int:
         return int(x)
     env = pt.shape_env_of(x)
     definitions = _SHARED.get(env, ({}, {}))[0]
-    expr = pt.sym_expr(x).xreplace(definitions)
+    expr = resolve(pt.sym_expr(x), definitions)
     return int(expr.xreplace({k: sympy.Integer(v) for k, v in pt.example_values(env).items()}).xreplace(_coordinate_hints(expr)))
 
 
@@ -252,7 +263,7 @@ class SizeGuards:
         self._replaced = pt.replaced_symbols(shape_env)
         sizes = {s.symbol for s in self.symbols} | set(self.coordinates) | set(self._replaced)
         for expr, where in pt.shape_env_guards(shape_env):
-            expr = expr.xreplace(definitions or {})
+            expr = resolve(expr, definitions)
             # guards on other numbers (hyperparameters read with .item()) are the trace's
             # value guards, part of the call signature; the rest are size guards
             if expr.free_symbols and expr.free_symbols <= sizes:
@@ -376,7 +387,7 @@ def emit_sizes_pass(gm: fx.GraphModule, *, sources: dict[Any, fx.Node], definiti
         def lower(x: Any) -> Any:
             if not isinstance(x, _SYM_TYPES):
                 return x
-            expr = pt.sym_expr(x).xreplace(definitions or {})
+            expr = resolve(pt.sym_expr(x), definitions)
             return emit(expr, isinstance(x, torch.SymFloat))
 
         # the expression nodes go before their first user, which follows every placeholder
@@ -406,7 +417,7 @@ def concrete_shape(shape: Any, values: dict[Any, int], definitions: dict | None 
     out = []
     for s in shape:
         if pt.is_symbolic(s):
-            out.append(int(pt.sym_expr(s).xreplace(definitions or {}).xreplace(subs)))
+            out.append(int(resolve(pt.sym_expr(s), definitions).xreplace(subs)))
         else:
             out.append(int(s))
     return tuple(out)

@@ -194,25 +194,9 @@ def symbolic_view_placements(in_shape: list[Any], out_shape: list[Any], placemen
 def _symbolic_view(ctx: ExpandContext, b: SubgraphBuilder, op: Any, x: TensorArg, sizes: Any) -> Any:
     """The view of a symbolic sharded dim kept sharded (:func:`symbolic_view_placements`),
     or None (then DTensor's strategy)."""
-    from ..symbolic import size_unit
-
     out = [s.global_value if isinstance(s, DSymInt) else s for s in sizes]
     if any(not pt.is_symbolic(s) and int(s) == -1 for s in out):
-        known = [s for s in out if pt.is_symbolic(s) or int(s) != -1]
-        if len(known) != len(out) - 1:
-            return None
-        rest = sympy.Mul(*[pt.sym_expr(s) if pt.is_symbolic(s) else sympy.Integer(int(s)) for s in known])
-        numel = sympy.Mul(*[pt.sym_expr(s) if pt.is_symbolic(s) else sympy.Integer(int(s)) for s in x.spec.shape])
-        inferred = sympy.simplify(numel / rest)
-        symbolic_in = next((s for s in x.spec.shape if pt.is_symbolic(s)), None)
-        if symbolic_in is None or not inferred.free_symbols or not inferred.is_polynomial():
-            return None
-        # as a SymInt of the trace's ShapeEnv: the same expression, built from the input's sizes
-        candidates = [s * k for s in x.spec.shape if pt.is_symbolic(s) for k in (1, *range(2, 65))]
-        match = next((s for s in candidates if sympy.expand(pt.sym_expr(s) - inferred) == 0), None)
-        if match is None:
-            return None
-        out[[i for i, s in enumerate(out) if not pt.is_symbolic(s) and int(s) == -1][0]] = match
+        return None  # an inferred size: DTensor's strategy
     in_shape = list(x.spec.shape)
     numel_in = sympy.Mul(*[pt.sym_expr(s) if pt.is_symbolic(s) else sympy.Integer(int(s)) for s in in_shape])
     numel_out = sympy.Mul(*[pt.sym_expr(s) if pt.is_symbolic(s) else sympy.Integer(int(s)) for s in out])
@@ -229,7 +213,6 @@ def _symbolic_view(ctx: ExpandContext, b: SubgraphBuilder, op: Any, x: TensorArg
         node = b.call(op, x.node, local)
     except RuntimeError:  # the local tensor's strides do not allow this view
         return None
-    assert all(size_unit(s) >= 1 for s in out)
     spec = pt.make_spec(ctx.mctx.mesh, placements, out, _contiguous_strides(out), x.spec.tensor_meta.dtype)
     return _out_tensor(b, node, spec, {})
 
