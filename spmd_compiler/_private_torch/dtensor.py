@@ -246,7 +246,7 @@ def _symbolic_propagation(mode: FakeTensorMode) -> Iterator[None]:
 
     * redistribution costs are computed from the sizes' example values: a cost only ranks
       strategies that are all correct, so it must not become a guard (a float equality
-      would pin the size);
+      would pin the size); on several mesh axes the whole cost is (its planner hashes shapes);
     * "is this dim long enough to shard" likewise (it prefers strategies without empty
       shards, which the expansion handles for any size);
     * "does this dim split evenly" is answered "no" for a symbolic dim: the uneven answer
@@ -273,7 +273,16 @@ def _symbolic_propagation(mode: FakeTensorMode) -> Iterator[None]:
         sharded = [p.dim for p in spec.placements if isinstance(p, Shard)]
         return False if any(is_symbolic(shape[d]) for d in sharded) else even(shape, spec)
 
+    cost = cu.redistribute_cost
+
+    def redistribute_cost(current: Any, target: Any) -> float:
+        # several mesh axes: DTensor plans the steps through a cache that hashes shapes
+        if any(_has_symint(s) for s in (current, target)):
+            current, target = _with_example_sizes(current), _with_example_sizes(target)
+        return cost(current, target)
+
     with _patched({"spec_to_bytes": (cu.spec_to_bytes, spec_to_bytes), "is_tensor_shardable": (shardable, is_tensor_shardable),
+                   "redistribute_cost": (cost, redistribute_cost),
                    "is_tensor_evenly_shardable_on_dim": (even_on_dim, is_tensor_evenly_shardable_on_dim),
                    "is_tensor_evenly_shardable": (even, is_tensor_evenly_shardable)}), mode:
         yield
@@ -317,9 +326,32 @@ def transform_steps(src: DTensorSpec, dst: DTensorSpec) -> list[TransformStep]:
         # symbolic sizes (dynamic=True) are unhashable for DTensor's planner cache; on one
         # axis the plan is the one change, whatever the sizes
         return [TransformStep(0, src.placements[0], dst.placements[0])] if src.placements != dst.placements else []
+    if _has_symint(src) or _has_symint(dst):
+        # several axes: the planner orders the per-axis changes from the placements; it
+        # hashes shapes, so it gets the sizes' example values (no guard: the steps it
+        # picks are placement changes, each emitted for any size)
+        src, dst = _with_example_sizes(src), _with_example_sizes(dst)
     infos = _gen_transform_infos_non_cached(src, dst)
     return [TransformStep(i.mesh_dim, i.src_dst_placements[0], i.src_dst_placements[1]) for i in infos]
 
+
+
+def _has_symint(spec: DTensorSpec) -> bool:
+    """Sizes DTensor cannot hash (SymInts, also those a guard made constant)."""
+    meta = spec.tensor_meta
+    return meta is not None and any(isinstance(v, torch.SymInt) for v in (*meta.shape, *meta.stride))
+
+
+def _with_example_sizes(spec: DTensorSpec) -> DTensorSpec:
+    from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+    meta = spec.tensor_meta
+    if meta is None:
+        return spec
+    shape = torch.Size(int(optimization_hint(s)) for s in meta.shape)
+    stride = tuple(int(optimization_hint(s)) for s in meta.stride)
+    return DTensorSpec(spec.mesh, spec.placements, tensor_meta=TensorMeta(shape, stride, meta.dtype),
+                       use_strided_shard_as_shard_order=getattr(spec, "use_strided_shard_as_shard_order", False))
 
 
 def local_shape_and_offset(

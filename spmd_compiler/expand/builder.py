@@ -106,7 +106,13 @@ class SubgraphBuilder:
         run-time int of the recipe, ``coord * chunk``, clamped to ``size`` when ``uneven``
         (decided by the caller from global sizes, so every rank emits the same ops)."""
         n = self.mctx.shape[axis]
-        chunk = (size + (n - 1)) // n if pt.is_symbolic(size) else chunk_size(size, n)
+        if pt.is_symbolic(size):  # in units of size_unit(size) elements (see expand/symbolic.py)
+            from .symbolic import size_unit
+
+            unit = size_unit(size)
+            chunk = unit * ((size // unit + (n - 1)) // n)
+        else:
+            chunk = chunk_size(size, n)
         start = self.call(operator.mul, self.coords[axis], chunk)
         if uneven:  # a symbolic size: torch's sym_min for the value, so no guard picks a side
             start = self.call(min, start, size, _val=torch.sym_min(start.meta["val"], size) if pt.is_symbolic(size) else None)
@@ -125,6 +131,13 @@ class SubgraphBuilder:
         from .. import _private_torch as pt
 
         if any(isinstance(p, pt.StridedShard) for p in placements):
+            if any(pt.is_symbolic(s) for s in global_shape):  # DTensor's layout would pin the sizes (int())
+                from ..errors import UnsupportedPlacementError
+
+                raise UnsupportedPlacementError(
+                    f"dynamic=True: {placements} of a symbolic shape {list(global_shape)} has no symbolic local shape yet "
+                    f"(expected Shard or Replicate); this step compiles per batch shape"
+                )
             for axis, p in enumerate(placements):
                 dim = getattr(p, "dim", None)
                 if dim is not None and global_shape[dim] % self.mctx.shape[axis]:

@@ -52,7 +52,7 @@ def _uneven_axes(b: SubgraphBuilder, spec: Any) -> set[int]:
     for axis, p in enumerate(spec.placements):
         if isinstance(p, pt.Shard):
             size = logical_shape(b, tuple(spec.shape), list(spec.placements), axis)[p.dim]
-            if size % b.mctx.shape[axis]:
+            if pt.is_symbolic(size) or size % b.mctx.shape[axis]:  # a symbolic size may be uneven (no guard)
                 out.add(axis)
     return out
 
@@ -129,6 +129,7 @@ def generic_expand(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple,
     """Expand ``op(*args, **kwargs)`` with DTensor's strategy; returns the result pytree."""
     out = _propagate(b, op, args, kwargs, ctx.activation_sharding)
     _guard_view_sizes(b, op, args, kwargs, out)
+    _check_symbolic_localized(b, op, out)
     _guard_empty_shards(b, op, args, kwargs, out)
     _guard_partition(args, kwargs, out)
     if out.use_val_from_redistribute_schema and any(
@@ -168,12 +169,47 @@ def generic_expand(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple,
         if len(leaves) == len(flat):  # keep run-time scalars as graph values
             leaves = [f.node if isinstance(f, ScalarArg) else l for f, l in zip(flat, leaves)]
         l_args, l_kwargs = pytree.tree_unflatten(leaves, rs_tree)
+        l_args = _symbolic_local_sizes(b, op, l_args, out)
     else:
         leaves = [next(it) if isinstance(x, TensorArg) else _global_leaf(x) for x in flat]
         l_args, l_kwargs = pytree.tree_unflatten(leaves, tree)
     result = b.call(target_op, *l_args, **l_kwargs)
     _write_back(b, op, args, kwargs, tensors, locals_, dst_specs)
     return wrap_result(b, result, out.output_spec, masks_by_buffer, ctx, op)
+
+
+# ops whose argument 1 is the result's shape: the local sizes are the result's local shape
+_SHAPE_ARG_OPS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default}
+
+
+def _check_symbolic_localized(b: SubgraphBuilder, op: Any, out: Any) -> None:
+    """Before anything is emitted: refuse (gather instead) an op whose size arguments
+    DTensor localized and :func:`_symbolic_local_sizes` cannot recompute."""
+    rs = out.redistribute_schema
+    if b.sizes is None or not out.use_val_from_redistribute_schema or rs is None:
+        return
+    leaves = pytree.tree_leaves((tuple(rs.args_schema), dict(rs.kwargs_schema)))
+    if not any(isinstance(s, torch.SymInt) and pt.is_symbolic(s) for s in leaves):
+        return
+    spec = out.output_spec
+    if op not in _SHAPE_ARG_OPS or not isinstance(spec, pt.DTensorSpec) or any(isinstance(p, pt.StridedShard) for p in spec.placements):
+        raise NoStrategy(f"{_op_name(op)}: DTensor localized its size arguments for one rank, which has no symbolic form")
+
+
+def _symbolic_local_sizes(b: SubgraphBuilder, op: Any, l_args: Any, out: Any) -> Any:
+    """dynamic=True: DTensor localizes size arguments for one concrete coordinate (a
+    different expression on every rank, and torch.chunk's layout only); the local sizes
+    are instead the result's local shape (:meth:`SubgraphBuilder.local_shape`, one
+    expression of the coordinate for every rank). An op with other localized arguments
+    has no symbolic form here: its inputs are gathered (:class:`NoStrategy`)."""
+    if b.sizes is None or not any(pt.is_symbolic(s) for s in pytree.tree_leaves(l_args) if isinstance(s, torch.SymInt)):
+        return l_args
+    spec = out.output_spec
+    if op not in _SHAPE_ARG_OPS or not isinstance(spec, pt.DTensorSpec) or any(isinstance(p, pt.StridedShard) for p in spec.placements):
+        raise NoStrategy(f"{_op_name(op)}: DTensor localized its size arguments for one rank, which has no symbolic form")
+    l_args = list(l_args)
+    l_args[1] = list(b.local_shape(tuple(spec.shape), spec.placements))
+    return tuple(l_args)
 
 
 def _write_back(b: SubgraphBuilder, op: Any, args: tuple, kwargs: dict, tensors: list, locals_: list, dst_specs: list) -> None:

@@ -29,7 +29,7 @@ import torch.fx as fx
 from .. import _private_torch as pt
 from ..errors import UnsupportedPlacementError
 from .builder import SubgraphBuilder
-from .symbolic import size_hint
+from .symbolic import size_hint, size_unit
 from .chunks import chunk_sizes, strided_layout
 from .values import placements_text
 
@@ -338,7 +338,8 @@ def _all_gather(b: SubgraphBuilder, x: fx.Node, axis: int, dim: int, size: int, 
     # narrows would be merged by a pass on that rank only: other nodes than its peers)
     if symbolic:  # dynamic=True (expand/symbolic.py): a size symbol, never asked whether it is 1
         sizes = []
-        full = b.sizes.fresh(torch.sym_max(1, (size + (n - 1)) // n))
+        unit = size_unit(size)  # a dim split in units (a flattened batch): pieces of unit * chunk
+        full = unit * b.sizes.fresh(torch.sym_max(1, (size // unit + (n - 1)) // n))
     else:
         sizes = chunk_sizes(size, n)
         full = max(1, max(sizes)) if uneven else max(sizes)
@@ -370,11 +371,19 @@ def _all_gather(b: SubgraphBuilder, x: fx.Node, axis: int, dim: int, size: int, 
 
 def _reduce_scatter(b: SubgraphBuilder, x: fx.Node, axis: int, dim: int, size: int, op: str, why: str) -> fx.Node:
     n = b.mctx.shape[axis]
-    sizes = chunk_sizes(size, n)
-    full = max(sizes)
-    uneven = b.uneven[dim]
     local = x.meta["val"]
-    if uneven:
+    if pt.is_symbolic(size):  # dynamic=True: pieces of ``full`` rows, the padded form for every size
+        unit = size_unit(size)
+        full = unit * b.sizes.fresh(torch.sym_max(1, (size // unit + (n - 1)) // n))
+        uneven = True
+        # torch.chunk's layout puts rank j's rows at j * full: padded to n * full rows,
+        # the reduce_scatter hands rank j exactly its piece (and padding) to narrow
+        zeros_shape = [full * n - local.shape[dim] if d == dim else s for d, s in enumerate(local.shape)]
+        x = b.call(aten.cat.default, [x, b.call(aten.new_zeros.default, x, zeros_shape)], dim)
+    else:
+        full = max(chunk_sizes(size, n))
+        uneven = b.uneven[dim]
+    if uneven and not pt.is_symbolic(size):
         pad = full * n - local.shape[dim]
         spec = [0, 0] * (local.dim() - 1 - dim) + [0, pad]
         x = b.call(aten.constant_pad_nd.default, x, spec, 0)

@@ -131,6 +131,7 @@ def redistribute_value(ex: Any, value: DValue, dst: Any, reason: str, origin: fx
     if tuple(value.spec.placements) == tuple(dst.placements):
         return value
     b = SubgraphBuilder(ex.mctx, ex.fake_mode)
+    b.sizes = getattr(ex, "local_sizes", None)  # dynamic=True: symbolic local sizes
     x = b.input(value.local, value.node.name)
     mask = b.input(value.mask.meta["val"], "mask") if value.mask is not None else None
     out, _ = emit_redistribute(b, x, value.spec, dst, mask=mask, reason=reason, input_index=0)

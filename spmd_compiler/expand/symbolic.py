@@ -39,7 +39,7 @@ from torch.utils import _pytree as pytree
 from .. import _private_torch as pt
 from ..errors import UnsupportedPlacementError
 
-__all__ = ["trace_fake_mode", "symint_of", "symbolic_local_shape", "partial_needs_replicate", "size_hint", "coordinate_symbol", "local_size_expr", "LocalSizes", "concrete_shape", "local_size_symbolic", "SizeGuards", "emit_sizes_pass", "size_symbols_of", "SizeSymbol"]
+__all__ = ["resolve", "size_unit", "trace_fake_mode", "symint_of", "symbolic_local_shape", "partial_needs_replicate", "size_hint", "coordinate_symbol", "local_size_expr", "LocalSizes", "concrete_shape", "local_size_symbolic", "SizeGuards", "emit_sizes_pass", "size_symbols_of", "SizeSymbol"]
 
 log = logging.getLogger(__name__)
 
@@ -95,14 +95,35 @@ def symint_of(traced: Any, sym: SizeSymbol) -> Any:
     return traced.placeholders()[sym.index].meta["val"].shape[sym.dim]
 
 
+def size_unit(size: Any) -> int:
+    """The integer factor ``g`` of a symbolic size ``g * m`` (1 for a plain symbol, or a
+    static size). A ``Shard`` of such a dim is split in units of ``g`` elements
+    (torch.chunk of ``m``, each piece ``g`` times longer): exactly what flattening a
+    sharded batch ``(B, T, ...)`` into ``(B*T, ...)`` leaves on each rank, for every B.
+    For an even B it is also torch.chunk's layout of ``B*T``; for an uneven B it is not
+    (5 rows of 4 over 3 ranks: 8, 8, 4 elements, where chunk(20) gives 7, 7, 6), so every
+    local size and offset of such a dim goes through this convention (:meth:`LocalSizes.local`,
+    ``builder.shard_offset``, the collectives of ``redistribute``)."""
+    if not pt.is_symbolic(size):
+        return 1
+    coeff, _ = sympy.sympify(pt.sym_expr(size)).as_coeff_Mul()
+    return int(coeff) if isinstance(coeff, sympy.Integer) and coeff > 1 else 1
+
+
 def symbolic_local_shape(shape: tuple, placements: Any, mctx: Any, sizes: "LocalSizes") -> tuple:
-    """The local shape of a tensor whose sharded dims may be symbolic (Shard only)."""
+    """The local shape of a batch input whose sharded dims may be symbolic (Shard only)."""
     out = list(shape)
     for axis, p in enumerate(placements):
         if isinstance(p, pt.StridedShard):
             raise UnsupportedPlacementError(
                 f"dynamic=True: batch placement {p} has no symbolic form yet (expected Shard or Replicate); "
                 f"this step compiles per batch shape"
+            )
+        if isinstance(p, pt.Shard) and size_unit(out[p.dim]) > 1:
+            # the driver splits inputs with torch.chunk, not in units (see size_unit)
+            raise UnsupportedPlacementError(
+                f"dynamic=True: batch dim {p.dim} of size {out[p.dim]} is a multiple of another batch size; expected "
+                f"a size of its own. This step compiles per batch shape"
             )
         if isinstance(p, pt.Shard):
             out[p.dim] = sizes.local(out[p.dim], mctx.shape[axis], axis)
@@ -135,6 +156,9 @@ def local_size_expr(size: Any, n: int, coord: Any) -> Any:
 
     if n == 1:
         return size
+    unit, rest = sympy.sympify(size).as_coeff_Mul()
+    if isinstance(unit, sympy.Integer) and unit > 1 and rest.free_symbols:  # in units (see size_unit)
+        return unit * local_size_expr(rest, n, coord)
     chunk = FloorDiv(size + (n - 1), n)
     return Max(0, Min(chunk, size - coord * chunk))
 
@@ -174,6 +198,9 @@ class LocalSizes:
         """The local size on this rank of a dim of global ``size`` split ``n`` ways on ``axis``."""
         if not pt.is_symbolic(size):
             return local_size_symbolic(size, n, list(self.coordinates.values())[axis])
+        unit = size_unit(size)
+        if unit > 1:  # g * (this rank's chunk of m): the same size symbol as m's own shard
+            return unit * self.local(size // unit, n, axis)
         return self.fresh(local_size_expr(pt.sym_expr(size), n, self.symbols[axis]))
 
     def fresh(self, expr: Any) -> Any:
@@ -189,6 +216,17 @@ class LocalSizes:
         return self._memo[expr]
 
 
+def resolve(expr: Any, definitions: dict | None) -> Any:
+    """``expr`` with every local size symbol replaced by its definition, also those
+    defined through others (a dim split by two mesh axes: the inner split's size is a
+    chunk of the outer one's local size)."""
+    for _ in range(8):
+        if not definitions or not (getattr(expr, "free_symbols", set()) & definitions.keys()):
+            return expr
+        expr = expr.xreplace(definitions)
+    raise AssertionError(f"local size definitions nest deeper than 8 levels: {expr}")
+
+
 def size_hint(x: Any) -> int:
     """The example value of a size, also for a size symbol of :class:`LocalSizes`
     (which has none of its own: computed from its definition)."""
@@ -196,7 +234,7 @@ def size_hint(x: Any) -> int:
         return int(x)
     env = pt.shape_env_of(x)
     definitions = _SHARED.get(env, ({}, {}))[0]
-    expr = pt.sym_expr(x).xreplace(definitions)
+    expr = resolve(pt.sym_expr(x), definitions)
     return int(expr.xreplace({k: sympy.Integer(v) for k, v in pt.example_values(env).items()}).xreplace(_coordinate_hints(expr)))
 
 
@@ -225,7 +263,7 @@ class SizeGuards:
         self._replaced = pt.replaced_symbols(shape_env)
         sizes = {s.symbol for s in self.symbols} | set(self.coordinates) | set(self._replaced)
         for expr, where in pt.shape_env_guards(shape_env):
-            expr = expr.xreplace(definitions or {})
+            expr = resolve(expr, definitions)
             # guards on other numbers (hyperparameters read with .item()) are the trace's
             # value guards, part of the call signature; the rest are size guards
             if expr.free_symbols and expr.free_symbols <= sizes:
@@ -349,7 +387,7 @@ def emit_sizes_pass(gm: fx.GraphModule, *, sources: dict[Any, fx.Node], definiti
         def lower(x: Any) -> Any:
             if not isinstance(x, _SYM_TYPES):
                 return x
-            expr = pt.sym_expr(x).xreplace(definitions or {})
+            expr = resolve(pt.sym_expr(x), definitions)
             return emit(expr, isinstance(x, torch.SymFloat))
 
         # the expression nodes go before their first user, which follows every placeholder
@@ -379,7 +417,7 @@ def concrete_shape(shape: Any, values: dict[Any, int], definitions: dict | None 
     out = []
     for s in shape:
         if pt.is_symbolic(s):
-            out.append(int(pt.sym_expr(s).xreplace(definitions or {}).xreplace(subs)))
+            out.append(int(resolve(pt.sym_expr(s), definitions).xreplace(subs)))
         else:
             out.append(int(s))
     return tuple(out)

@@ -24,6 +24,7 @@ import torch.fx as fx
 from .. import _private_torch as pt
 from ..errors import SpmdError, add_context
 from ..expand.splice import redistribute_value
+from ..expand.symbolic import size_unit
 from ..expand.values import DValue, MeshContext, placements_text
 
 __all__ = ["OutputSlot", "ExpandedStep", "finalize"]
@@ -154,6 +155,16 @@ def _finish_output(
                 tensor_meta=value.spec.tensor_meta,
             )
             value = redistribute_value(ex, value, dst, f"step output {desc.index} is Partial", output_node, tname)
+        if any(isinstance(p, pt.Shard) and size_unit(value.spec.shape[p.dim]) > 1 for p in value.spec.placements):
+            # a dim split in units (a flattened symbolic batch, dynamic=True) is not the
+            # torch.chunk layout in which the caller assembles a sharded output: gathered
+            dst = pt.DTensorSpec(
+                value.spec.mesh,
+                tuple(pt.Replicate() if isinstance(p, pt.Shard) and size_unit(value.spec.shape[p.dim]) > 1 else p
+                      for p in value.spec.placements),
+                tensor_meta=value.spec.tensor_meta,
+            )
+            value = redistribute_value(ex, value, dst, f"step output {desc.index} is split in units of rows", output_node, tname)
         out_nodes.append(value.node)
         slots.append(OutputSlot("user", value.spec, index=desc.index))
         return

@@ -9,6 +9,7 @@ the local expand.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -51,7 +52,9 @@ def _expand(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs
     if any(local[d] != s.local_value for d, s in targets if isinstance(placements[s.axes[0]], pt.Shard)):
         return generic_expand(ctx, b, op, args, kwargs)
     node = b.call(aten.expand.default, x.node, local)
-    stride = torch.empty_strided(in_shape, tuple(x.spec.stride), device="meta").expand(global_sizes).stride()
+    symbolic = any(pt.is_symbolic(v) for v in (*in_shape, *global_sizes, *x.spec.stride))
+    with b.fake_mode if symbolic else contextlib.nullcontext():  # dynamic=True: sizes of the trace's ShapeEnv
+        stride = torch.empty_strided(in_shape, tuple(x.spec.stride), device="meta").expand(global_sizes).stride()
     spec = pt.make_spec(ctx.mctx.mesh, placements, global_sizes, stride, x.spec.tensor_meta.dtype)
     return _out_tensor(b, node, spec, {})
 

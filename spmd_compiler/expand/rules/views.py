@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import sympy
 import torch
 
 from ... import _private_torch as pt
@@ -128,9 +129,119 @@ def _sizes(x: TensorArg, sizes: Any) -> list[int] | None:
     return out if math.prod(out) == numel and all(s >= 0 for s in out) else None
 
 
+def _same(a: Any, c: Any) -> bool:
+    """Whether two sizes are the same, read from their expressions (never a guard)."""
+    if pt.is_symbolic(a) or pt.is_symbolic(c):
+        if not (pt.is_symbolic(a) and pt.is_symbolic(c)):
+            return False
+        return sympy.expand(pt.sym_expr(a) - pt.sym_expr(c)) == 0
+    return int(a) == int(c)
+
+
+def _static_prod(sizes: list[Any]) -> int | None:
+    return math.prod(int(s) for s in sizes) if not any(pt.is_symbolic(s) for s in sizes) else None
+
+
+def symbolic_view_placements(in_shape: list[Any], out_shape: list[Any], placements: Any) -> list[Any] | None:
+    """Output placements of a view of a tensor whose sharded dim ``d`` has a symbolic size
+    (``dynamic=True``) that keeps every rank's elements where they are, or None.
+
+    Three forms, read from the sizes' expressions (no guard): dim ``d`` kept (the dims
+    before it unchanged), ``d`` flattened with static dims behind it (``(B, T, D) ->
+    (B*T, D)``), or ``d`` split into a dim and static dims behind it (``(B*T, D) ->
+    (B, T, D)``). Each rank's rows of ``d`` are a contiguous run of whole groups of the
+    static dims behind, so the result is ``Shard(d)`` split in units
+    (:func:`..symbolic.size_unit`): exact for every size, even or uneven. Other mesh axes
+    may split static dims the view leaves alone (``S(0)S(1)`` on a DP x TP mesh)."""
+    from ..symbolic import size_unit
+
+    sharded = [(axis, p) for axis, p in enumerate(placements) if isinstance(p, (pt.Shard, pt.StridedShard))]
+    if any(type(p) is not pt.Shard for _, p in sharded):
+        return None
+    symbolic = [p.dim for _, p in sharded if pt.is_symbolic(in_shape[p.dim])]
+    if len(symbolic) != 1:
+        return None  # one mesh axis splits the symbolic dim: nested splits have no unit layout
+    d = symbolic[0]
+    if len(out_shape) <= d or not all(_same(a, c) for a, c in zip(in_shape[:d], out_shape[:d])):
+        return None
+    a, c = in_shape[d], out_shape[d]
+    run = None  # (end of the run in in_shape, end in out_shape)
+    if _same(a, c):
+        run = (d + 1, d + 1)
+    for i in range(d + 2, len(in_shape) + 1):  # flatten: out[d] = in[d] * static dims behind
+        behind = _static_prod(in_shape[d + 1:i])
+        if run is None and behind is not None and _same(c, a * behind) and size_unit(c) == size_unit(a) * behind:
+            run = (i, d + 1)
+    for j in range(d + 2, len(out_shape) + 1):  # split: in[d] = out[d] * static dims behind
+        behind = _static_prod(out_shape[d + 1:j])
+        if run is None and behind is not None and _same(a, c * behind) and size_unit(a) == size_unit(c) * behind:
+            run = (d + 1, j)
+    if run is None:
+        return None
+    i, j = run
+    out = []
+    for p in placements:
+        if not isinstance(p, pt.Shard) or p.dim <= d:
+            out.append(p)  # the symbolic dim, a dim before it (unchanged), Replicate, Partial
+            continue
+        # another axis splits a dim behind the run: the dims behind must be the same
+        if p.dim < i or len(in_shape) - i != len(out_shape) - j or not all(_same(x, y) for x, y in zip(in_shape[i:], out_shape[j:])):
+            return None
+        out.append(pt.Shard(p.dim - i + j))
+    return out
+
+
+def _symbolic_view(ctx: ExpandContext, b: SubgraphBuilder, op: Any, x: TensorArg, sizes: Any) -> Any:
+    """The view of a symbolic sharded dim kept sharded (:func:`symbolic_view_placements`),
+    or None (then DTensor's strategy)."""
+    out = [s.global_value if isinstance(s, DSymInt) else s for s in sizes]
+    if any(not pt.is_symbolic(s) and int(s) == -1 for s in out):
+        return None  # an inferred size: DTensor's strategy
+    in_shape = list(x.spec.shape)
+    numel_in = sympy.Mul(*[pt.sym_expr(s) if pt.is_symbolic(s) else sympy.Integer(int(s)) for s in in_shape])
+    numel_out = sympy.Mul(*[pt.sym_expr(s) if pt.is_symbolic(s) else sympy.Integer(int(s)) for s in out])
+    if sympy.expand(numel_in - numel_out) != 0:
+        return None
+    placements = symbolic_view_placements(in_shape, out, x.spec.placements)
+    if placements is None:
+        return None
+    contiguous = _contiguous_strides(in_shape)
+    if not all(_same(s, c) for s, c, n in zip(x.spec.stride, contiguous, in_shape) if not (not pt.is_symbolic(n) and int(n) == 1)):
+        return None  # a strided global layout: DTensor's strategy decides
+    local = list(b.local_shape(out, placements))
+    try:
+        node = b.call(op, x.node, local)
+    except RuntimeError:  # the local tensor's strides do not allow this view
+        return None
+    spec = pt.make_spec(ctx.mctx.mesh, placements, out, _contiguous_strides(out), x.spec.tensor_meta.dtype)
+    return _out_tensor(b, node, spec, {})
+
+
+def _contiguous_strides(shape: list[Any]) -> tuple[Any, ...]:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc = acc * s
+    return tuple(reversed(stride))
+
+
+def _blocked(x: TensorArg) -> bool:
+    """A sharded dim split in units (a flattened symbolic batch): DTensor's view strategy
+    would localize its sizes with torch.chunk's layout, which is not this one."""
+    from ..symbolic import size_unit
+
+    return any(isinstance(p, pt.Shard) and size_unit(x.spec.shape[p.dim]) > 1 for p in x.spec.placements)
+
+
 @register_rule(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 def _view(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: dict) -> Any:
     x, sizes = args[0], (args[1] if len(args) > 1 else kwargs.get("size"))
+    if isinstance(x, TensorArg) and sizes is not None and any(pt.is_symbolic(s) for s in x.spec.shape) and b.sizes is not None:
+        if _blocked(x) or not dtensor_keeps_inputs(ctx, b, op, args, kwargs):
+            done = _symbolic_view(ctx, b, op, x, sizes)
+            if done is not None:
+                return done
+        return generic_expand(ctx, b, op, args, kwargs)
     if not isinstance(x, TensorArg) or sizes is None or dtensor_keeps_inputs(ctx, b, op, args, kwargs):
         return generic_expand(ctx, b, op, args, kwargs)
     global_out = _sizes(x, sizes)

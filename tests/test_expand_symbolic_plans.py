@@ -1,0 +1,177 @@
+"""dynamic=True beyond data parallel: one program per mesh serves every batch size for
+FSDP plans and for the GPT's flatten of a sharded batch (docs/dynamic_shapes.md),
+equal to one device after every step; the collectives are those of the per-shape
+program of an even size."""
+
+from __future__ import annotations
+
+import copy
+import operator
+from collections import Counter
+
+import pytest
+import torch
+from torch.distributed.tensor import Shard
+
+import spmd_compiler as sc
+from spmd_compiler.testing import SimulatedTraining, fake_mesh
+from spmd_compiler.testing.models import GPT, MLP, gpt_2d_plan, gpt_fsdp_plan, mse_train_step, train_step
+
+SIZES = [5, 1, 2, 4, 7, 33]  # uneven, smaller than the mesh, even, one row
+
+
+def _comms(step) -> Counter:
+    return Counter(n.meta["spmd_comm"]["kind"] for n in step.gm.graph.nodes if "spmd_comm" in n.meta)
+
+
+def _train(step_fn, model, batches, mesh, plan, **options):
+    """Steps on the simulated ranks and on one device; the parameters agree (1e-10) after
+    every step. Returns the simulator."""
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    sim_model = copy.deepcopy(model)
+    sim = SimulatedTraining(step_fn, sim_model, torch.optim.SGD(sim_model.parameters(), lr=0.1), mesh, plan, **options)
+    for i, batch in enumerate(batches):
+        loss = sim.step(*batch)
+        ref_loss = step_fn(ref, ref_opt, *batch)
+        torch.testing.assert_close(loss.detach(), ref_loss.detach(), atol=1e-10, rtol=0)
+        for (name, p), q in zip(sim_model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.detach(), q.detach(), atol=1e-10, rtol=0,
+                                       msg=lambda m, n=name: f"step {i} (batch {batch[0].shape[0]}): {n}: {m}")
+    return sim
+
+
+def _mlp_batches():
+    torch.manual_seed(0)
+    return [(torch.randn(b, 8, dtype=torch.float64), torch.randn(b, 8, dtype=torch.float64)) for b in SIZES]
+
+
+def _gpt():
+    torch.manual_seed(0)
+    model = GPT(vocab=16, seq=4, dim=8, heads=2, layers=1).double()
+    return model, [(torch.randint(0, 16, (b, 4)), torch.randint(0, 16, (b, 4))) for b in SIZES]
+
+
+def _static_even(step_fn, model, batch, mesh, plan):
+    """The per-shape program of one (even) batch: the collectives to match."""
+    m = copy.deepcopy(model)
+    sim = SimulatedTraining(step_fn, m, torch.optim.SGD(m.parameters(), lr=0.1), mesh, plan)
+    sim.step(*batch)
+    return sim.expansions[(0,) * len(mesh.shape)]
+
+
+MLP_FSDP = sc.Plan(params={"*": [Shard(0)]}, default_input=[Shard(0)], fsdp_axes=("dp",))
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+def test_fsdp_mlp_one_program_for_every_batch_size(ranks):
+    mesh = fake_mesh((ranks,), ("dp",))
+    model = MLP(8, 6).double()
+    sim = _train(mse_train_step, model, _mlp_batches(), mesh, MLP_FSDP, dynamic=True)
+    assert sim.compiles == 1, sim.reasons
+    prog = sim.expansions[(0,)]
+    assert [s.label for s in prog.size_symbols] == ["batch[0]"]
+    even = ranks * 4
+    static = _static_even(mse_train_step, model, (torch.randn(even, 8, dtype=torch.float64),) * 2, mesh, MLP_FSDP)
+    # parameters gathered once per phase, gradients reduce-scattered in one bucket: as per shape
+    assert _comms(prog) == _comms(static) and _comms(prog)["reduce_scatter"] == 1, (_comms(prog), _comms(static))
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+@pytest.mark.parametrize("plan", ["dp", "fsdp"])
+def test_gpt_one_program_for_every_batch_size(plan, ranks):
+    """The GPT flattens the sharded batch, ``(B, T, D) -> (B*T, D)`` in every Linear and
+    the loss: kept sharded in units of T rows for every B (no gather), so the program
+    makes the collectives of the per-shape program of an even batch."""
+    mesh = fake_mesh((ranks,), ("dp",))
+    the_plan = gpt_fsdp_plan() if plan == "fsdp" else None
+    model, batches = _gpt()
+    sim = _train(train_step, model, batches, mesh, the_plan, dynamic=True)
+    assert sim.compiles == 1, sim.reasons
+    prog = sim.expansions[(0,)]
+    static = _static_even(train_step, model, tuple(torch.randint(0, 16, (ranks * 2, 4)) for _ in range(2)), mesh, the_plan)
+    assert _comms(prog) == _comms(static), (_comms(prog), _comms(static))
+    if plan == "dp":  # the loss's target count, the loss, one gradient bucket
+        assert _comms(prog) == Counter(all_reduce=3)
+    # the flattened rows are this rank's chunk of B times T: an integer node 4 * local(B)
+    views = [n for n in prog.gm.graph.nodes if n.target is torch.ops.aten.view.default and n.args[0].name == "in_batch_1"]
+    assert views and views[0].args[1][0].target is operator.mul and 4 in views[0].args[1][0].args
+
+
+def _cumsum_step(model, optimizer, x, y):
+    out = model(x).flatten(0, 1)  # (B*T, D), split in units of T rows
+    loss = (out.cumsum(0) * y.flatten(0, 1)).mean()  # gathered for the cumsum, narrowed back in backward
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+@pytest.mark.parametrize("ranks", [3, 4])
+def test_flattened_batch_gathers_and_narrows_in_units_of_rows(ranks):
+    """A flattened uneven batch is not torch.chunk's layout of B*T (5 rows of 4 over 3
+    ranks: 8, 8, 4 rows, not 7, 7, 6): its gather pads each rank to T * ceil(B/n) rows and
+    its narrow starts at T * coord * ceil(B/n), for every size."""
+    torch.manual_seed(0)
+    batches = [(torch.randn(b, 4, 8, dtype=torch.float64), torch.randn(b, 4, 6, dtype=torch.float64)) for b in SIZES]
+    sim = _train(_cumsum_step, MLP(8, 6, 6).double(), batches, fake_mesh((ranks,), ("dp",)), None, dynamic=True)
+    assert sim.compiles == 1, sim.reasons
+    gathers = [n.meta["spmd_comm"]["reason"] for n in sim.expansions[(0,)].gm.graph.nodes
+               if n.meta.get("spmd_comm", {}).get("kind") == "all_gather"]
+    assert any("cumsum" in r for r in gathers), gathers
+
+
+def test_a_returned_flattened_batch_is_gathered_for_the_caller():
+    """The caller assembles a sharded output in torch.chunk's layout, which a dim split in
+    units of rows is not (uneven B): such an output is gathered, equal to one device."""
+    def step(model, optimizer, x, y):
+        out = model(x).flatten(0, 1)
+        loss = (out * y.flatten(0, 1)).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss, out.detach()
+
+    torch.manual_seed(0)
+    model = MLP(8, 6, 6).double()
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    sim = SimulatedTraining(step, model, torch.optim.SGD(model.parameters(), lr=0.1), fake_mesh((3,), ("dp",)), dynamic=True)
+    for b in SIZES:
+        x, y = torch.randn(b, 4, 8, dtype=torch.float64), torch.randn(b, 4, 6, dtype=torch.float64)
+        (loss, out), (ref_loss, ref_out) = sim.step(x, y), step(ref, ref_opt, x, y)
+        torch.testing.assert_close(out, ref_out, atol=1e-10, rtol=0)
+        torch.testing.assert_close(loss, ref_loss, atol=1e-10, rtol=0)
+    assert sim.compiles == 1, sim.reasons
+    assert sim.expansions[(0,)].outputs[1].spec.placements == (sc.Replicate(),)
+
+
+def test_2d_dp_by_tp_mlp_one_program_for_every_batch_size():
+    """Batch split on 'dp', the Megatron MLP on 'tp' (2 x 2): DTensor's planner and its
+    costs take the sizes' example values on two mesh axes (they hash shapes); the steps
+    and collectives are placement changes, emitted for any size."""
+    mesh = fake_mesh((2, 2), ("dp", "tp"))
+    plan = sc.Plan(params={"l1.weight": [sc.Replicate(), Shard(0)], "l1.bias": [sc.Replicate(), Shard(0)],
+                           "l2.weight": [sc.Replicate(), Shard(1)]}, default_input=[Shard(0), sc.Replicate()])
+    model = MLP(8, 6).double()
+    sim = _train(mse_train_step, model, _mlp_batches(), mesh, plan, dynamic=True)
+    assert sim.compiles == 1, sim.reasons
+    static = _static_even(mse_train_step, model, (torch.randn(4, 8, dtype=torch.float64),) * 2, mesh, plan)
+    assert _comms(sim.expansions[(0, 0)]) == _comms(static), (_comms(sim.expansions[(0, 0)]), _comms(static))
+
+
+def test_2d_gpt_falls_back_per_shape_equal_to_one_device(caplog):
+    """The GPT on DP x TP still needs concrete sizes (attention's views make
+    ``_StridedShard`` layouts, which have no symbolic local shape): each size compiles its
+    own program after an INFO line naming the op, never an error, equal to one device."""
+    import logging
+
+    mesh = fake_mesh((2, 2), ("dp", "tp"))
+    torch.manual_seed(0)
+    model = GPT(vocab=16, seq=4, dim=8, heads=2, layers=1).double()
+    batches = [(torch.randint(0, 16, (b, 4)), torch.randint(0, 16, (b, 4))) for b in (5, 2)]
+    with caplog.at_level(logging.INFO, logger="spmd_compiler.driver.dynamic"):
+        sim = _train(train_step, model, batches, mesh, gpt_2d_plan(), dynamic=True)
+    logs = [r.getMessage() for r in caplog.records if r.name == "spmd_compiler.driver.dynamic"]
+    assert logs and all("compiling one program per batch shape" in m and "models.py" in m for m in logs), logs
+    assert sim.compiles == 2, sim.reasons
