@@ -107,7 +107,10 @@ class Plan:
             ``Plan(params={"*": [Shard(0)]}, fsdp_axes=("dp",))``). On these axes a
             pattern or ``default_param`` shards parameters only, as ``fully_shard``:
             the buffers it matches (BatchNorm statistics, masks, rotary frequencies)
-            are Replicate there; an exact FQN entry shards a buffer as it says.
+            are Replicate there; an exact FQN entry shards a buffer as it says: stored
+            sharded and gathered for use like a parameter (once per phase), or, when the
+            step writes it in place (BatchNorm's running statistics), kept a sharded
+            operand that each rank updates on its own slice.
         reshard_after_forward: under ``fsdp_axes``, what ``fully_shard``'s option of the
             same name does (and its default). ``True``: the full parameter gathered for
             forward is dropped after its last forward use and gathered again for backward
@@ -356,7 +359,8 @@ def _fsdp_buffer(placements: tuple[Placement, ...], source: str, fsdp: tuple[int
     """Under ``fsdp_axes`` a pattern or ``default_param`` shards parameters only, as
     ``fully_shard`` does: a buffer it matches (BatchNorm statistics, a causal mask,
     rotary frequencies, position ids) is Replicate on the FSDP axes, whole on every rank
-    and never gathered. An exact FQN entry still shards a buffer where it says."""
+    and never gathered. An exact FQN entry still shards a buffer where it says (the
+    expansion gathers it once per phase, as a parameter, unless the step writes it)."""
     axes = [a for a in fsdp if not placements[a].is_replicate()]
     if not axes:
         return placements, source
