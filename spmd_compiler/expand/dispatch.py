@@ -47,12 +47,14 @@ __all__ = [
 
 
 def _uneven_axes(b: SubgraphBuilder, spec: Any) -> set[int]:
-    """Mesh axes over which ``spec`` splits a dim unevenly."""
+    """Mesh axes over which ``spec`` splits a dim unevenly (or may: a symbolic size
+    counts as uneven, without the guard ``size % n`` would record and that would make
+    one program serve even sizes only)."""
     out = set()
     for axis, p in enumerate(spec.placements):
         if isinstance(p, pt.Shard):
             size = logical_shape(b, tuple(spec.shape), list(spec.placements), axis)[p.dim]
-            if size % b.mctx.shape[axis]:
+            if pt.is_symbolic(size) or size % b.mctx.shape[axis]:
                 out.add(axis)
     return out
 
@@ -168,6 +170,7 @@ def generic_expand(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple,
         if len(leaves) == len(flat):  # keep run-time scalars as graph values
             leaves = [f.node if isinstance(f, ScalarArg) else l for f, l in zip(flat, leaves)]
         l_args, l_kwargs = pytree.tree_unflatten(leaves, rs_tree)
+        l_args = _symbolic_local_size_arg(b, target_op, l_args, out.output_spec)
     else:
         leaves = [next(it) if isinstance(x, TensorArg) else _global_leaf(x) for x in flat]
         l_args, l_kwargs = pytree.tree_unflatten(leaves, tree)
@@ -278,3 +281,19 @@ def _custom_handled(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple
         raise UnsupportedOpError(op, input_placements_text(args, kwargs), ctx.node, "DTensor needs a custom handler for this op")
     ctx.warn_once(op, "spmd_compiler: running %s on replicated inputs (DTensor handles it with a custom handler)", op)
     return replicate_fallback(ctx, b, op, args, kwargs, why="custom DTensor handler")
+
+
+def _symbolic_local_size_arg(b: SubgraphBuilder, op: Any, l_args: tuple, spec: Any) -> tuple:
+    """dynamic=True: the size argument DTensor localized (``view(x, size)``) computed
+    with this rank's coordinate as a number, so each rank's program would hold another
+    expression of the batch size (a different graph on every rank). Replaced by the
+    local shape of the output spec in terms of the coordinate symbol (:class:`LocalSizes`),
+    the same expression on every rank."""
+    idx = pt.localized_shape_arg(op)
+    if b.sizes is None or idx is None or idx >= len(l_args) or not isinstance(spec, pt.DTensorSpec):
+        return l_args
+    if not any(pt.is_symbolic(s) for s in spec.shape):
+        return l_args
+    out = list(l_args)
+    out[idx] = list(b.local_shape(tuple(spec.shape), spec.placements))
+    return tuple(out)
