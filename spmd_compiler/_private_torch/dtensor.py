@@ -166,7 +166,6 @@ def propagate_sharding(
         _selection.keep = previous
 
 
-
 def _strided_as_layout(tree: Any) -> Any:
     """Every spec in ``tree`` with a ``_StridedShard`` marked as a strided *layout*.
 

@@ -47,7 +47,9 @@ __all__ = [
 
 
 def _uneven_axes(b: SubgraphBuilder, spec: Any) -> set[int]:
-    """Mesh axes over which ``spec`` splits a dim unevenly."""
+    """Mesh axes over which ``spec`` splits a dim unevenly (or may: a symbolic size
+    counts as uneven, without the guard ``size % n`` would record and that would make
+    one program serve even sizes only)."""
     out = set()
     for axis, p in enumerate(spec.placements):
         if isinstance(p, pt.Shard):
@@ -314,3 +316,4 @@ def _custom_handled(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple
         raise UnsupportedOpError(op, input_placements_text(args, kwargs), ctx.node, "DTensor needs a custom handler for this op")
     ctx.warn_once(op, "spmd_compiler: running %s on replicated inputs (DTensor handles it with a custom handler)", op)
     return replicate_fallback(ctx, b, op, args, kwargs, why="custom DTensor handler")
+

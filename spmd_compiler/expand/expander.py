@@ -252,7 +252,11 @@ class Expansion:
         new.meta["spmd_spec"] = spec
         new.meta["spmd_input"] = inp
         value = DValue(new, spec)
-        if inp.kind == "param" and any(placements[a].is_shard() for a in self.fsdp_axes):
+        # FSDP: a parameter stored sharded is gathered once per phase for compute; so is a
+        # buffer the plan names sharded (Llama's rotary inv_freq) unless the step writes it
+        # in place (BatchNorm's running statistics stay sharded operands, updated in place)
+        fsdp_kind = inp.kind == "param" or (inp.kind == "buffer" and node not in self._written)
+        if fsdp_kind and any(placements[a].is_shard() for a in self.fsdp_axes):
             value.extra["fsdp"] = inp.name
         return value
 

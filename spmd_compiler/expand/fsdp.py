@@ -1,7 +1,10 @@
 """FSDP parameters in expansion (``Plan(fsdp_axes=...)``): gathered for compute, stored sharded.
 
 A parameter sharded on an FSDP mesh axis is all-gathered (Replicate on that axis) where
-forward or backward compute reads it. ``Plan(reshard_after_forward=True)`` (the default,
+forward or backward compute reads it; so is a buffer the plan names sharded there (an exact FQN entry, such as
+Llama's ``rotary_emb.inv_freq``) unless the step writes it in place (BatchNorm's running
+statistics: a write to the gathered copy would be lost, so they stay sharded operands).
+``Plan(reshard_after_forward=True)`` (the default,
 as ``fully_shard``'s) gathers it once per phase and marks each gather's nodes
 (``FSDP_GATHER``) so that no pass merges the two; a backward op that reads a view of the
 forward's gather that autograd saved (``t(weight)``) reads the same view of the backward

@@ -199,7 +199,8 @@ def _fsdp_buffer(placements: tuple[Placement, ...], source: str, fsdp: tuple[int
     """Under ``fsdp_axes`` a pattern or ``default_param`` shards parameters only, as
     ``fully_shard`` does: a buffer it matches (BatchNorm statistics, a causal mask,
     rotary frequencies, position ids) is Replicate on the FSDP axes, whole on every rank
-    and never gathered. An exact FQN entry still shards a buffer where it says."""
+    and never gathered. An exact FQN entry still shards a buffer where it says (the
+    expansion gathers it once per phase, as a parameter, unless the step writes it)."""
     axes = [a for a in fsdp if not placements[a].is_replicate()]
     if not axes:
         return placements, source

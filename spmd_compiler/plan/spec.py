@@ -49,7 +49,10 @@ class Plan:
             ``Plan(params={"*": [Shard(0)]}, fsdp_axes=("dp",))``). On these axes a
             pattern or ``default_param`` shards parameters only, as ``fully_shard``:
             the buffers it matches (BatchNorm statistics, masks, rotary frequencies)
-            are Replicate there; an exact FQN entry shards a buffer as it says.
+            are Replicate there; an exact FQN entry shards a buffer as it says: stored
+            sharded and gathered for use like a parameter (once per phase), or, when the
+            step writes it in place (BatchNorm's running statistics), kept a sharded
+            operand that each rank updates on its own slice.
         reshard_after_forward: under ``fsdp_axes``, what ``fully_shard``'s option of the
             same name does (and its default). ``True``: the full parameter gathered for
             forward is dropped after its last forward use and gathered again for backward

@@ -24,6 +24,7 @@ things follow, each handled here:
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +34,7 @@ import torch.fx as fx
 from .. import _private_torch as pt
 from ..errors import DataDependentError, HostValueError, user_frame_of, user_source_line
 
-__all__ = ["HparamValue", "HostSnapshot", "as_data_dependent_error", "check_data_dependent_shapes", "resolve_constant", "user_outputs"]
+__all__ = ["HparamValue", "HostSnapshot", "as_data_dependent_error", "check_data_dependent_shapes", "resolve_constant", "user_outputs", "with_batch_sizes_named"]
 
 SYM_TYPES = (torch.SymInt, torch.SymFloat, torch.SymBool)
 
@@ -279,3 +280,30 @@ def _nodes_defining(gm: fx.GraphModule | None, symbols: list[Any]) -> list[fx.No
         if isinstance(val, SYM_TYPES) and (any(val is s for s in symbols) or pt.sym_free_symbols(val) & wanted):
             out.append(node)
     return out
+
+
+def with_batch_sizes_named(exc: BaseException, inputs: list[Any], fakes: list[Any], real: list[Any]) -> BaseException | None:
+    """The user's step raised ``exc`` while traced (a builtin error, such as
+    cross_entropy's "Expected input batch_size (8*s60) to match target batch_size
+    (8*s3)" for inputs and targets of different lengths): the same error with the size
+    symbols it names explained (``s60 = batch[0].size(0) = 6``), the step's line and a
+    fix; None when it names none (raised unchanged)."""
+    if type(exc) not in (ValueError, RuntimeError, IndexError, TypeError):
+        return None
+    text = str(exc)
+    names = []
+    for inp, fake, t in zip(inputs, fakes, real):
+        if inp.kind != "batch" or not isinstance(fake, torch.Tensor):
+            continue
+        for d, size in enumerate(fake.shape):
+            if pt.is_symbolic(size) and re.search(rf"\b{re.escape(str(pt.sym_expr(size)))}\b", text):
+                names.append(f"{pt.sym_expr(size)} = {inp.label}.size({d}) = {t.shape[d]} in the traced (global) batch")
+    if not names:
+        return None
+    where = user_frame_of(exc)
+    return type(exc)(
+        f"{text.strip()}\n(the training step raised this while spmd_compiler traced it"
+        + (f", at {where}" if where else "")
+        + f"; sizes are symbols there: {', '.join(names)}). It raises on one device with this batch too. "
+        "fix: correct the step or the batch (a single-device call of the step shows the concrete sizes)"
+    )

@@ -24,7 +24,7 @@ from torch.utils import _pytree as pytree
 
 from .. import _private_torch as pt
 from .decompositions import decomposition_table
-from .host_values import HostSnapshot, as_data_dependent_error, check_data_dependent_shapes, user_outputs
+from .host_values import HostSnapshot, as_data_dependent_error, check_data_dependent_shapes, user_outputs, with_batch_sizes_named
 from .markers import phase_markers, split_point_hooks, tag_phases
 from .rewrites import traceable_scalars
 from .rng import RngLedger, replay_recomputed_draws, rng_replay
@@ -350,6 +350,12 @@ def trace(
     except pt.data_dependent_exceptions() as e:
         host.restore_symbols()
         raise as_data_dependent_error(e) from e
+    except (ValueError, RuntimeError, IndexError, TypeError) as e:
+        host.restore_symbols()
+        named = with_batch_sizes_named(e, inputs, fakes, real)
+        if named is None:
+            raise
+        raise named from e
     except BaseException:
         host.restore_symbols()
         raise
@@ -415,3 +421,4 @@ def _cleanup(gm: fx.GraphModule) -> None:
             g.erase_node(node)
     g.eliminate_dead_code()
     g.lint()
+

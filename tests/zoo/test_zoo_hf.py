@@ -10,7 +10,7 @@ import torch
 import transformers
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
-from zoo_common import SDPA, SDPA_BACKWARD, adamw, attention_collectives, lm_step, ops_in, run_case
+from zoo_common import SDPA, SDPA_BACKWARD, adamw, attention_collectives, gathered, lm_step, ops_in, run_case
 
 import spmd_compiler as sc
 from spmd_compiler.testing import assert_distributed, assert_training_matches, fake_mesh
@@ -168,3 +168,22 @@ def test_gpt2_with_dropout_equals_one_device(attn, plan):
     assert_distributed(res, sharded=[sharded], collectives=1)
     draws = [n for n in res.sim.expansions[(0,)].gm.graph.nodes if getattr(n.target, "_nondeterministic_seeded", False)]
     assert len(draws) >= 3  # embedding, attention and residual dropouts all draw
+
+
+# ----------------------------------------------------------------------------- buffers named sharded
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_llama_rotary_buffer_named_sharded_under_fsdp_is_gathered_once_per_phase(ranks):
+    """A buffer the FSDP plan names sharded (``"model.rotary_emb.inv_freq": [Shard(0)]``)
+    is stored sharded and gathered for use like a parameter: once per phase, in its
+    unit's gather, equal to one device; not the rotary cos/sin activations gathered at
+    each of their uses (what it cost before: two activation gathers per step)."""
+    model = llama("sdpa").double()
+    plan = sc.Plan(params={"*": [Shard(0)], "model.rotary_emb.inv_freq": [Shard(0)]}, default_input=[Shard(0)], fsdp_axes=("dp",))
+    res = assert_training_matches(lm_step, model, adamw, batches(), fake_mesh((ranks,), ("dp",)), plan)
+    dist = assert_distributed(res, sharded=["model.rotary_emb.inv_freq", "batch[0]"])
+    assert gathered(res, but="FSDP: gather") == [], dist.describe()  # no activation is gathered
+    root = [r for r in gathered(res) if r.endswith("unit <root> in one collective")]
+    # forward: embedding, final norm, lm head and inv_freq; backward: the three parameters
+    assert len(root) == 2 * ranks and any("4 parameters" in r for r in root), root

@@ -107,6 +107,17 @@ def test_batchnorm_dp_all_reduces_channel_sums_instead_of_gathering():
     assert dist.count("forward/all_reduce") >= 2 and dist.count("backward/all_reduce") >= 1, dist.describe()
 
 
+
+def test_batchnorm_statistics_named_sharded_under_fsdp_stay_exact():
+    """Running statistics the FSDP plan names sharded are written in place by the step,
+    so they are not gathered like parameters (a write to the gathered copy would be
+    lost): they stay sharded operands, updated in place on each rank's channels, and
+    equal one device's after 3 steps (assert_training_matches compares buffers)."""
+    plan = sc.Plan(params={"*": [Shard(0)], "bn.running_mean": [Shard(0)], "bn.running_var": [Shard(0)]},
+                   default_input=[Shard(0)], fsdp_axes=("dp",))
+    res = assert_training_matches(mse_step, SmallCNN().double(), adamw, images(), fake_mesh((2,), ("dp",)), plan)
+    assert_distributed(res, sharded=["bn.running_mean", "bn.running_var", "batch[0]"])
+
 # ----------------------------------------------------------------------------- TP
 
 def megatron_plan(name: str) -> sc.Plan:

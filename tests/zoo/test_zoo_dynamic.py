@@ -1,0 +1,112 @@
+"""What trainers do, under ``dynamic=True`` (docs/dynamic_shapes.md), on Hugging Face
+models in the simulator with a data parallel plan: a partial last batch, gradient
+accumulation over calls, dropout on. Every case equals one device (float64, 1e-10;
+with dropout the RNG contract's bit-exact draws, docs/randomness.md); a model either
+keeps one program for every batch size or falls back to one per shape with one INFO
+line naming the op and the model's source line."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_zoo_hf import SEQ, VOCAB, bert, gpt2, gpt2_with_dropout, llama
+from zoo_common import adamw, lm_step
+
+import spmd_compiler as sc
+from spmd_compiler.testing import assert_training_matches, fake_mesh
+
+TIGHT = {"atol": 1e-10, "rtol": 1e-10}
+
+
+@pytest.fixture(autouse=True)
+def _quiet_transformers():
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+
+
+def sized(sizes: list[int]) -> list:
+    return [(torch.randint(0, VOCAB, (b, SEQ)), torch.randint(0, VOCAB, (b, SEQ))) for b in sizes]
+
+
+def fallbacks(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "spmd_compiler.driver.dynamic" and r.levelno == logging.INFO]
+
+
+def shape_compiles(res) -> list[str]:
+    """The compiles a batch size caused (a new shape, or a broken size guard)."""
+    return [r for r in res.sim.reasons if "shape" in r or "size guard" in r]
+
+
+# Llama with sdpa: its rotary tables and causal mask come from position ids, no buffer is
+# expanded to the batch; GPT-2 with sdpa (no dropout) likewise
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_partial_last_batch_one_program(name, caplog):
+    """Sizes 8, 8, 5, 3 on 2 ranks (odd sizes: uneven shards): the program of the first
+    step serves every size; the only compiles are the first call and the one after the
+    optimizer state is created."""
+    caplog.set_level(logging.INFO, logger="spmd_compiler.driver.dynamic")
+    model = {"gpt2": gpt2, "llama": llama}[name]("sdpa").double()
+    res = assert_training_matches(lm_step, model, adamw, sized([8, 8, 5, 3]), fake_mesh((2,), ("dp",)), sc.Plan(), dynamic=True, **TIGHT)
+    assert res.sim.compiles == 2 and shape_compiles(res) == [], res.sim.reasons
+    assert fallbacks(caplog) == []
+    assert res.sim.expansions[(0,)].size_symbols  # the batch is a run-time size
+    # distributed: the batch arrives split, gradients are all-reduced (assert_distributed
+    # checks concrete local shapes only, not yet the size_* inputs of a symbolic program)
+    step = res.sim.expansions[(0,)]
+    batch = [s for i, s in zip(step.traced.inputs, step.input_specs) if i.kind == "batch"]
+    assert all(s.placements[0].is_shard(0) for s in batch), batch
+    assert any("all_reduce" in str(n.target) for n in step.collectives())
+
+
+def test_partial_last_batch_uneven_first_call_same_graph_on_every_rank():
+    """The first call has an odd size (5 on 2 ranks): each rank's program must still be
+    the same graph (the view of the local batch sized by the coordinate symbol, not this
+    rank's number), then serve the even sizes too."""
+    res = assert_training_matches(lm_step, gpt2("sdpa").double(), adamw, sized([5, 8, 2]), fake_mesh((2,), ("dp",)), sc.Plan(), dynamic=True, **TIGHT)
+    assert res.sim.compiles == 2 and shape_compiles(res) == [], res.sim.reasons
+
+
+def test_bert_falls_back_per_shape_with_one_info_line(caplog):
+    """BERT expands its ``token_type_ids`` buffer to ``(batch_size, seq_length)``: no
+    symbolic form yet, so it compiles per batch shape, says so at INFO with the model's
+    line, and still equals one device."""
+    caplog.set_level(logging.INFO, logger="spmd_compiler.driver.dynamic")
+    res = assert_training_matches(lm_step, bert("sdpa").double(), adamw, sized([8, 8, 5]), fake_mesh((2,), ("dp",)), sc.Plan(), dynamic=True, **TIGHT)
+    assert len(shape_compiles(res)) == 1, res.sim.reasons  # 8 -> 5
+    logs = fallbacks(caplog)
+    assert logs and all("aten.expand.default" in m and "modeling_bert.py" in m for m in logs), logs
+
+
+def accumulating_lm_step(model, optimizer, ids, targets, do_step):
+    """Gradient accumulation over calls, the usual loop body."""
+    logits = model(input_ids=ids).logits
+    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    loss.backward()
+    if do_step:
+        optimizer.step()
+        optimizer.zero_grad()
+    return loss
+
+
+def test_gradient_accumulation_with_partial_batches_one_program_per_call_kind():
+    """Two calls per optimizer step, batch sizes 8, 5, 3, 8: gradients accumulate
+    as on one device, and the batch sizes cause no compile (programs differ only by
+    whether gradients come in and whether the step updates)."""
+    sizes = [8, 5, 3, 8]
+    batches = [(*b, i % 2 == 1) for i, b in enumerate(sized(sizes))]
+    sgd = lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)  # noqa: E731  (update proportional to the gradient)
+    res = assert_training_matches(accumulating_lm_step, gpt2("sdpa").double(), sgd, batches, fake_mesh((2,), ("dp",)), sc.Plan(), dynamic=True, **TIGHT)
+    assert shape_compiles(res) == [], res.sim.reasons
+    assert res.sim.expansions[(0,)].size_symbols
+
+
+def test_dropout_with_partial_last_batch_equals_one_device(caplog):
+    """Dropout on (Hugging Face's default 0.1) with sizes 8 then 5: every mask is the one
+    device's (rng="exact"), whether the program is symbolic or compiled per shape."""
+    caplog.set_level(logging.INFO, logger="spmd_compiler.driver.dynamic")
+    torch.manual_seed(0)
+    res = assert_training_matches(lm_step, gpt2_with_dropout("sdpa").double(), adamw, sized([8, 5]), fake_mesh((2,), ("dp",)), sc.Plan(), dynamic=True, **TIGHT)
+    draws = [n for n in res.sim.expansions[(0,)].gm.graph.nodes if getattr(n.target, "_nondeterministic_seeded", False)]
+    assert len(draws) >= 3

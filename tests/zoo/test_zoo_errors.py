@@ -1,0 +1,98 @@
+"""Common user mistakes against a third-party model (Hugging Face GPT-2, tiny config):
+each gives our error (ValueError/TypeError naming what was expected, what was received
+and a fix), never a bare torch message; what is allowed (an optimizer built after the
+model is distributed, a batch the mesh does not divide) trains as on one device."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import re
+
+import pytest
+import torch
+from test_zoo_hf import SEQ, VOCAB, gpt2
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from zoo_common import adamw, lm_step
+
+import spmd_compiler as sc
+from spmd_compiler.testing import SimulatedTraining, assert_training_matches, fake_mesh
+
+
+@pytest.fixture(autouse=True)
+def _quiet_transformers():
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+
+
+def batch(rows: int, target_rows: int | None = None) -> tuple:
+    return torch.randint(0, VOCAB, (rows, SEQ)), torch.randint(0, VOCAB, (target_rows or rows, SEQ))
+
+
+def simulate(plan: sc.Plan, *b) -> None:
+    model = gpt2("sdpa").double()
+    SimulatedTraining(lm_step, model, adamw(model.parameters()), fake_mesh((2,), ("dp",)), plan).step(*b)
+
+
+BAD_PLANS = {
+    "misspelled parameter": (
+        sc.Plan(params={"transformer.h.0.attn.c_atn.weight": [Shard(0)]}), ValueError,
+        [r"'transformer.h.0.attn.c_atn.weight' names no parameter or buffer", r"Did you mean 'transformer.h.0.attn.c_attn.weight'", "fix:"],
+    ),
+    "shard dim out of range": (
+        sc.Plan(params={"transformer.h.0.attn.c_attn.bias": [Shard(1)]}, default_input=[Replicate()]), ValueError,
+        [r"c_attn.bias \(shape \[48\]\)", r"Shard\(1\) on mesh axis 0 is out of range for a 1-d tensor", r"expected a dim in \[0, 0\]", "fix:"],
+    ),
+    "batch shard dim out of range": (
+        sc.Plan(default_input=[Shard(2)]), ValueError, [r"batch\[0\] \(shape \[4, 8\]\)", "out of range for a 2-d tensor", "fix:"],
+    ),
+    "placement as a string": (
+        sc.Plan(params={"transformer.wte.weight": ["Shard(0)"]}), TypeError, ["is not a Placement", "fix:"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_PLANS))
+def test_bad_plan_on_gpt2_is_our_error(case):
+    plan, error, patterns = BAD_PLANS[case]
+    with pytest.raises(error) as info:
+        simulate(plan, *batch(4))
+    for p in patterns:
+        assert re.search(p, str(info.value)), (p, str(info.value))
+
+
+def test_inputs_and_targets_of_different_lengths_name_the_batch_dims():
+    """cross_entropy refuses 4 rows of logits against 6 of targets (as on one device);
+    torch's message speaks of the trace's size symbols (``8*s60``), ours adds which batch
+    dim each symbol is, the step's line and a fix."""
+    with pytest.raises(ValueError) as info:
+        simulate(sc.Plan(), *batch(4, 6))
+    text = str(info.value)
+    assert "Expected input batch_size" in text  # torch's own words stay
+    assert "batch[0].size(0) = 4" in text and "batch[1].size(0) = 6" in text, text
+    assert "zoo_common.py" in text and "cross_entropy" in text and "fix:" in text, text
+
+
+def test_optimizer_built_after_the_model_is_distributed():
+    """compile() distributes the model at the first call; an optimizer built afterwards
+    (over the DTensor parameters) is used as it is; one over another model's parameters
+    is refused before anything is distributed."""
+    mesh = fake_mesh((2,), ("dp",))
+    model = gpt2("sdpa").double()
+    step = sc.compile(lm_step, mesh=mesh)
+    step(model, adamw(model.parameters()), *batch(2))
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+    later = adamw(model.parameters())
+    loss = step(model, later, *batch(2))
+    assert torch.isfinite(loss.full_tensor() if isinstance(loss, DTensor) else loss)
+    assert all(isinstance(s["exp_avg"], DTensor) for s in later.state.values())
+
+    fresh, other = gpt2("sdpa").double(), gpt2("sdpa").double()
+    with pytest.raises(ValueError, match=r"is not a parameter of the model.*fix:"):
+        sc.compile(lm_step, mesh=mesh)(fresh, adamw(other.parameters()), *batch(2))
+    assert not any(isinstance(p, DTensor) for p in fresh.parameters())
+
+
+def test_batch_the_mesh_does_not_divide_trains_as_on_one_device():
+    """3 rows on 4 ranks (shards 1, 1, 1, 0): no error to give, the uneven split is exact."""
+    model = gpt2("sdpa").double()
+    assert_training_matches(lm_step, copy.deepcopy(model), adamw, [batch(3), batch(5)], fake_mesh((4,), ("dp",)), sc.Plan())
