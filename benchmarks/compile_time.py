@@ -15,6 +15,16 @@ checks that cached and uncached expansion give the same graph, prints a table, a
 writes benchmarks/results/compile_time.md. Usage:
 
     python benchmarks/compile_time.py [--layers 2 8 32] [--skip-retrace-above 32]
+
+``--dynamic`` measures symbolic batch sizes instead (issue #17, docs/dynamic_shapes.md;
+the functions live in ``compile_time_dynamic.py``): a data-parallel training loop over
+10 batch sizes in the simulator (``SimulatedTraining``, fake mesh of ``--world`` ranks)
+with ``dynamic=True`` against ``dynamic=False`` (compiles and compile seconds), and the
+step time of the symbolic per-rank program against the concrete one (rank 0's program
+run directly on the fake process group, interleaved repetitions, median ratio); writes
+benchmarks/results/compile_time_dynamic.md:
+
+    python benchmarks/compile_time.py --dynamic [--world 4] [--reps 31]
 """
 
 from __future__ import annotations
@@ -31,7 +41,7 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # _table.py
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # _table.py, compile_time_dynamic.py
 
 import spmd_compiler as sc  # noqa: E402
 from _table import results_path, write_results  # noqa: E402
@@ -145,8 +155,16 @@ def main() -> None:
     p.add_argument("--layers", type=int, nargs="+", default=[2, 8, 32])
     p.add_argument("--plans", nargs="+", default=["fsdp", "2d"])
     p.add_argument("--skip-retrace-above", type=int, default=32, help="skip the slow re-trace column above this depth")
+    p.add_argument("--dynamic", action="store_true", help="measure dynamic=True against per-shape compiles instead")
+    p.add_argument("--world", type=int, default=4, help="--dynamic: ranks of the simulated data-parallel mesh")
+    p.add_argument("--reps", type=int, default=31, help="--dynamic: interleaved step-time repetitions")
     args = p.parse_args()
     torch.set_num_threads(1)
+    if args.dynamic:
+        from compile_time_dynamic import run_dynamic
+
+        run_dynamic(args.world, args.reps)
+        return
     rows = []
     for plan in args.plans:
         measure(1, plan, retrace=False)  # warm-up: first-use costs of DTensor's propagation

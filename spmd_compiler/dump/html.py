@@ -17,6 +17,7 @@ import torch.fx as fx
 from ..errors import user_source_line
 from ..expand.values import placements_text
 from .format import format_bytes, shape_text, short_source, target_name
+from .sizes import readable
 
 __all__ = ["render_report"]
 
@@ -61,7 +62,7 @@ def _args(node: fx.Node) -> str:
     return ", ".join(fmt(a) for a in node.args)
 
 
-def _expanded_rows(gm: fx.GraphModule, traced_names: set[str]) -> list[str]:
+def _expanded_rows(gm: fx.GraphModule, traced_names: set[str], sizes: Any = None) -> list[str]:
     rows = []
     phase = None
     for i, node in enumerate(gm.graph.nodes):
@@ -96,6 +97,11 @@ def _expanded_rows(gm: fx.GraphModule, traced_names: set[str]) -> list[str]:
             inp = node.meta.get("spmd_input")
             if inp is not None:
                 why = f"{_e(inp.kind)} {_e(inp.label)}"
+            expr = node.meta.get("spmd_size_value")
+            if expr is not None:
+                why = _e(sizes.annotate(expr) if sizes is not None else f"size: {readable(expr)}")
+            elif sizes is not None and node.op == "placeholder" and sizes.placeholder(node.name):
+                why = _e(sizes.placeholder(node.name))
         rows.append(
             f'<tr class="{cls}" id="n-{_e(node.name)}"><td class="num muted">{i}</td><td class="mono">{_e(node.name)}</td>'
             f'<td class="op mono">{_e(target_name(node.target)) if node.op == "call_function" else _e(node.op)}</td>'
@@ -118,8 +124,10 @@ def _traced_rows(gm: fx.GraphModule) -> list[str]:
     return rows
 
 
-def render_report(step: Any, summary: Any, *, title: str = "spmd-compiler report", info: dict[str, Any] | None = None) -> str:
-    """The HTML report of an ExpandedStep (``summary``: its CommSummary)."""
+def render_report(step: Any, summary: Any, *, title: str = "spmd-compiler report", info: dict[str, Any] | None = None,
+                  sizes: Any = None) -> str:
+    """The HTML report of an ExpandedStep (``summary``: its CommSummary; ``sizes``: a
+    :class:`~spmd_compiler.dump.sizes.SizeContext` for a symbolic program)."""
     traced_names = {n.name for n in step.traced.gm.graph.nodes}
     info = dict(info or {})
     info.setdefault("mesh", dict(zip(step.mctx.axis_names, step.mctx.shape)))
@@ -137,17 +145,18 @@ def render_report(step: Any, summary: Any, *, title: str = "spmd-compiler report
         f"<tr><th>total</th><th></th><th></th><th class='num'>{summary.total_count}</th>"
         f"<th class='num'>{_e(format_bytes(summary.total_bytes))}</th><th class='num'>{_e(format_bytes(summary.total_wire_bytes))}</th></tr>"
     )
+    sizes_block = f"<h2>Batch sizes</h2>\n<pre class='mono'>{_e(chr(10).join(sizes.section()))}</pre>\n" if sizes is not None else ""
     return f"""<!DOCTYPE html>
 <html><head><meta charset="utf-8"><title>{_e(title)}</title><style>{_CSS}</style><script>{_JS}</script></head>
 <body>
 <h1>{_e(title)}</h1>
 <table style="width:auto">{info_rows}</table>
-<h2>Collectives per rank per step</h2>
+{sizes_block}<h2>Collectives per rank per step</h2>
 <table id="summary"><tr><th>phase</th><th>collective</th><th>axis</th><th>count</th><th>bytes/rank</th><th>sent/rank (ring)</th></tr>{sum_rows}</table>
 <h2>Per-rank graph</h2>
 <p><input id="search" placeholder="search nodes, ops, placements, reasons (e.g. all_reduce, S(0), addmm_3)"> <span id="count" class="muted"></span></p>
 <table id="expanded"><tr><th>#</th><th>node</th><th>op</th><th>placements</th><th>global shape</th><th>local shape</th><th>origin / why</th></tr>
-{''.join(_expanded_rows(step.gm, traced_names))}</table>
+{''.join(_expanded_rows(step.gm, traced_names, sizes))}</table>
 <h2>Traced graph (single device)</h2>
 <table id="traced"><tr><th>#</th><th>node</th><th>op</th><th>args</th><th>shape</th><th>phase</th><th>user line</th></tr>
 {''.join(_traced_rows(step.traced.gm))}</table>

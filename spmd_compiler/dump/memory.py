@@ -104,9 +104,16 @@ class MemoryTrace:
 
 
 def _int(x: Any) -> int:
+    if isinstance(x, torch.SymInt):  # dynamic=True: the example call's size (rank 0's for a local size)
+        from ..expand.symbolic import size_hint
+
+        try:
+            return size_hint(x)
+        except (TypeError, ValueError, RuntimeError):
+            pass
     try:
         return int(x)
-    except (TypeError, ValueError):  # an unbacked symbol: its hint if it has one
+    except (TypeError, ValueError, RuntimeError):  # an unbacked symbol: its hint if it has one
         node = getattr(x, "node", None)
         hint = getattr(node, "hint", None)
         return int(hint) if hint is not None else 0

@@ -15,6 +15,7 @@ import torch.fx as fx
 
 from ..expand.values import placements_text
 from .format import describe_collective, shape_text, short_source, target_name
+from .sizes import SizeContext, readable
 
 __all__ = ["annotated_code", "node_annotation"]
 
@@ -41,21 +42,27 @@ def _line(node: fx.Node) -> str:
     return f"{node.name} = {target_name(node.target)}({args})"
 
 
-def node_annotation(node: fx.Node) -> str:
-    """One-line description of a node's placements, shapes and origin ('' if none)."""
+def node_annotation(node: fx.Node, sizes: SizeContext | None = None) -> str:
+    """One-line description of a node's placements, shapes and origin ('' if none).
+    ``sizes`` (a symbolic program's): size expressions for its rank and last call's values."""
     parts = []
     comm = node.meta.get("spmd_comm")
     if comm is not None:
         return describe_collective(node)
+    expr = node.meta.get("spmd_size_value")
+    if expr is not None:
+        parts.append(sizes.annotate(expr) if sizes is not None else f"size: {readable(expr)}")
+    if node.op == "placeholder" and sizes is not None and sizes.placeholder(node.name):
+        parts.append(sizes.placeholder(node.name))
     spec = node.meta.get("spmd_spec")
     val = node.meta.get("val")
     if spec is not None:
         ins = [placements_text(a.meta["spmd_spec"].placements) for a in node.all_input_nodes if "spmd_spec" in a.meta]
         arrow = f"{', '.join(ins)} -> " if ins else ""
         parts.append(f"{arrow}{placements_text(spec.placements)}")
-        parts.append(f"global {shape_text(spec.shape)}")
+        parts.append(f"global {shape_text(spec.shape)}" + (sizes.concrete(spec.shape) if sizes is not None else ""))
     if isinstance(val, torch.Tensor):
-        parts.append(f"local {shape_text(val.shape)}")
+        parts.append(f"local {shape_text(val.shape)}" + (sizes.concrete(val.shape) if sizes is not None else ""))
     elif isinstance(val, (tuple, list)) and val and all(isinstance(v, torch.Tensor) for v in val):
         parts.append("local " + ", ".join(shape_text(v.shape) for v in val))
     inp = node.meta.get("spmd_input")
@@ -94,25 +101,28 @@ def _traced_annotation(node: fx.Node) -> str:
     return " | ".join(parts)
 
 
-def annotated_code(gm: fx.GraphModule, *, title: str = "", traced: bool = False) -> str:
-    """The graph as annotated Python; ``traced`` selects annotations for a traced graph."""
+def annotated_code(gm: fx.GraphModule, *, title: str = "", traced: bool = False, sizes: SizeContext | None = None) -> str:
+    """The graph as annotated Python; ``traced`` selects annotations for a traced graph;
+    ``sizes`` (a symbolic program, dynamic=True) adds the sizes block and size values."""
     nodes = list(gm.graph.nodes)
     params = [n.name for n in nodes if n.op == "placeholder"]
     out = []
     if title:
         out.append(f"# {title}")
+    if sizes is not None:
+        out.extend(f"# {line}" for line in sizes.section())
     out.append(f"def forward({', '.join(params)}):")
     phase = None
     for node in nodes:
         if node.op == "placeholder":
-            note = _traced_annotation(node) if traced else node_annotation(node)
+            note = _traced_annotation(node) if traced else node_annotation(node, sizes)
             out.append(f"    # {node.name}: {note}" if note else f"    # {node.name}")
             continue
         p = node.meta.get("spmd_phase")
         if p and p != phase:
             phase = p
             out.append(f"\n    # ---------------- {phase} ----------------")
-        note = _traced_annotation(node) if traced else node_annotation(node)
+        note = _traced_annotation(node) if traced else node_annotation(node, sizes)
         if note:
             out.append(f"    # {note}")
         out.append(f"    {_line(node)}")

@@ -10,6 +10,8 @@ Layout of ``<dump_dir>/<step>-<NNN>-rank<R>/``:
 ``collectives.json``   every collective with its provenance and bytes
 ``comm_summary.json``  count and bytes per phase, kind and mesh axis (and ``.txt``)
 ``memory.txt``         static memory trace: peak bytes per rank, what is alive there
+``sizes.txt``          dynamic=True: each batch size symbol, each rank's local size
+                       expression, the values of the last call (when known)
 ``meta.json``          mesh, coordinate, plan source of every input, timings
 ``report.html``        self-contained, searchable report (open in a browser)
 =====================  =====================================================
@@ -34,6 +36,7 @@ import torch.fx as fx
 
 from .html import render_report
 from .printer import annotated_code
+from .sizes import SizeContext
 from .memory import memory_trace
 from .summary import comm_summary
 
@@ -90,19 +93,26 @@ def write_dump(
     pass_texts: Sequence[tuple[str, str]] = (),
     stages: Sequence[tuple[str, fx.GraphModule]] = (),
     info: dict[str, Any] | None = None,
+    sizes: Sequence[int] | None = None,
 ) -> pathlib.Path:
     """Write the dump of one compile (an ExpandedStep) and return its folder.
 
     ``step.gm`` is the graph that runs (after the passes); the summary, collectives and
     report describe it. ``expanded_text`` is the annotated graph before the passes (taken
     before they changed it; default: ``step.gm``), ``pass_texts`` one (name, annotated
-    graph) per pass.
+    graph) per pass. A symbolic program (dynamic=True) also gets ``sizes.txt``: each
+    size symbol, each rank's local size expression and, given ``sizes`` (the global
+    sizes of the last call, in the order of ``step.size_symbols``), their values.
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     folder = _next_folder(pathlib.Path(root), name, rank)
     final = step.gm
+    ctx = SizeContext(step, sizes) if getattr(step, "size_symbols", None) else None
+    if ctx is not None:
+        (folder / "sizes.txt").write_text("\n".join(ctx.section()) + "\n")
     (folder / "traced.py").write_text(annotated_code(step.traced.gm, title=f"{name}: traced single-device graph", traced=True))
-    expanded = expanded_text or annotated_code(step.gm, title=f"{name}: per-rank graph after expansion (coordinate {step.mctx.coordinate})")
+    expanded = expanded_text or annotated_code(step.gm, title=f"{name}: per-rank graph after expansion (coordinate {step.mctx.coordinate})",
+                                               sizes=ctx)
     (folder / "expanded.py").write_text(expanded)
     for i, (pass_name, text) in enumerate(pass_texts):
         (folder / f"pass_{i:02d}_{pass_name}.py").write_text(text)
@@ -127,9 +137,10 @@ def write_dump(
             for inp, spec, src in zip(step.traced.inputs, step.input_specs, step.plan_sources or [""] * len(step.input_specs))
         ],
         "passes": [p for p, _ in pass_texts],
+        **({"sizes": ctx.as_json()} if ctx is not None else {}),
         **(info or {}),
     }
     (folder / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
-    (folder / "report.html").write_text(render_report(step, summary, title=f"spmd-compiler: {name}", info=info))
+    (folder / "report.html").write_text(render_report(step, summary, title=f"spmd-compiler: {name}", info=info, sizes=ctx))
     log.info("wrote dump %s", folder)
     return folder

@@ -336,11 +336,16 @@ def emit_sizes_pass(gm: fx.GraphModule, *, sources: dict[Any, fx.Node], definiti
         memo[key] = out
         return out
 
+    symbols = {node: sym for sym, node in sources.items()}
+
     def call(fn: Any, *args: Any) -> fx.Node:
         nonlocal anchor
         with graph.inserting_after(anchor):
             node = graph.call_function(fn, args)
         node.meta["spmd_size_expr"] = True
+        value = _value_expr(fn, [symbols.get(a, a.meta.get("spmd_size_value")) if isinstance(a, fx.Node) else a for a in args])
+        if value is not None:  # for dumps (dump/sizes.py): what the node computes, in sizes and coordinates
+            node.meta["spmd_size_value"] = value
         anchor = node
         emitted[0] += 1
         return node
@@ -396,6 +401,23 @@ def emit_sizes_pass(gm: fx.GraphModule, *, sources: dict[Any, fx.Node], definiti
     gm.recompile()
     log.debug("emitted %d integer nodes for symbolic sizes", emitted[0])
     return gm
+
+
+def _value_expr(fn: Any, args: list[Any]) -> Any:
+    """The sympy expression an emitted integer node computes from its arguments' ones."""
+    from torch.utils._sympy.functions import FloorDiv
+
+    if any(a is None for a in args):
+        return None
+    a = [sympy.sympify(x) for x in args]
+    table: dict[Any, Callable[..., Any]] = {
+        operator.add: lambda x, y: x + y, operator.mul: lambda x, y: x * y, operator.floordiv: FloorDiv,
+        operator.mod: sympy.Mod, operator.truediv: lambda x, y: x / y, operator.pow: lambda x, y: x**y,
+        max: sympy.Max, min: sympy.Min, float: lambda x: x, int: lambda x: x if x.is_integer else sympy.Function("int")(x),
+        math.floor: sympy.floor, math.ceil: sympy.ceiling,
+    }
+    build = table.get(fn)
+    return build(*a) if build is not None else None
 
 
 def _fold(call: Callable[..., fx.Node], fn: Any, args: list[Any]) -> Any:

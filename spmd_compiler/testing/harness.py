@@ -65,6 +65,15 @@ class SimulatedTraining:
         self.reasons: list[str] = []
         self.last_sizes: list[int] = []  # the size_* inputs of the last call (dynamic=True)
 
+    def write_dump(self, root: Any, *, name: str = "step") -> Any:
+        """Write the dump of rank 0's program of the last compile (``spmd_compiler.dump``)
+        with the sizes of the last call (a symbolic program's ``sizes.txt`` lists every
+        rank's local sizes); returns its folder."""
+        from ..dump.writer import write_dump
+
+        first = self.expansions[self.coords[0]]
+        return write_dump(root, first, name=name, sizes=self.last_sizes if first.size_symbols else None)
+
     def _compile(self, batch: tuple) -> None:
         first = build_program(self.step_fn, self.model, self.optimizer, batch, {}, self.mesh, self.plan, self.options,
                               coordinate=self.coords[0], cache=self.cache)

@@ -28,7 +28,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from .mesh import fake_mesh
 
-__all__ = ["mesh_shapes", "meshes", "placements", "shapes", "Program", "programs"]
+__all__ = ["mesh_shapes", "meshes", "placements", "shapes", "Program", "programs", "DPProgram", "dp_programs"]
 
 
 @st.composite
@@ -203,3 +203,64 @@ def programs(draw: Any, max_ops: int = 4, max_side: int = 8) -> Program:
         else:
             prog.ops.append((name, ()))
     return prog
+
+
+# ----------------------------------------------------------- data-parallel train steps
+
+_DP_LAYERS: dict[str, Callable[..., Any]] = {
+    "relu": lambda v: torch.relu(v),
+    "tanh": lambda v: torch.tanh(v),
+    # a view over the batch dim: [b, f] -> [b, 2, f/2] -> [b, f]
+    "view": lambda v: (v.view(v.shape[0], 2, -1) * 1.5).reshape(v.shape[0], -1),
+    "scale_by_batch": lambda v: v * (4.0 / v.shape[0]),  # arithmetic on the batch size itself
+    "center": lambda v: v - v.mean(0, keepdim=True),  # a mean over the sharded batch dim
+}
+_DP_LOSSES: dict[str, Callable[..., Any]] = {
+    "mse": lambda out, y: torch.nn.functional.mse_loss(out, y),
+    "sum": lambda out, y: (out * y).sum() * 0.1,
+    "row_mean": lambda out, y: ((out - y) ** 2).sum(1).mean(),
+}
+
+
+@dataclass
+class DPProgram:
+    """A random train step for data parallel plans: linear layers (sizes ``widths``)
+    interleaved with ``layers`` (elementwise, views and arithmetic over the batch dim),
+    then ``loss``; ``step(model, optimizer, x, y)`` trains :meth:`model` on a batch."""
+
+    widths: list[int]
+    layers: list[str]
+    loss: str
+
+    def model(self) -> torch.nn.Module:
+        mods = [torch.nn.Linear(a, b) for a, b in zip(self.widths, self.widths[1:])]
+        return torch.nn.ModuleList(mods).double()
+
+    def step(self, model: Any, optimizer: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        v = x
+        for lin, layer in zip(model, self.layers):
+            v = _DP_LAYERS[layer](lin(v))
+        loss = _DP_LOSSES[self.loss](v, y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    def batch(self, rows: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch.randn(rows, self.widths[0], generator=generator, dtype=torch.float64),
+                torch.randn(rows, self.widths[-1], generator=generator, dtype=torch.float64))
+
+    def __repr__(self) -> str:
+        return f"DPProgram(widths={self.widths}, layers={self.layers}, loss={self.loss})"
+
+
+@st.composite
+def dp_programs(draw: Any, max_layers: int = 3) -> DPProgram:
+    """Train steps a data-parallel plan (batch ``Shard(0)``) distributes: 1..``max_layers``
+    linear layers of even widths 2..8, each followed by one of relu, tanh, a view over
+    the batch dim, a scaling by the batch size, or centering over the batch; then an
+    MSE, sum or per-row loss."""
+    n = draw(st.integers(1, max_layers))
+    widths = draw(st.lists(st.sampled_from([2, 4, 6, 8]), min_size=n + 1, max_size=n + 1))
+    layers = draw(st.lists(st.sampled_from(sorted(_DP_LAYERS)), min_size=n, max_size=n))
+    return DPProgram(widths, layers, draw(st.sampled_from(sorted(_DP_LOSSES))))
