@@ -27,7 +27,7 @@ from .dtensor import (
     DTensorSpec, TensorMeta, OpSchema, OutputSharding, MaskPartial, NormPartial, StridedShard, Partial,
     Placement, Replicate, Shard, Placements, TransformStep, StrategyCandidate, make_spec, propagate_sharding,
     transform_steps, local_shape_and_offset, custom_handled_ops, random_ops, register_symbolic_mode,
-    clear_dtensor_caches,
+    clear_dtensor_caches, localized_shape_arg,
 )
 from .shapes import (
     FakeTensor, FakeTensorMode, symbolic_fake_mode, to_symbolic_fake, size_hint, fake_mode_of, sym_expr, is_symbolic, sym_free_symbols,
@@ -54,7 +54,7 @@ __all__ = [
     "custom_handled_ops", "random_ops", "tracing_graph", "group_name", "is_view_op", "written_args",
     "writes_first_arg", "Partial", "Placement", "Replicate", "Shard", "Placements", "world_info",
     "rename_node", "preserve_node_meta", "link_backward_to_forward", "pipeline_order",
-    "mark_optimizer_stepped", "clear_dtensor_caches", "raw_operator", "set_group_timeout", "default_store",
+    "mark_optimizer_stepped", "clear_dtensor_caches", "localized_shape_arg", "raw_operator", "set_group_timeout", "default_store",
     "shape_env_of", "num_guards", "example_values", "replaced_symbols", "false_unless_proven_true",
     "true_unless_proven_false", "size_oblivious", "new_size_symint", "is_pinned", "register_symbolic_mode",
     "fake_mode_of", "sym_expr", "shape_env_guards", "symbol_range", "is_symbolic", "sym_free_symbols",

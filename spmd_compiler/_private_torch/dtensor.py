@@ -51,7 +51,7 @@ __all__ = [
     "DTensorSpec", "TensorMeta", "OpSchema", "OutputSharding", "MaskPartial", "NormPartial", "StridedShard",
     "Partial", "Placement", "Replicate", "Shard", "Placements", "TransformStep", "StrategyCandidate", "make_spec",
     "propagate_sharding", "transform_steps", "local_shape_and_offset", "custom_handled_ops", "random_ops",
-    "register_symbolic_mode", "clear_dtensor_caches",
+    "register_symbolic_mode", "clear_dtensor_caches", "localized_shape_arg",
 ]
 
 
@@ -164,6 +164,14 @@ def propagate_sharding(
             return prop.propagate_op_sharding_non_cached(schema)
     finally:
         _selection.keep = previous
+
+
+def localized_shape_arg(op: Any) -> int | None:
+    """The position of the size argument DTensor rewrites to this rank's local shape
+    (``view``'s ``size``, ``new_zeros``'s ``size``...), or None for other ops; ops that
+    also take a stride (``new_empty_strided``) give None (not handled symbolically)."""
+    idx = DTensor._op_dispatcher.sharding_propagator.op_to_shape_and_stride_idx.get(op)
+    return idx if isinstance(idx, int) else None
 
 
 def _strided_as_layout(tree: Any) -> Any:

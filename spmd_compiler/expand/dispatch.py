@@ -194,7 +194,7 @@ def _check_symbolic_localized(b: SubgraphBuilder, op: Any, out: Any) -> None:
     if not any(isinstance(s, torch.SymInt) and pt.is_symbolic(s) for s in leaves):
         return
     spec = out.output_spec
-    if op not in _SHAPE_ARG_OPS or not isinstance(spec, pt.DTensorSpec) or any(isinstance(p, pt.StridedShard) for p in spec.placements):
+    if _shape_arg(op) is None or not isinstance(spec, pt.DTensorSpec) or any(isinstance(p, pt.StridedShard) for p in spec.placements):
         raise NoStrategy(f"{_op_name(op)}: DTensor localized its size arguments for one rank, which has no symbolic form")
 
 
@@ -207,11 +207,19 @@ def _symbolic_local_sizes(b: SubgraphBuilder, op: Any, l_args: Any, out: Any) ->
     if b.sizes is None or not any(pt.is_symbolic(s) for s in pytree.tree_leaves(l_args) if isinstance(s, torch.SymInt)):
         return l_args
     spec = out.output_spec
-    if op not in _SHAPE_ARG_OPS or not isinstance(spec, pt.DTensorSpec) or any(isinstance(p, pt.StridedShard) for p in spec.placements):
+    if _shape_arg(op) is None or not isinstance(spec, pt.DTensorSpec) or any(isinstance(p, pt.StridedShard) for p in spec.placements):
         raise NoStrategy(f"{_op_name(op)}: DTensor localized its size arguments for one rank, which has no symbolic form")
     l_args = list(l_args)
-    l_args[1] = list(b.local_shape(tuple(spec.shape), spec.placements))
+    idx = _shape_arg(op)
+    if idx >= len(l_args):
+        raise NoStrategy(f"{_op_name(op)}: its size argument is a keyword, which has no symbolic form here")
+    l_args[idx] = list(b.local_shape(tuple(spec.shape), spec.placements))
     return tuple(l_args)
+
+
+def _shape_arg(op: Any) -> int | None:
+    """Where the op takes its result's shape (``view``'s size, ``new_zeros``' size), or None."""
+    return 1 if op in _SHAPE_ARG_OPS else pt.localized_shape_arg(op)
 
 
 def _write_back(b: SubgraphBuilder, op: Any, args: tuple, kwargs: dict, tensors: list, locals_: list, dst_specs: list) -> None:
