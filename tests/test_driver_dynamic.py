@@ -3,12 +3,13 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import pytest
 import torch
 
-from spmd_compiler.testing import assert_training_matches, fake_mesh
+from spmd_compiler.testing import SimulatedTraining, assert_training_matches, fake_mesh
 from spmd_compiler.testing.models import GPT, MLP, mse_train_step, train_step
 
 SIZES = [10, *range(1, 34)]  # uneven, even, empty shards (1 row over 4 ranks), one row
@@ -72,3 +73,52 @@ def test_batch_dims_compiled_as_one_size_are_checked_every_call():
         res = assert_training_matches(mse_train_step, MLP(4, 3).double(), lambda p: torch.optim.SGD(p, lr=0.1), batches,
                                       fake_mesh((2,), ("dp",)), dynamic=True)
     assert res.sim.compiles == 2 and "compiled as one size" in res.sim.reasons[1], res.sim.reasons
+
+
+class DropoutMLP(torch.nn.Module):
+    """nn.Dropout on the batch-sharded hidden activation, plus draws sized by the batch
+    (randn_like, torch.rand(x.shape[0], 1)): every draw depends on the batch size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2, self.drop = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8), torch.nn.Dropout(0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.l2(self.drop(torch.relu(self.l1(x))))
+        return y + 0.01 * torch.randn_like(y) + 0.01 * torch.rand(x.shape[0], 1, dtype=x.dtype)
+
+
+def dropout_step(model, optimizer, x, y):
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss, torch.nn.functional.dropout(torch.ones_like(x), 0.5)  # the scaled mask itself, batch-sharded
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_dropout_stays_symbolic_with_one_devices_masks_for_every_size(ranks):
+    """The RNG contract (docs/randomness.md (b)): shards get the numbers one device drew for
+    their rows, for every size, from one program: each rank keeps rows [min(s, k*c),
+    min(s, (k+1)*c)) of the global draw, c = ceil(s/n), computed from the size input."""
+    torch.manual_seed(0)
+    model = DropoutMLP().double()
+    ref = copy.deepcopy(model)
+    sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.1)  # noqa: E731
+    opt, ref_opt = sgd(model), sgd(ref)
+    sim = SimulatedTraining(dropout_step, model, opt, fake_mesh((ranks,), ("dp",)), dynamic=True)
+    g = torch.Generator().manual_seed(3)
+    for b in [8, 5, 3, 7, 1]:
+        x, y = torch.randn(b, 8, generator=g, dtype=torch.float64), torch.randn(b, 8, generator=g, dtype=torch.float64)
+        start = torch.get_rng_state()
+        loss, mask = sim.step(x, y)
+        after = torch.get_rng_state()
+        torch.set_rng_state(start)
+        ref_loss, ref_mask = dropout_step(ref, ref_opt, x, y)
+        assert torch.equal(after, torch.get_rng_state()), b  # the generator ends where one device's does
+        assert torch.equal(mask, ref_mask) and set(mask.unique().tolist()) <= {0.0, 2.0}, b  # bit for bit
+        assert abs(loss.item() - ref_loss.item()) < 1e-10, (b, loss.item(), ref_loss.item())
+        err = max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
+        assert err < 1e-10, (b, err)
+    assert sim.compiles == 1, sim.reasons
+    assert sim.last_sizes == [1]
