@@ -7,6 +7,7 @@ import copy
 import logging
 
 import pytest
+import sympy
 import torch
 
 from spmd_compiler.testing import SimulatedTraining, assert_training_matches, fake_mesh
@@ -31,6 +32,24 @@ def test_one_program_serves_batch_sizes_1_to_33_mlp(ranks):
     # the loss mean is a local sum over the global count (rules/mean.py), not a gather of
     # every per-element loss: the same collectives as the per-shape program of an even size
     assert not [n for n in first.gm.graph.nodes if "all_gather" in str(n.target)]
+    _assert_guards_compiled(res.sim)
+
+
+def _assert_guards_compiled(sim):
+    """Every rank's size guards are compiled into Python functions (expand/size_checks.py)
+    that agree with sympy's evaluation of the guard as recorded, for sizes 0..40."""
+    for coord, e in sim.expansions.items():
+        checks = e.size_guards.checks()
+        assert checks and all(c.fn is not None for c in checks), [c.expr for c in checks if c.fn is None]
+        for v in range(41):
+            values = {sym.symbol: v for sym in e.size_symbols}
+            # the substitution SizeGuards made before: coordinates, sizes, and the batch dims
+            # torch found equal to a size symbol (y's rows: s60 -> s3) take its value
+            subs = {**e.size_guards.coordinates, **{k: sympy.Integer(x) for k, x in values.items()}}
+            subs.update({k: subs[r] for k, r in e.size_guards._replaced.items() if r in subs})
+            for c in checks:
+                by_sympy = c.expr.xreplace(subs)
+                assert (c.broken(values) is None) == bool(by_sympy), (coord, c.expr, v)
 
 
 def test_one_program_serves_every_batch_size_gpt():
@@ -122,3 +141,4 @@ def test_dropout_stays_symbolic_with_one_devices_masks_for_every_size(ranks):
         assert err < 1e-10, (b, err)
     assert sim.compiles == 1, sim.reasons
     assert sim.last_sizes == [1]
+    _assert_guards_compiled(sim)

@@ -114,6 +114,18 @@ class SizeProgram:
     symbols: list[Any]  # the size symbols, in ``size_*`` input order
     aliases: list[tuple[str, int, int]]  # per batch dim that reads a symbol: (label, dim position, symbol position)
     guards: list[Any] = field(default_factory=list)  # every rank's SizeGuards
+    _checks: list[Any] | None = field(default=None, init=False, repr=False)
+
+    def checks(self) -> list[Any]:
+        """Every rank's size guards as compiled checks (:mod:`~spmd_compiler.expand.size_checks`),
+        each distinct condition once (most are the same on every rank), in rank order."""
+        if self._checks is None:
+            seen: dict[Any, Any] = {}
+            for g in self.guards:
+                for c in g.checks():
+                    seen.setdefault(c.bound, c)
+            self._checks = list(seen.values())
+        return self._checks
 
     def values(self, sizes: list[int]) -> tuple[list[int], str | None]:
         """The ``size_*`` inputs for the global ``sizes`` of ``dims``, and the first broken
@@ -123,8 +135,8 @@ class SizeProgram:
             if sizes[j] != feed[s]:
                 return feed, f"{label} dim {self.dims[j].dim} has {sizes[j]} rows but another batch dim has {feed[s]} (compiled as one size)"
         values = dict(zip(self.symbols, feed))
-        for g in self.guards:
-            broken = g.failing(values)
+        for check in self.checks():
+            broken = check.broken(values)
             if broken is not None:
                 return feed, f"batch sizes {dict((str(k), v) for k, v in values.items())} break a size guard: {broken}"
         return feed, None
