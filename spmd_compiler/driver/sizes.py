@@ -169,6 +169,7 @@ class BatchSizes:
         for idx in torch.cartesian_prod(*[torch.arange(s) for s in self.mesh_shape]).reshape(-1, len(self.mesh_shape)).tolist():
             self.coords[int(mesh.mesh[tuple(idx)])] = tuple(idx)
         self._dims: dict[Any, list[ShardedDim] | None] = {}
+        self._serial = 0  # numbers the symbolic programs (the same sequence on every rank)
 
     @classmethod
     def over(cls, mesh: Any, plan: Any, exchanged: bool) -> "BatchSizes | None":
@@ -256,6 +257,33 @@ class BatchSizes:
         aliases = [(a.label, position(a), symbols.index(a.symbol)) for a in step.size_guards.aliases if a.symbol in symbols]
         guards = exchange(step.size_guards) if self.exchanged else [step.size_guards]
         return SizeProgram(dims, [position(s) for s in step.size_symbols], symbols, aliases, list(guards))
+
+    def pick(self, programs: Any, free: tuple, everyone: list[Any]) -> tuple[Any, list[int], str | None]:
+        """The key in ``programs`` (the step's compile cache, least recently used first) of
+        the symbolic program for the free signatures ``free`` whose size guards hold for
+        every rank's sizes (``everyone``: each rank's ``(coordinate, local sizes)``), most
+        recently used first, its ``size_*`` inputs, and None; else None, [] and why the most
+        recent one does not serve them (None: there is none). The same on every rank: all
+        ranks hold the same cache and evaluate the same guards on the same global sizes."""
+        reason = None
+        for k in reversed(programs):
+            if isinstance(k, tuple) and len(k) == 3 and k[0] == "sizes" and k[1] == free:
+                feed, broken = self.agreed_values(programs[k].sizes, everyone)
+                if broken is None:
+                    return k, feed, None
+                reason = reason or broken
+        return None, [], reason
+
+    def new_key(self, programs: Any, free: tuple, reason: str | None) -> tuple:
+        """The cache key of a new symbolic program for the free signatures ``free``: it is kept
+        beside the others for them (a step that branches on a size has one per side; the
+        cache's size bounds them all, least recently used evicted)."""
+        self._serial += 1
+        others = sum(isinstance(k, tuple) and len(k) == 3 and k[0] == "sizes" and k[1] == free for k in programs)
+        if others:
+            log.info("a symbolic program for these batch shapes is kept beside %d other(s) whose size guards do not hold "
+                     "(%s); each call runs the first, most recently used first, whose guards hold", others, reason)
+        return ("sizes", free, self._serial)
 
     def agreed_values(self, program: Any, everyone: list[Any]) -> tuple[list[int], str | None]:
         """The ``size_*`` inputs from the agreement's exchange (each rank's
