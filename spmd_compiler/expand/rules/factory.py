@@ -63,7 +63,7 @@ def contiguous_stride(shape: Any) -> tuple[Any, ...]:
 def _size(s: Any) -> Any:
     """A global size argument: an int, or a SymInt under dynamic=True (kept symbolic)."""
     g = _g(s)
-    return g if isinstance(g, torch.SymInt) else int(g)
+    return g if pt.is_symbolic(g) else int(g)
 
 
 def _differs(a: Any, b: Any) -> bool:

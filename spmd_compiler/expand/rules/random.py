@@ -33,7 +33,7 @@ import torch.fx as fx
 
 from ... import _private_torch as pt
 from ..builder import SubgraphBuilder
-from .factory import _sharded_sizes, contiguous_stride as _contiguous_stride
+from .factory import _sharded_sizes, _size, contiguous_stride as _contiguous_stride
 from ..args import ExpandContext, NoStrategy, TensorArg, _out_tensor
 from ..redistribute import emit_redistribute
 from ..registry import register_rule
@@ -227,7 +227,7 @@ def _random_factory(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple
     sizes = list(args[-1] if randint else args[0])
     bounds = tuple(_g(a) for a in args[:-1]) if randint else ()
     _, placements = _sharded_sizes(ctx, b, sizes)
-    shape = tuple(_g(s) for s in sizes)  # SymInts under dynamic=True: int() would pin them
+    shape = tuple(_size(s) for s in sizes)  # SymInts under dynamic=True: int() would pin them
     val = _Layout(shape, _contiguous_stride(shape), _traced_dtype(ctx), _traced_device(ctx))
     dst = _slice_spec(ctx, placements, val.shape, val.stride, val.dtype)
     if ctx.rng == "fast":
