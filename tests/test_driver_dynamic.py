@@ -142,3 +142,26 @@ def test_dropout_stays_symbolic_with_one_devices_masks_for_every_size(ranks):
     assert sim.compiles == 1, sim.reasons
     assert sim.last_sizes == [1]
     _assert_guards_compiled(sim)
+
+
+def threshold_step(model, optimizer, x, y):
+    out = model(x)
+    if x.shape[0] > 4:  # a guard on the size, not a pin: each side is a symbolic program
+        out = out * 2
+    loss = torch.nn.functional.mse_loss(out, y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+@pytest.mark.parametrize("cache_size, compiles", [(8, 2), (1, 4)])
+def test_a_step_alternating_across_a_size_guard_keeps_one_program_per_side(cache_size, compiles):
+    """8, 3, 2, 8, 3: the program of 8 (guard 4 < s) and the one of 3 (s <= 4) are both kept
+    and picked again: 2 compiles (as compile() across processes, tests/test_driver_sizes.py);
+    with room for one program, every switch compiles (2 reuses the program of 3)."""
+    batches = [(torch.randn(b, 8, dtype=torch.float64), torch.randn(b, 8, dtype=torch.float64)) for b in (8, 3, 2, 8, 3)]
+    res = assert_training_matches(threshold_step, MLP(8, 6).double(), lambda p: torch.optim.SGD(p, lr=0.1), batches,
+                                  fake_mesh((2,), ("dp",)), dynamic=True, cache_size=cache_size, atol=1e-10)
+    assert res.sim.compiles == compiles and len(res.sim.reasons) == compiles, res.sim.reasons
+    assert all("break a size guard" in r for r in res.sim.reasons[1:]), res.sim.reasons
