@@ -124,7 +124,7 @@ class SimulatedTraining:
             broken += [why for e in self.expansions.values() if (why := e.size_guards.failing(values))]
             if broken:  # every rank's program must serve the sizes
                 reason = f"batch sizes {dict((str(k), v) for k, v in values.items())} break a size guard: {broken[0]}"
-        if reason is not None and self._pick(state, batch):
+        if reason is not None and self._kept and self._pick(state, batch):
             reason = None
         if reason is not None:
             self.reasons.append(reason)
