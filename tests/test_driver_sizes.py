@@ -88,13 +88,13 @@ def _rows(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     return t[min(rank * c, t.shape[0]) : min((rank + 1) * c, t.shape[0])]
 
 
-def _train(rank: int, world: int, fn, sizes) -> dict:
+def _train(rank: int, world: int, fn, sizes, **options) -> dict:
     torch.manual_seed(0)
     model = MLP().double()
     ref = copy.deepcopy(model)
     # plain SGD: no optimizer state appears after the first step (that would be a second compile)
     opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
-    step = sc.compile(fn, mesh=(world,), dynamic=True)
+    step = sc.compile(fn, mesh=(world,), dynamic=True, **options)
     errs = []
     for i, b in enumerate(sizes):
         g = torch.Generator().manual_seed(100 + i)
@@ -117,8 +117,9 @@ def _two_ranks(rank: int, world: int) -> dict:
     out["branch"] = _train(rank, world, branching_step, [6, 5, 7, 6, 9])
     out["branch_logs"] = [m for name, m in logs if name == "spmd_compiler.driver.dynamic"]
     del logs[:]
-    out["threshold"] = _train(rank, world, threshold_step, [8, 3, 2, 8])
-    out["threshold_logs"] = [m for _, m in logs if "agreeing on the program anew" in m or "replaced" in m]
+    out["threshold"] = _train(rank, world, threshold_step, [8, 3, 2, 8, 3])
+    out["threshold_logs"] = [m for _, m in logs if "agreeing on the program anew" in m or "kept beside" in m]
+    out["threshold_one"] = _train(rank, world, threshold_step, [8, 3, 8], cache_size=1)  # room for one program
     # rank 0 holds 1 row, rank 1 holds 3: not torch.chunk's layout of 4 rows
     torch.manual_seed(0)
     model = MLP().double()
@@ -145,13 +146,17 @@ def test_two_ranks_one_compile_serves_every_batch_size():
         branch = res["branch"]
         assert branch["err"] < 1e-10 and branch["compiles"] == 2, (rank, branch)
         assert len(res["branch_logs"]) == 1 and "one program per batch shape" in res["branch_logs"][0], res["branch_logs"]
-        # 8 compiles (guard 4 < s); 3 breaks it on every rank and compiles a program that
-        # replaces the first (guard s <= 4); 2 reuses it; 8 compiles again
+        # 8 compiles (guard 4 < s); 3 breaks it on every rank and compiles a second program
+        # (guard s <= 4) kept beside the first; 2 reuses it; 8 and 3 each pick theirs again:
+        # 2 compiles, not 4 (a resync per switch, no compile)
         threshold = res["threshold"]
-        assert threshold["err"] < 1e-10 and threshold["compiles"] == 3 and threshold["programs"] == 1, (rank, threshold)
+        assert threshold["err"] < 1e-10 and threshold["compiles"] == 2 and threshold["programs"] == 2, (rank, threshold)
         logs = res["threshold_logs"]
-        assert sum("break a size guard" in m and "agreeing on the program anew" in m for m in logs) == 2, logs
-        assert sum("is replaced" in m for m in logs) == 2, logs
+        assert sum("break a size guard" in m and "agreeing on the program anew" in m for m in logs) == 3, logs
+        assert sum("kept beside 1 other" in m for m in logs) == 1, logs
+        # cache_size=1 bounds them: the second evicts the first, which 8 compiles again
+        one = res["threshold_one"]
+        assert one["err"] < 1e-10 and one["compiles"] == 3 and one["programs"] == 1, (rank, one)
         msg = res["layout"]
         assert msg is not None and "rank 0: 1, rank 1: 3" in msg and "fix:" in msg, (rank, msg)
 

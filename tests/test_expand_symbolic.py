@@ -77,3 +77,52 @@ def test_local_size_expression_with_a_coordinate_symbol_is_torch_chunk():
         for size in range(0, 34):
             got = [int(expr.xreplace({b: size, k: i})) for i in range(n)]
             assert got == [local_size(size, n, i) for i in range(n)], (n, size, got)
+
+
+# ----------------------------------------------------------------------------- size guards as Python functions
+
+def _guards_on_local_sizes(n: int, coord) -> list:
+    """Conditions of the kinds torch and the expansion record, on a global size ``s`` and
+    the local size of a rank (torch.chunk's layout, FloorDiv/Min/Max), with Mod, floor,
+    ceiling, rational coefficients and logic."""
+    from torch.utils._sympy.functions import CeilToInt, FloorDiv, FloorToInt, IntTrueDiv, Max, Min, PythonMod
+
+    s = sympy.Symbol("s3", integer=True, positive=True)
+    local = local_size_expr(s, n, coord)
+    return s, [
+        sympy.Ge(local, 1), sympy.Eq(sympy.Mod(local, 2), 0), sympy.Ne(sympy.Mod(s, n), 0),
+        sympy.Eq(PythonMod(s + 1, 3), 1), sympy.Lt(FloorDiv(s, n) * n, s), sympy.Gt(Max(local, 3), Min(s, 5)),
+        sympy.Eq(sympy.floor(s / n), local), sympy.Le(sympy.ceiling(s / n), local + 1),
+        sympy.Eq(sympy.floor(s / 49) * 49, s - sympy.Mod(s, 49)),  # (1/49)*49 < 1 in floats
+        sympy.Eq(sympy.ceiling(sympy.Rational(7, 3) * s), 7 * FloorDiv(s, 3) + FloorDiv(7 * sympy.Mod(s, 3) + 2, 3)),
+        sympy.Eq(CeilToInt(IntTrueDiv(s, n)), FloorDiv(s + n - 1, n)), sympy.Ge(FloorToInt(IntTrueDiv(s, 7)), 2),
+        sympy.Lt(s / 7 + local / 3, 4), sympy.And(sympy.Gt(s, 4), sympy.Ne(local, 2)),
+        sympy.Or(sympy.Lt(local * local, 9), sympy.Not(sympy.Eq(s, 6))),
+    ]
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_size_guards_compiled_to_python_agree_with_sympy_for_sizes_0_to_40(n):
+    from spmd_compiler.expand.size_checks import size_check
+
+    coord = coordinate_symbol("dp")
+    for k in range(n):
+        s, conditions = _guards_on_local_sizes(n, coord)
+        for expr in conditions:
+            check = size_check(expr, "test", fixed={coord: sympy.Integer(k)})
+            assert check.fn is not None, expr  # every one of these has an exact integer form
+            for v in range(41):
+                by_sympy = bool(expr.xreplace({coord: sympy.Integer(k), s: sympy.Integer(v)}))
+                assert bool(check.fn(v)) == by_sympy, (expr, n, k, v)
+                assert (check.broken({s: v}) is None) == by_sympy, (expr, n, k, v)
+
+
+def test_a_size_guard_with_no_integer_form_is_evaluated_with_sympy():
+    from spmd_compiler.expand.size_checks import size_check
+
+    s = sympy.Symbol("s3", integer=True, positive=True)
+    check = size_check(sympy.Lt(sympy.Float(0.3) * s, 2), "a float coefficient")
+    assert check.fn is None
+    assert check.broken({s: 6}) is None and "a float coefficient" in check.broken({s: 7})
+    other = sympy.Symbol("s9", integer=True)  # a symbol the call does not give
+    assert "cannot be evaluated" in size_check(sympy.Gt(s - other, 2)).broken({s: 3})

@@ -114,6 +114,18 @@ class SizeProgram:
     symbols: list[Any]  # the size symbols, in ``size_*`` input order
     aliases: list[tuple[str, int, int]]  # per batch dim that reads a symbol: (label, dim position, symbol position)
     guards: list[Any] = field(default_factory=list)  # every rank's SizeGuards
+    _checks: list[Any] | None = field(default=None, init=False, repr=False)
+
+    def checks(self) -> list[Any]:
+        """Every rank's size guards as compiled checks (:mod:`~spmd_compiler.expand.size_checks`),
+        each distinct condition once (most are the same on every rank), in rank order."""
+        if self._checks is None:
+            seen: dict[Any, Any] = {}
+            for g in self.guards:
+                for c in g.checks():
+                    seen.setdefault(c.bound, c)
+            self._checks = list(seen.values())
+        return self._checks
 
     def values(self, sizes: list[int]) -> tuple[list[int], str | None]:
         """The ``size_*`` inputs for the global ``sizes`` of ``dims``, and the first broken
@@ -123,8 +135,8 @@ class SizeProgram:
             if sizes[j] != feed[s]:
                 return feed, f"{label} dim {self.dims[j].dim} has {sizes[j]} rows but another batch dim has {feed[s]} (compiled as one size)"
         values = dict(zip(self.symbols, feed))
-        for g in self.guards:
-            broken = g.failing(values)
+        for check in self.checks():
+            broken = check.broken(values)
             if broken is not None:
                 return feed, f"batch sizes {dict((str(k), v) for k, v in values.items())} break a size guard: {broken}"
         return feed, None
@@ -157,6 +169,7 @@ class BatchSizes:
         for idx in torch.cartesian_prod(*[torch.arange(s) for s in self.mesh_shape]).reshape(-1, len(self.mesh_shape)).tolist():
             self.coords[int(mesh.mesh[tuple(idx)])] = tuple(idx)
         self._dims: dict[Any, list[ShardedDim] | None] = {}
+        self._serial = 0  # numbers the symbolic programs (the same sequence on every rank)
 
     @classmethod
     def over(cls, mesh: Any, plan: Any, exchanged: bool) -> "BatchSizes | None":
@@ -244,6 +257,33 @@ class BatchSizes:
         aliases = [(a.label, position(a), symbols.index(a.symbol)) for a in step.size_guards.aliases if a.symbol in symbols]
         guards = exchange(step.size_guards) if self.exchanged else [step.size_guards]
         return SizeProgram(dims, [position(s) for s in step.size_symbols], symbols, aliases, list(guards))
+
+    def pick(self, programs: Any, free: tuple, everyone: list[Any]) -> tuple[Any, list[int], str | None]:
+        """The key in ``programs`` (the step's compile cache, least recently used first) of
+        the symbolic program for the free signatures ``free`` whose size guards hold for
+        every rank's sizes (``everyone``: each rank's ``(coordinate, local sizes)``), most
+        recently used first, its ``size_*`` inputs, and None; else None, [] and why the most
+        recent one does not serve them (None: there is none). The same on every rank: all
+        ranks hold the same cache and evaluate the same guards on the same global sizes."""
+        reason = None
+        for k in reversed(programs):
+            if isinstance(k, tuple) and len(k) == 3 and k[0] == "sizes" and k[1] == free:
+                feed, broken = self.agreed_values(programs[k].sizes, everyone)
+                if broken is None:
+                    return k, feed, None
+                reason = reason or broken
+        return None, [], reason
+
+    def new_key(self, programs: Any, free: tuple, reason: str | None) -> tuple:
+        """The cache key of a new symbolic program for the free signatures ``free``: it is kept
+        beside the others for them (a step that branches on a size has one per side; the
+        cache's size bounds them all, least recently used evicted)."""
+        self._serial += 1
+        others = sum(isinstance(k, tuple) and len(k) == 3 and k[0] == "sizes" and k[1] == free for k in programs)
+        if others:
+            log.info("a symbolic program for these batch shapes is kept beside %d other(s) whose size guards do not hold "
+                     "(%s); each call runs the first, most recently used first, whose guards hold", others, reason)
+        return ("sizes", free, self._serial)
 
     def agreed_values(self, program: Any, everyone: list[Any]) -> tuple[list[int], str | None]:
         """The ``size_*`` inputs from the agreement's exchange (each rank's

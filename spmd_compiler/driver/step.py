@@ -258,12 +258,10 @@ class StepDriver:
         whose size guards hold for the sizes of every rank) or compile one (collective)."""
         reason, payloads = None, everyone
         if self._sizes is not None:
-            symbolic = self._programs.get(("sizes", tuple(p[1] for p in payloads)))
-            if symbolic is not None:
-                self._feed, reason = self._sizes.agreed_values(symbolic.sizes, [p[2] for p in payloads])
-                if reason is None:
-                    self._programs.move_to_end(("sizes", tuple(p[1] for p in payloads)))
-                    return symbolic
+            found, self._feed, reason = self._sizes.pick(self._programs, tuple(p[1] for p in payloads), [p[2] for p in payloads])
+            if found is not None:
+                self._programs.move_to_end(found)
+                return self._programs[found]
             everyone = tuple(p[0] for p in payloads)
         program = self._programs.get(everyone)
         if program is not None:
@@ -284,9 +282,7 @@ class StepDriver:
             program.local_key = free
             self._feed, broken = self._sizes.agreed_values(program.sizes, [p[2] for p in payloads])
             assert broken is None, broken  # compiled for these sizes
-            everyone = ("sizes", tuple(p[1] for p in payloads))
-            if everyone in self._programs:
-                log.info("the symbolic program for these batch shapes is replaced (%s)", reason)
+            everyone = self._sizes.new_key(self._programs, tuple(p[1] for p in payloads), reason)
         self._programs[everyone] = program
         while len(self._programs) > self.options.cache_size:
             _, old = self._programs.popitem(last=False)

@@ -289,18 +289,31 @@ class SizeGuards:
                 return f"{a.label} dim {a.dim} has {size} rows but {first[0]} dim {first[1]} has {first[2]} (compiled as one size)"
         return None
 
+    def checks(self) -> list[Any]:
+        """The conditions as :class:`~.size_checks.SizeCheck` (this rank's coordinates and the
+        replaced symbols substituted, compiled into Python functions once; not pickled)."""
+        checks = self.__dict__.get("_checks")
+        if checks is None:
+            from .size_checks import size_check
+
+            # a replaced symbol stands for the symbol torch found it equal to (``s60 -> s3``)
+            replaced = {k: v for k, v in self._replaced.items() if isinstance(v, sympy.Symbol)}
+            checks = self.__dict__["_checks"] = [
+                size_check(expr, where, fixed=self.coordinates, replaced=replaced) for expr, where in self.conditions
+            ]
+        return checks
+
     def failing(self, values: dict[Any, int]) -> str | None:
         """The first condition the sizes break (text), or None if the program serves them.
         A condition that cannot be evaluated counts as broken (the call compiles again)."""
-        subs = {**self.coordinates, **{k: sympy.Integer(v) for k, v in values.items()}}
-        subs.update({k: subs[v] for k, v in self._replaced.items() if v in subs})
-        for expr, where in self.conditions:
-            value = expr.xreplace(subs)
-            if value not in (sympy.true, sympy.false) and not isinstance(value, (bool, sympy.logic.boolalg.BooleanAtom)):
-                return f"{expr} cannot be evaluated for {values}"
-            if not bool(value):
-                return f"{expr} ({where})" if where else str(expr)
+        for check in self.checks():
+            broken = check.broken(values)
+            if broken is not None:
+                return broken
         return None
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_checks"}  # functions do not pickle
 
     def __len__(self) -> int:
         return len(self.conditions)

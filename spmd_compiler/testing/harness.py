@@ -64,6 +64,9 @@ class SimulatedTraining:
         self.compiles = 0
         self.reasons: list[str] = []
         self.last_sizes: list[int] = []  # the size_* inputs of the last call (dynamic=True)
+        # dynamic=True: the symbolic programs (free signature, expansions), most recently used
+        # first, up to cache_size, as the driver keeps them (driver/sizes.py: BatchSizes.pick)
+        self._kept: list[tuple[Any, dict]] = []
 
     def write_dump(self, root: Any, *, name: str = "step") -> Any:
         """Write the dump of rank 0's program of the last compile (``spmd_compiler.dump``)
@@ -101,6 +104,23 @@ class SimulatedTraining:
         leaves, _, _ = flatten_batch(batch, {})
         return [v.detach() if inp.kind == "param" else v for inp, v in zip(first.traced.inputs, program_inputs(first, state, leaves))]
 
+    def _pick(self, state: Any, batch: tuple) -> bool:
+        """Switch to the first kept symbolic program (most recently used first) for this
+        call's free signature whose every rank's size guards hold; False if none does."""
+        free = signature(state, batch, {}, free_dims=sharded_batch_dims(self.plan, batch, {}, len(self.mesh_shape)))
+        for i, (key, expansions) in enumerate(self._kept):
+            first = expansions[self.coords[0]]
+            if key != free:
+                continue
+            globals_ = self._globals(first, state, batch)
+            values = first.size_guards.values_of(globals_)
+            if first.size_guards.disagreement(globals_) or any(e.size_guards.failing(values) for e in expansions.values()):
+                continue
+            self._kept.insert(0, self._kept.pop(i))
+            self.expansions, self._key, self.traced = expansions, key, first.traced
+            return True
+        return False
+
     def step(self, *batch: Any) -> Any:
         state = self._states.get(self.model, self.optimizer)
         key = self._signature(state, batch)
@@ -113,11 +133,15 @@ class SimulatedTraining:
             broken += [why for e in self.expansions.values() if (why := e.size_guards.failing(values))]
             if broken:  # every rank's program must serve the sizes
                 reason = f"batch sizes {dict((str(k), v) for k, v in values.items())} break a size guard: {broken[0]}"
+        if reason is not None and self._kept and self._pick(state, batch):
+            reason = None
         if reason is not None:
             self.reasons.append(reason)
             self._compile(batch)
             state = self._states.get(self.model, self.optimizer)
             self._key = self._signature(state, batch)
+            if self.expansions[self.coords[0]].size_symbols:
+                self._kept = [(self._key, self.expansions), *self._kept][: self.options.cache_size]
         first = self.expansions[self.coords[0]]
         globals_ = self._globals(first, state, batch)
         sizes = list(first.size_guards.values_of(globals_).values()) if first.size_symbols else []

@@ -49,14 +49,41 @@ def _choose_placements(ctx: ExpandContext, sizes: list[Any]) -> list[Any]:
     return placements
 
 
+def contiguous_stride(shape: Any) -> tuple[Any, ...]:
+    """torch's contiguous strides for ``shape`` (an empty dim counts as 1). Sizes may be
+    SymInts (dynamic=True): computed with sym_max, as the fake kernels do, since ``int()``
+    of a size symbol records a guard that fixes it to the example's value."""
+    out, step = [], 1
+    for s in reversed(tuple(shape)):
+        out.append(step)
+        step = step * (torch.sym_max(s, 1) if isinstance(s, torch.SymInt) else max(int(s), 1))
+    return tuple(reversed(out))
+
+
+def _size(s: Any) -> Any:
+    """A global size argument: an int, or a SymInt under dynamic=True (kept symbolic)."""
+    g = _g(s)
+    return g if pt.is_symbolic(g) else int(g)
+
+
+def _differs(a: Any, b: Any) -> bool:
+    """Whether two local sizes may differ; symbolic ones compare as expressions (no
+    guard): different expressions count as different, the safe answer (replicate)."""
+    if pt.is_symbolic(a) and pt.is_symbolic(b):
+        return pt.sym_expr(a) != pt.sym_expr(b)
+    if pt.is_symbolic(a) or pt.is_symbolic(b):
+        return True
+    return int(a) != int(b)
+
+
 def _sharded_sizes(ctx: ExpandContext, b: SubgraphBuilder, sizes: list[Any]) -> tuple[list[int], list[Any]]:
-    global_sizes = [int(_g(s)) for s in sizes]
+    global_sizes = [_size(s) for s in sizes]
     placements = _choose_placements(ctx, sizes)
     local = list(b.local_shape(global_sizes, placements))
     # a DSymInt's own local value must agree with the layout we chose; else replicate it
     for d, s in enumerate(sizes):
         if isinstance(s, DSymInt) and s.is_sharded and any(isinstance(placements[a], pt.Shard) and placements[a].dim == d for a in s.axes):
-            if local[d] != s.local_value:
+            if _differs(local[d], s.local_value):
                 placements = [pt.Replicate() if (isinstance(p, pt.Shard) and p.dim == d) else p for p in placements]
                 local = list(b.local_shape(global_sizes, placements))
     return local, placements
@@ -64,7 +91,7 @@ def _sharded_sizes(ctx: ExpandContext, b: SubgraphBuilder, sizes: list[Any]) -> 
 
 def _result(ctx: ExpandContext, b: SubgraphBuilder, node: Any, global_sizes: list[int], placements: list[Any]) -> Any:
     val = node.meta["val"]
-    stride = torch.empty(global_sizes, device="meta").stride() if global_sizes else ()
+    stride = contiguous_stride(global_sizes)
     spec = pt.make_spec(ctx.mctx.mesh, placements, global_sizes, stride, val.dtype)
     return _out_tensor(b, node, spec, {})
 
@@ -75,7 +102,7 @@ def _fill(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: 
     local, placements = _sharded_sizes(ctx, b, sizes)
     rest = tuple(_g(a) for a in args[1:])
     node = b.call(op, local, *rest, **kwargs)
-    return _result(ctx, b, node, [int(_g(s)) for s in sizes], placements)
+    return _result(ctx, b, node, [_size(s) for s in sizes], placements)
 
 
 @register_rule(*_NEW)
@@ -84,7 +111,7 @@ def _new(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: d
     local, placements = _sharded_sizes(ctx, b, sizes)
     rest = tuple(_g(a) for a in args[2:])
     node = b.call(op, self_arg.node, local, *rest, **kwargs)
-    return _result(ctx, b, node, [int(_g(s)) for s in sizes], placements)
+    return _result(ctx, b, node, [_size(s) for s in sizes], placements)
 
 
 @register_rule(aten.scalar_tensor.default)

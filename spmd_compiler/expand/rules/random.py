@@ -33,6 +33,7 @@ import torch.fx as fx
 
 from ... import _private_torch as pt
 from ..builder import SubgraphBuilder
+from .factory import _sharded_sizes, _size, contiguous_stride as _contiguous_stride
 from ..args import ExpandContext, NoStrategy, TensorArg, _out_tensor
 from ..redistribute import emit_redistribute
 from ..registry import register_rule
@@ -159,10 +160,6 @@ def _draw(ctx: ExpandContext, b: SubgraphBuilder, op: Any, op_args: tuple, op_kw
     return _local_slice(ctx, b, whole, dst, f"slice of a global random draw ({op})")
 
 
-def _contiguous_stride(shape: Any) -> tuple[int, ...]:
-    return tuple(torch.empty(tuple(int(s) for s in shape), device="meta").stride())
-
-
 def _g(x: Any) -> Any:
     return x.global_value if isinstance(x, DSymInt) else x
 
@@ -226,13 +223,11 @@ def _random_fill(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, k
 def _random_factory(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: dict) -> Any:
     """``torch.rand(n, k)`` inside the step: drawn whole and sliced, sharded like a sized
     factory when a size is a sharded batch size."""
-    from .factory import _sharded_sizes
-
     randint = op in (aten.randint.default, aten.randint.low)
     sizes = list(args[-1] if randint else args[0])
     bounds = tuple(_g(a) for a in args[:-1]) if randint else ()
     _, placements = _sharded_sizes(ctx, b, sizes)
-    shape = tuple(int(_g(s)) for s in sizes)
+    shape = tuple(_size(s) for s in sizes)  # SymInts under dynamic=True: int() would pin them
     val = _Layout(shape, _contiguous_stride(shape), _traced_dtype(ctx), _traced_device(ctx))
     dst = _slice_spec(ctx, placements, val.shape, val.stride, val.dtype)
     if ctx.rng == "fast":
