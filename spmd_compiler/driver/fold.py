@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import NoReturn
 
 import torch
 import torch.fx as fx
