@@ -23,7 +23,7 @@ import torch.fx as fx
 
 from ..expand.rules.random import is_random
 
-__all__ = ["draws", "RngSync"]
+__all__ = ["draws", "RngSync", "AxesRngSync"]
 
 log = logging.getLogger(__name__)
 
@@ -98,3 +98,49 @@ class RngSync:
         t = torch.tensor(self.fingerprint(), dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return None if self.agree(t.tolist()) else self.adopt_rank0()
+
+
+class AxesRngSync(RngSync):
+    """The generator agreement among the ranks of a sub-mesh, given as the process groups
+    of its axes (a pipeline stage's ranks: every mesh axis but the pipeline one).
+
+    The fingerprint is all_reduced axis by axis (the MAX of MAXes over every line of a
+    grid is the grid's MAX); when it differs, the generators are broadcast axis by axis
+    from each axis's first rank, so every rank ends with the state of the sub-mesh's
+    first rank (coordinate 0 on every axis), which is the one that advances; the others
+    get theirs back (:meth:`restore`)."""
+
+    def __init__(self, groups: list[Any], cuda: bool) -> None:
+        super().__init__(None, cuda)
+        self.groups = list(groups)
+        self.root = all(dist.get_group_rank(g, dist.get_rank()) == 0 for g in self.groups)
+
+    def check_now(self) -> list[torch.Tensor] | None:
+        t = torch.tensor(self.fingerprint(), dtype=torch.int64)
+        for g in self.groups:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g)
+        return None if self.agree(t.tolist()) else self.adopt_rank0()
+
+    def adopt_rank0(self) -> list[torch.Tensor]:
+        """Every rank of the sub-mesh together: set this rank's generators to its first
+        rank's; returns this rank's own states, for :meth:`restore`."""
+        own = _states(self.cuda)
+        shared = [s.clone() for s in own]
+        for g in self.groups:
+            for s in shared:
+                dist.broadcast(s, src=dist.get_global_rank(g, 0), group=g)
+        _set_states(shared)
+        self.adopted += 1
+        if not self.warned:
+            self.warned = True
+            log.warning(
+                "the random generators of one pipeline stage's ranks are in different states (seeded per rank?): "
+                "this step and the next ones like it draw from the stage's first rank's generator, so the stage's "
+                "ranks draw one set of random numbers; the other ranks' generators are put back after each step. "
+                "Seed every rank alike (torch.manual_seed(seed)) to skip the broadcast"
+            )
+        return own
+
+    def restore(self, own: list[torch.Tensor] | None) -> None:
+        if own is not None and not self.root:
+            _set_states(own)

@@ -23,7 +23,7 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from ..errors import SpmdError
 from ..expand.rules.random import is_random
-from .schedule import Action, build_schedule
+from .schedule import build_schedule
 from .stages import Piece, StageProgram
 
 __all__ = ["PipelineRunner", "Span"]
@@ -68,8 +68,9 @@ class PipelineRunner:
 
     def __init__(self, program: StageProgram, *, pp_size: int, pp_coord: int, stage_rank: Any, chunks: int,
                  schedule: str, stages_per_rank: int, scale_grads: bool, pp_group: Any, checkpoint: str = "never",
-                 piece_runner: Callable[[Piece], Callable[..., Any]] | None = None) -> None:
+                 piece_runner: Callable[[Piece], Callable[..., Any]] | None = None, rng_sync: Any = None) -> None:
         self.program = program
+        self.rng_sync = rng_sync  # driver.rng.AxesRngSync over this stage's ranks (None: one rank per stage)
         self.pp = pp_size
         self.me = pp_coord
         self.stage_rank = stage_rank  # stage -> global rank holding it (with this rank's other coordinates)
@@ -118,11 +119,23 @@ class PipelineRunner:
     def run(self, feed: Any) -> dict[str, Any]:
         """Run one step. ``feed(name, mb)`` returns the value of an expanded-graph
         placeholder (coordinate, parameter, state, or micro-batch ``mb`` of a batch
-        tensor). Returns graph-output values by name (combined over micro-batches)."""
+        tensor). Returns graph-output values by name (combined over micro-batches).
+
+        When this rank's stages draw random numbers, the generators of the stage's ranks
+        (the other mesh axes) are agreed first, as a non-pipelined step agrees every
+        rank's (docs/randomness.md, "Pipelines")."""
+        if self.rng_sync is None or not any(self._draws(s) for s in self.my_stages):
+            return self._run(feed)
+        own = self.rng_sync.check_now()
+        try:
+            return self._run(feed)
+        finally:
+            self.rng_sync.restore(own)
+
+    def _run(self, feed: Any) -> dict[str, Any]:
         self.spans = []
         self.peak_activation_bytes = 0
         store: list[dict[str, Any]] = [dict() for _ in range(self.m)]
-        inputs_cache: list[dict[str, Any]] = [dict() for _ in range(self.m)]  # checkpointing: stage inputs
         drew: dict[tuple[int, int], Any] = {}  # checkpointing: generator state before a forward that draws
         acc: dict[str, torch.Tensor] = {}
         sends: list[Any] = []

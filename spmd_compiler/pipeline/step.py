@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import logging
 import pathlib
-import time
 from typing import Any
 
 import torch
@@ -23,6 +22,7 @@ from torch.utils import _pytree as pytree
 from .. import _private_torch as pt
 from ..driver import StepDriver, exchange, expand, gc_paused, global_batch, is_host_scalar, store_outputs
 from ..driver.failure import collective_failure
+from ..driver.rng import AxesRngSync
 from ..errors import SpmdError
 from ..trace import trace
 from ..trace.host_values import resolve_constant
@@ -171,7 +171,7 @@ class PipelinedStep(StepDriver):
         step.pipeline = PipelineRunner(
             program, pp_size=pp, pp_coord=coord[pp_index], stage_rank=stage_rank, chunks=cfg.chunks,
             schedule=cfg.schedule, stages_per_rank=cfg.stages_per_rank, scale_grads=cfg.scale_grads,
-            pp_group=mesh.get_group(pp_index), checkpoint=cfg.checkpoint,
+            pp_group=mesh.get_group(pp_index), checkpoint=cfg.checkpoint, rng_sync=self._stage_rng_sync(),
             piece_runner=None if self.piece_runner is None else (lambda piece: self.piece_runner(piece, step.timings)),
         )
         step.assignment = assignment
@@ -179,9 +179,17 @@ class PipelinedStep(StepDriver):
         return step, {}
 
     def _draws(self, step: Any) -> bool:
-        """No generator agreement: each stage draws on its own ranks, so the pipeline
-        ranks' generators part ways by design (docs/randomness.md)."""
+        """No world-wide generator agreement: each stage draws on its own ranks, so the
+        pipeline ranks' generators part ways by design. The runner agrees the generators
+        of each stage's ranks instead (:meth:`_stage_rng_sync`, docs/randomness.md)."""
         return False
+
+    def _stage_rng_sync(self) -> Any:
+        """The generator agreement among this stage's ranks (every mesh axis but the
+        pipeline one); None when a stage has one rank."""
+        mesh = self.mesh
+        groups = [mesh.get_group(i) for i in range(mesh.ndim) if i != self.pp_index and mesh.shape[i] > 1]
+        return AxesRngSync(groups, cuda=mesh.device_type == "cuda") if groups else None
 
     def _after_agreement(self, step: Any, model: Any, optimizer: Any) -> None:
         self._drop_other_stages(model, optimizer, step.assignment, step.pipeline.my_stages)
