@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import copy
 import os
-import pathlib
 import platform
 import statistics
 import time
@@ -27,12 +26,13 @@ from typing import Any, Callable
 
 import torch
 
+from _table import results_path, write_results
 from spmd_compiler.testing import fake_mesh
 from spmd_compiler.testing.harness import SimulatedTraining
 from spmd_compiler.testing.models import GPT, MLP, mse_train_step, train_step
 from spmd_compiler.testing.simulate import example_inputs
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results" / "compile_time_dynamic.md"
+RESULTS = results_path("compile_time_dynamic")
 SIZES = [33, 32, 17, 8, 5, 31, 16, 7, 1, 24]
 
 
@@ -142,7 +142,6 @@ def run_dynamic(world: int, reps: int) -> None:
                      f"{r['sym ms']:.2f} | {r['conc ms']:.2f} | {r['ratio']:.3f} |")
     again = [f"* {r['model']}, dynamic=True, compile {i + 2}: {why}" for r in loops for i, why in enumerate(r["reasons dyn"])]
     text = "\n".join(head) + "\n\n" + "\n".join(steps)
-    print(text)
     models = "; ".join(f"`{k}` = {v[3]}" for k, v in _models().items())
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     lines = [
@@ -167,6 +166,4 @@ def run_dynamic(world: int, reps: int) -> None:
         "\n".join(steps),
         "",
     ]
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text("\n".join(lines))
-    print(f"wrote {RESULTS}")
+    write_results(RESULTS, lines, show=text)
