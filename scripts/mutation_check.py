@@ -63,6 +63,7 @@ class Mutant:
 
 
 RD = "spmd_compiler/expand/redistribute.py"
+CO = "spmd_compiler/expand/collectives.py"
 SCHEDULE_TEST = "tests/test_optimize_schedule.py::test_schedule_keeps_training_numerics"
 MLP_DP = "tests/test_expand_numerics.py::test_mlp_data_parallel"
 ORDERS = "tests/test_pipeline_gloo.py::test_schedule_order_as_executed"
@@ -78,7 +79,7 @@ MUTANTS: list[Mutant] = [
         "Partial -> Replicate all_reduce always sums: a Partial(avg) mean loss comes out n times too large",
     ),
     Mutant(
-        "expand-group-axis0", RD,
+        "expand-group-axis0", CO,
         "group = b.mctx.group_names[axis]",
         "group = b.mctx.group_names[0]",
         ("tests/test_testing_simulate.py::test_unmutated_program_matches", "tests/test_expand_redistribute.py"),
@@ -92,7 +93,7 @@ MUTANTS: list[Mutant] = [
         "Shard(d) -> Replicate gathers along dim 0 whatever the shard dim (a data-parallel habit)",
     ),
     Mutant(
-        "expand-gather-unpad", RD,
+        "expand-gather-unpad", CO,
         "b.call(aten.narrow.default, g, dim, j * full, sz)",
         "b.call(aten.narrow.default, g, dim, j * sz, sz)",
         ("tests/test_properties.py::test_found_programs_match_single_device", "tests/test_uneven.py::test_uneven_mse",
@@ -100,7 +101,7 @@ MUTANTS: list[Mutant] = [
         "uneven all_gather drops the padding at each rank's own size instead of the padded chunk stride",
     ),
     Mutant(
-        "expand-all-to-all-split", RD,
+        "expand-all-to-all-split", CO,
         "[n, shape[dst_dim] // n]",
         "[shape[dst_dim] // n, n]",
         ("tests/test_expand_numerics.py::test_mlp_fsdp_style", "tests/test_expand_redistribute.py"),
@@ -129,8 +130,8 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "expand-arange-offset", "spmd_compiler/expand/builder.py",
-        "chunk = (size + (n - 1)) // n if pt.is_symbolic(size) else chunk_size(size, n)",
-        "chunk = (size + (n - 1)) // n if pt.is_symbolic(size) else size // n",
+        "            chunk = chunk_size(size, n)\n        start = ",
+        "            chunk = size // n\n        start = ",
         ("tests/test_expand_sizes.py",),
         "arange over an unevenly sharded size starts each rank at coord * floor(total / n): off by one chunk row",
     ),
@@ -309,8 +310,8 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "runtime-wrap-state-shape", "spmd_compiler/runtime/compiled.py",
-        "shape=slot.spec.shape, stride=slot.spec.stride)",
-        "shape=out.shape, stride=out.stride())",
+        "shape, stride = slot.spec.shape, slot.spec.stride",
+        "shape, stride = out.shape, out.stride()",
         ("tests/test_runtime_compile.py::test_state_becomes_dtensors",),
         "created optimizer state is wrapped as a DTensor whose global shape is the local shard's",
     ),

@@ -29,21 +29,16 @@ import torch.fx as fx
 from .. import _private_torch as pt
 from ..errors import UnsupportedPlacementError
 from .builder import SubgraphBuilder
-from .symbolic import size_hint, size_unit
-from .chunks import chunk_sizes, strided_layout
 from .values import placements_text
+from .collectives import (
+    COLLECTIVE_OPS, _all_gather, _all_to_all, _collective, _narrow_shard, _reduce_scatter, _replicate_to_strided, _strided_to_replicate,
+)
 
 __all__ = ["emit_redistribute", "logical_shape", "COLLECTIVE_OPS"]
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
-COLLECTIVE_OPS = {
-    c10d.all_reduce.default: "all_reduce",
-    c10d.all_gather_into_tensor.default: "all_gather",
-    c10d.reduce_scatter_tensor.default: "reduce_scatter",
-    c10d.all_to_all_single.default: "all_to_all",
-}
 
 
 def logical_shape(b: SubgraphBuilder, global_shape: tuple[int, ...], placements: list, axis: int) -> list[int]:
@@ -57,50 +52,6 @@ def logical_shape(b: SubgraphBuilder, global_shape: tuple[int, ...], placements:
         elif isinstance(p, pt.Shard):
             shape[p.dim] = b.local_chunk(shape[p.dim], i)
     return shape
-
-
-def _nbytes(val: torch.Tensor) -> int:
-    """Bytes of a value, for the collectives' metadata (dumps, summaries); a symbolic
-    size (dynamic=True) counts with its example value, never guarding on it."""
-    return size_hint(val.numel()) * val.element_size()
-
-
-def _wire_bytes(kind: str, buffer_bytes: int, n: int) -> int:
-    """Bytes one rank sends in a ring implementation of the collective."""
-    if kind == "all_reduce":
-        return 2 * (n - 1) * buffer_bytes // n
-    return (n - 1) * buffer_bytes // n
-
-
-def _collective(b: SubgraphBuilder, op: Any, kind: str, x: fx.Node, axis: int, args: tuple, reason: str, buffer: torch.Tensor | None = None) -> fx.Node:
-    n = b.mctx.shape[axis]
-    group = b.mctx.group_names[axis]
-    val = x.meta["val"]
-    if kind == "all_gather":
-        buffer_bytes = _nbytes(val) * n
-    else:
-        buffer_bytes = _nbytes(val)
-    meta = {
-        "spmd_comm": {
-            "kind": kind,
-            "axis": axis,
-            "axis_name": b.mctx.axis_names[axis],
-            "group_size": n,
-            "reason": reason,
-            "bytes": buffer_bytes,
-            "wire_bytes": _wire_bytes(kind, buffer_bytes, n),
-            "dtype": str(val.dtype).replace("torch.", ""),
-            **getattr(b, "comm_context", {}),
-        }
-    }
-    started = b.call(op, x, *args, group, meta=meta)
-    return b.call(c10d.wait_tensor.default, started, meta={"spmd_wait": True})
-
-
-def _contiguous(b: SubgraphBuilder, x: fx.Node) -> fx.Node:
-    """``x.contiguous()``: a no-op at run time when it already is. Always emitted, so the
-    graph has the same nodes on every rank (contiguity of size-0/1 dims varies)."""
-    return b.call(aten.contiguous.default, x)
 
 
 def _reduce_op(p: Any) -> str:
@@ -322,98 +273,6 @@ def _norm_post(b: SubgraphBuilder, x: fx.Node, p: Any) -> fx.Node:
     return x
 
 
-def _narrow_shard(b: SubgraphBuilder, x: fx.Node, axis: int, dim: int, size: int) -> fx.Node:
-    local = b.local_chunk(size, axis)
-    start = b.shard_offset(size, axis, b.uneven[dim])
-    piece = b.call(aten.narrow.default, x, dim, start, local)
-    return b.call(aten.clone.default, piece, memory_format=torch.contiguous_format)
-
-
-def _all_gather(b: SubgraphBuilder, x: fx.Node, axis: int, dim: int, size: int, why: str) -> fx.Node:
-    n = b.mctx.shape[axis]
-    symbolic = pt.is_symbolic(size)
-    uneven = True if symbolic else b.uneven[dim]  # a symbolic size: the general (padded) form
-    # uneven: every piece padded to the longest; at least one row, so a rank whose part
-    # of the dim is empty (1 row over 2x2) still cuts n distinct pieces below (n equal
-    # narrows would be merged by a pass on that rank only: other nodes than its peers)
-    if symbolic:  # dynamic=True (expand/symbolic.py): a size symbol, never asked whether it is 1
-        sizes = []
-        unit = size_unit(size)  # a dim split in units (a flattened batch): pieces of unit * chunk
-        full = unit * b.sizes.fresh(torch.sym_max(1, (size // unit + (n - 1)) // n))
-    else:
-        sizes = chunk_sizes(size, n)
-        full = max(1, max(sizes)) if uneven else max(sizes)
-    local = x.meta["val"]
-    if uneven:
-        pad = full - local.shape[dim]
-        if symbolic:  # constant_pad_nd's fake kernel needs concrete pads: cat with zeros
-            zeros_shape = [pad if d == dim else s for d, s in enumerate(local.shape)]
-            x = b.call(aten.cat.default, [x, b.call(aten.new_zeros.default, x, zeros_shape)], dim)
-        else:
-            spec = [0, 0] * (local.dim() - 1 - dim) + [0, pad]
-            x = b.call(aten.constant_pad_nd.default, x, spec, 0)
-    moved = dim != 0
-    if moved:
-        x = b.call(aten.movedim.int, x, dim, 0)
-    x = _contiguous(b, x)
-    g = _collective(b, c10d.all_gather_into_tensor.default, "all_gather", x, axis, (n,), why)
-    if moved:  # back to the original dim order, in the original (contiguous) layout
-        g = _contiguous(b, b.call(aten.movedim.int, g, 0, dim))
-    if uneven and symbolic:
-        # torch.chunk's layout puts the full pieces first: padded to ``full`` rows each,
-        # the valid rows are exactly the first ``size`` (0 pieces of padding between them)
-        g = b.call(aten.narrow.default, g, dim, 0, size)
-    elif uneven:  # every rank's piece, empty ones included (the same ops on every rank)
-        pieces = [b.call(aten.narrow.default, g, dim, j * full, sz) for j, sz in enumerate(sizes)]
-        g = b.call(aten.cat.default, pieces, dim)
-    return g
-
-
-def _reduce_scatter(b: SubgraphBuilder, x: fx.Node, axis: int, dim: int, size: int, op: str, why: str) -> fx.Node:
-    n = b.mctx.shape[axis]
-    local = x.meta["val"]
-    if pt.is_symbolic(size):  # dynamic=True: pieces of ``full`` rows, the padded form for every size
-        unit = size_unit(size)
-        full = unit * b.sizes.fresh(torch.sym_max(1, (size // unit + (n - 1)) // n))
-        uneven = True
-        # torch.chunk's layout puts rank j's rows at j * full: padded to n * full rows,
-        # the reduce_scatter hands rank j exactly its piece (and padding) to narrow
-        zeros_shape = [full * n - local.shape[dim] if d == dim else s for d, s in enumerate(local.shape)]
-        x = b.call(aten.cat.default, [x, b.call(aten.new_zeros.default, x, zeros_shape)], dim)
-    else:
-        full = max(chunk_sizes(size, n))
-        uneven = b.uneven[dim]
-    if uneven and not pt.is_symbolic(size):
-        pad = full * n - local.shape[dim]
-        spec = [0, 0] * (local.dim() - 1 - dim) + [0, pad]
-        x = b.call(aten.constant_pad_nd.default, x, spec, 0)
-    moved = dim != 0
-    if moved:
-        x = b.call(aten.movedim.int, x, dim, 0)
-    x = _contiguous(b, x)
-    r = _collective(b, c10d.reduce_scatter_tensor.default, "reduce_scatter", x, axis, (op, n), why)
-    if moved:
-        r = _contiguous(b, b.call(aten.movedim.int, r, 0, dim))
-    if uneven:
-        r = b.call(aten.narrow.default, r, dim, 0, b.local_chunk(size, axis))
-    return r
-
-
-def _all_to_all(b: SubgraphBuilder, x: fx.Node, axis: int, src_dim: int, dst_dim: int, n: int, why: str) -> fx.Node:
-    """Shard(src_dim) -> Shard(dst_dim) over ``axis`` with one all_to_all (even sizes)."""
-    shape = list(x.meta["val"].shape)
-    split = shape[:dst_dim] + [n, shape[dst_dim] // n] + shape[dst_dim + 1 :]
-    y = b.call(aten.reshape.default, x, split)
-    y = b.call(aten.movedim.int, y, dst_dim, 0)
-    y = _contiguous(b, y)
-    y = _collective(b, c10d.all_to_all_single.default, "all_to_all", y, axis, ([1] * n, [1] * n), why)
-    # y: [n, ...] where block j is rank j's src_dim shard of our dst_dim chunk
-    y = b.call(aten.movedim.int, y, 0, src_dim)
-    out_shape = list(y.meta["val"].shape)
-    merged = out_shape[:src_dim] + [out_shape[src_dim] * out_shape[src_dim + 1]] + out_shape[src_dim + 2 :]
-    return b.call(aten.reshape.default, y, merged)
-
-
 def _mask_ids(b: SubgraphBuilder, x: fx.Node, axis: int, size: int, uneven: bool, mask: fx.Node | None) -> tuple[fx.Node, fx.Node]:
     """Replicate -> MaskPartial: shift ids into this rank's chunk of a vocab of ``size``,
     mask the rest (together with what ``mask`` already masks on earlier axes)."""
@@ -450,58 +309,3 @@ def _strided_step(b: SubgraphBuilder, x: fx.Node, axis: int, s: Any, t: Any, log
     return _emit_step(b, full, axis, pt.Replicate(), t, logical, mask, why)
 
 
-def _even_strided(size: int, sf: int, n: int) -> bool:
-    return size % (sf * n) == 0
-
-
-def _strided_to_replicate(b: SubgraphBuilder, x: fx.Node, axis: int, s: Any, size: int, why: str) -> fx.Node:
-    n, sf, d = b.mctx.shape[axis], int(s.split_factor), s.dim
-    if _even_strided(size, sf, n):
-        c = size // (sf * n)
-        g = _all_gather(b, x, axis, d, size, why)  # rank-major: [n][sf][c] along d
-        shape = list(g.meta["val"].shape)
-        g = b.call(aten.reshape.default, g, shape[:d] + [n, sf, c] + shape[d + 1 :])
-        g = b.call(aten.transpose.int, g, d, d + 1)
-        return b.call(aten.reshape.default, g, shape)
-    # uneven: pad every rank's piece to the longest, gather, and put each chunk back
-    layout = strided_layout(size, sf, n)
-    lengths = [sum(layout[k][j][1] for k in range(sf)) for j in range(n)]
-    longest = max(1, max(lengths))  # at least one row: n distinct pieces on every rank (see _all_gather)
-    local = x.meta["val"]
-    pad = longest - local.shape[d]
-    x = b.call(aten.constant_pad_nd.default, x, [0, 0] * (local.dim() - 1 - d) + [0, pad], 0)
-    if d != 0:
-        x = b.call(aten.movedim.int, x, d, 0)
-    g = _collective(b, c10d.all_gather_into_tensor.default, "all_gather", _contiguous(b, x), axis, (n,), why)
-    if d != 0:
-        g = _contiguous(b, b.call(aten.movedim.int, g, 0, d))
-    pieces = []
-    for k in range(sf):
-        for j in range(n):
-            before = sum(layout[kk][j][1] for kk in range(k))
-            pieces.append(b.call(aten.narrow.default, g, d, j * longest + before, layout[k][j][1]))
-    return b.call(aten.cat.default, pieces, d)
-
-
-def _replicate_to_strided(b: SubgraphBuilder, x: fx.Node, axis: int, t: Any, size: int, why: str) -> fx.Node:
-    n, sf, d = b.mctx.shape[axis], int(t.split_factor), t.dim
-    shape = list(x.meta["val"].shape)
-    if _even_strided(size, sf, n):
-        c = size // (sf * n)
-        y = b.call(aten.reshape.default, x, shape[:d] + [sf, n, c] + shape[d + 1 :])
-        y = b.call(aten.narrow.default, y, d + 1, b.coords[axis], 1)
-        y = b.call(aten.reshape.default, y, shape[:d] + [sf * c] + shape[d + 1 :])
-        return b.call(aten.clone.default, y, memory_format=torch.contiguous_format)
-    # uneven: this rank's chunk of every block, at run-time offsets
-    b.coord_dependent = True
-    layout = strided_layout(size, sf, n)
-    j = b.mctx.coordinate[axis]
-    pieces = []
-    start = 0
-    for k, bsize in enumerate(chunk_sizes(size, sf)):
-        off = b.shard_offset(bsize, axis, uneven=True)
-        at = b.call(operator.add, off, start)
-        pieces.append(b.call(aten.narrow.default, x, d, at, layout[k][j][1]))
-        start += bsize
-    y = b.call(aten.cat.default, pieces, d)
-    return b.call(aten.clone.default, y, memory_format=torch.contiguous_format)
