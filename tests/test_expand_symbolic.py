@@ -14,7 +14,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from spmd_compiler import _private_torch as pt
 from spmd_compiler.driver import Options
 from spmd_compiler.expand.chunks import local_size
-from spmd_compiler.expand.symbolic import coordinate_symbol, emit_sizes_pass, local_size_expr, local_size_symbolic
+from spmd_compiler.expand.emit_sizes import emit_sizes_pass
+from spmd_compiler.expand.symbolic import coordinate_symbol, local_size_expr, local_size_symbolic
 
 
 def _batch_symint(hint: int = 10):

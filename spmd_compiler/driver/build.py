@@ -17,7 +17,8 @@ from typing import Any
 
 from .. import _private_torch as pt
 from ..expand import ExpansionCache, MeshContext, expand_graph
-from ..expand.symbolic import SizeGuards, emit_sizes_pass, size_symbols_of
+from ..expand.emit_sizes import emit_sizes_pass
+from ..expand.symbolic import SizeGuards, size_symbols_of
 from ..expand.rules.random import RNG_MODES as RNG
 from ..plan import Plan
 from ..rebuild import ExpandedStep, finalize
@@ -202,8 +203,10 @@ def optimize_program(
         texts["expanded"] = annotated_code(step.gm, title="per-rank graph after expansion")
         texts["passes"] = []
 
-        def after(name: str, gm: Any) -> None:
+        def record(name: str, gm: Any) -> None:
             texts["passes"].append((name, annotated_code(gm, title=f"after pass {name}")))
+
+        after = record
 
     t0 = time.perf_counter()
     step.gm, step.pass_records = run_passes(step.gm, list(passes), disabled=tuple(disabled), after_pass=after)
