@@ -219,6 +219,7 @@ def main() -> None:
         return strong_main(args)
     args.out = args.out or str(RESULTS)
 
+    load = [os.getloadavg()[0]]  # the machine may be shared: say how busy it was
     rows, profiles = [], {}
     for kind in args.kinds:
         world = TIMING_WORLD[kind]
@@ -273,7 +274,8 @@ def main() -> None:
         "# Step time",
         "",
         f"`python benchmarks/step_time.py{''.join(' ' + a for a in sys.argv[1:])}` on {platform.machine()}, {os.cpu_count()} cores, "
-        f"torch {torch.__version__}, gloo, one thread per process.",
+        f"torch {torch.__version__}, gloo, one thread per process; 1-minute load average {load[0]:.1f} at the start, "
+        f"{os.getloadavg()[0]:.1f} at the end.",
         f"GPT: {args.layers} layers, dim {args.dim}, {args.heads} heads, seq {args.seq}, vocab {args.vocab}, global batch {args.batch}, AdamW.",
         f"Compiled and peer alternate step by step in the same processes, in an order shuffled every step ({args.warmup} warm-up steps, then {args.steps} rounds);",
         "the ratio is the median of the per-step ratios. Bytes: sum of collective buffer sizes per rank per step of the compiled",
