@@ -1,6 +1,6 @@
 """The benchmark GPT's shared setup, for ``step_time.py``, ``comm_profile.py``, ``memory.py``
 and ``peers.py``: its config and data, the compiled side's plan and mesh per kind (dp,
-fsdp, tp, 2d), the hand-built peer of each kind, each rank's share of the batch, the
+fsdp, fsdp_reshard, tp, 2d), the hand-built peer of each kind, each rank's share of the batch, the
 compute-floor program (collectives replaced by local ops) and the collective bytes per
 step, measured (fake process group) and the analytic minimum.
 """
@@ -19,8 +19,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 import spmd_compiler as sc  # noqa: E402
 from spmd_compiler.testing.models import GPT, GPTConfig, gpt_2d_plan, gpt_fsdp_plan, gpt_tp_plan, train_step  # noqa: E402
 
-PEERS = {"dp": "DDP", "fsdp": "FSDP2 fully_shard", "tp": "eager DTensor TP", "2d": "eager DTensor TP + dp all_reduce"}
-TIMING_WORLD = {"dp": 2, "fsdp": 2, "tp": 2, "2d": 4}
+PEERS = {"dp": "DDP", "fsdp": "FSDP2 fully_shard", "fsdp_reshard": "FSDP2 fully_shard, reshard_after_forward=True",
+         "tp": "eager DTensor TP", "2d": "eager DTensor TP + dp all_reduce"}
+TIMING_WORLD = {"dp": 2, "fsdp": 2, "fsdp_reshard": 2, "tp": 2, "2d": 4}
 
 
 def _cfg(args: Any, dim: int | None = None) -> GPTConfig:
@@ -37,6 +38,7 @@ def _plan(kind: str, world: int) -> tuple[Any, dict[str, int]]:
     return {
         "dp": (None, {"dp": world}),
         "fsdp": (gpt_fsdp_plan(reshard_after_forward=False), {"dp": world}),  # as its FSDP2 peer
+        "fsdp_reshard": (gpt_fsdp_plan(reshard_after_forward=True), {"dp": world}),  # gathered again in backward
         "tp": (gpt_tp_plan(), {"tp": world}),
         "2d": (gpt_2d_plan(), {"dp": world // 2, "tp": 2}),
     }[kind]
@@ -57,13 +59,13 @@ def _peer(kind: str, model: torch.nn.Module, world: int) -> torch.nn.Module:
         from torch.nn.parallel import DistributedDataParallel
 
         return DistributedDataParallel(model)
-    if kind == "fsdp":
+    if kind in ("fsdp", "fsdp_reshard"):
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh("cpu", (world,))
         for block in model.blocks:
-            fully_shard(block, mesh=mesh, reshard_after_forward=False)
-        fully_shard(model, mesh=mesh, reshard_after_forward=False)
+            fully_shard(block, mesh=mesh, reshard_after_forward=kind == "fsdp_reshard")
+        fully_shard(model, mesh=mesh, reshard_after_forward=kind == "fsdp_reshard")
         return model
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -100,7 +102,7 @@ def _sync_gradients_over(model: torch.nn.Module, group: Any) -> None:
 
 
 def _local_batch(kind: str, ids: torch.Tensor, tg: torch.Tensor, world: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    if kind in ("dp", "fsdp"):
+    if kind in ("dp", "fsdp", "fsdp_reshard"):
         return ids.chunk(world)[rank], tg.chunk(world)[rank]
     if kind == "2d":
         dp_rank = rank // 2
@@ -146,10 +148,11 @@ def _param_bytes(args: Any) -> dict[str, int]:
     model = GPT(_cfg(args))
     total = sum(p.numel() for p in model.parameters()) * 4
     tp_sharded = 0
+    blocks = sum(p.numel() for p in model.blocks.parameters()) * 4
     for name, p in model.named_parameters():
         if any(k in name for k in ("attn.q.", "attn.k.", "attn.v.", "fc.")) or name.endswith("attn.out.weight") or name.endswith("proj.weight"):
             tp_sharded += p.numel() * 4
-    return {"total": total, "tp_sharded": tp_sharded}
+    return {"total": total, "tp_sharded": tp_sharded, "blocks": blocks}
 
 
 def analytic_min(kind: str, args: Any, world: int) -> int:
@@ -160,6 +163,8 @@ def analytic_min(kind: str, args: Any, world: int) -> int:
         return pb["total"] + 4
     if kind == "fsdp":  # gather parameters once (kept for backward), reduce-scatter gradients
         return 2 * pb["total"] + 4
+    if kind == "fsdp_reshard":  # gather in forward, the blocks' again in backward (the root's kept), reduce-scatter
+        return 2 * pb["total"] + pb["blocks"] + 4
     if kind == "tp":  # Megatron: 2 all_reduces per block in forward and 2 in backward
         return 4 * args.layers * act
     dp = world // 2  # 2-D: TP on the local batch, then all_reduce of the local gradients over dp

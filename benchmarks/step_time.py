@@ -4,6 +4,8 @@ For the same GPT, data, optimizer (AdamW) and plan, in one run:
 
     dp    compiled data parallel          vs DistributedDataParallel
     fsdp  compiled FSDP (fsdp_axes)       vs FSDP2 fully_shard (per block + root)
+    fsdp_reshard  the same with reshard_after_forward=True on both sides (gathered again in backward;
+                  not in the default --kinds)
     tp    compiled Megatron TP            vs eager DTensor, parallelize_module (same styles)
     2d    compiled dp x tp                vs eager 2-D: parallelize_module on tp + per-parameter
                                              gradient all_reduce over dp
@@ -29,6 +31,11 @@ the TP pair is repeated at several model widths to show where the ratio goes.
 ``--profile`` adds where the compiled step's time goes (torch.profiler on rank 0).
 Writes benchmarks/results/step_time.md.
 
+**Pass variants** (``--variants default no-memory-passes``): each variant other than
+``default`` is one more side in the rotation, our step compiled with the passes of
+:data:`VARIANTS` disabled (``compile(..., passes_disabled=...)``), reported as its own
+row with ratios paired against our default step and against the peer.
+
 **Strongest peers** (``--strong``, dp, tp and fsdp, world 2): our ``backend="eager"`` and
 ``backend="inductor"`` against DDP and DDP + ``torch.compile`` (dp), and a hand-written
 Megatron TP without DTensor (tp; :mod:`peers`), FSDP2 and FSDP2 + ``torch.compile`` (fsdp),
@@ -37,6 +44,8 @@ the inductor side's top ops. Writes benchmarks/results/step_time_inductor.md. Us
 
     python benchmarks/step_time.py [--steps 30] [--layers 2] [--dim 128] [--tp-dims 32 64 128 256] [--profile]
     python benchmarks/step_time.py --strong --kinds dp tp --layers 2 --dim 128 --steps 10 --profile
+    python benchmarks/step_time.py --kinds dp fsdp --tp-dims --variants default no-memory-passes \
+        --out benchmarks/results/step_time_memory_passes.md
 """
 
 from __future__ import annotations
@@ -75,6 +84,13 @@ from spmd_compiler.runtime.launch import run_processes  # noqa: E402
 from spmd_compiler.testing.models import GPT, train_step  # noqa: E402
 
 RESULTS = results_path("step_time")
+# --variants: name -> the passes our step is compiled without (optimize/runner.py names)
+VARIANTS: dict[str, tuple[str, ...]] = {
+    "default": (),
+    "no-memory-passes": ("rematerialize", "budget_prefetch"),
+    "no-rematerialize": ("rematerialize",),
+    "no-budget-prefetch": ("budget_prefetch",),
+}
 
 
 def _pair_worker(rank: int, world: int, kind: str, args: Any, dim: int, profile: bool) -> dict[str, Any]:
@@ -86,8 +102,14 @@ def _pair_worker(rank: int, world: int, kind: str, args: Any, dim: int, profile:
     models = {"ours": copy.deepcopy(model), "floor": copy.deepcopy(model), "peer": _peer(kind, copy.deepcopy(model), world),
               "unguarded": copy.deepcopy(model), "standalone": copy.deepcopy(model)}
     opts = {side: torch.optim.AdamW(m.parameters(), lr=1e-3) for side, m in models.items()}
+    variants = [v for v in getattr(args, "variants", ["default"]) if v != "default"]
+    for v in variants:
+        models[f"ours:{v}"] = copy.deepcopy(model)
+        opts[f"ours:{v}"] = torch.optim.AdamW(models[f"ours:{v}"].parameters(), lr=1e-3)
     plan, mesh = _plan(kind, world)
     steps = {side: sc.compile(train_step, mesh=mesh, plan=plan) for side in ("ours", "floor", "unguarded", "standalone")}
+    for v in variants:
+        steps[f"ours:{v}"] = sc.compile(train_step, mesh=mesh, plan=plan, passes_disabled=VARIANTS[v])
     steps["floor"].fold_guard = steps["standalone"].fold_guard = False  # the per-step check as its own all_reduce
 
     def run(side: str, i: int) -> float:
@@ -107,6 +129,7 @@ def _pair_worker(rank: int, world: int, kind: str, args: Any, dim: int, profile:
     steps["floor"].last.runner = compile_runner(_without_collectives(steps["floor"].last.gm), guard=True)
     steps["unguarded"]._guard.group = None  # the same program without the per-step agreement check
     times: dict[str, list[float]] = {"ours": [], "peer": [], "floor": [], "unguarded": [], "standalone": []}
+    times.update({f"ours:{v}": [] for v in variants})
     sides = list(times)
     for i in range(args.warmup + args.steps):
         order = sides[:]  # a new order every step, the same on every rank: no side always follows the
@@ -123,9 +146,24 @@ def _pair_worker(rank: int, world: int, kind: str, args: Any, dim: int, profile:
     out["unguarded_ratio"] = statistics.median(a / b for a, b in zip(times["unguarded"], times["peer"]))
     out["check"] = ", ".join(sorted(k for k in steps["ours"].checks if not k.startswith("resync")))  # the path the steps took
     out["compiles"] = steps["ours"].compiles
+    for v in variants:  # paired against our default step and against the peer, step by step
+        t = times[f"ours:{v}"]
+        out[f"ours:{v}/ours"] = statistics.median(a / b for a, b in zip(t, times["ours"]))
+        out[f"ours:{v}/peer"] = statistics.median(a / b for a, b in zip(t, times["peer"]))
+        out[f"ours:{v}/ours q1-q3"] = _quartiles([a / b for a, b in zip(t, times["ours"])])
+    for side in ("ours", *(f"ours:{v}" for v in variants)):  # what the passes did to each program
+        nodes = list(steps[side].last.gm.graph.nodes)
+        out[f"{side} remat"] = sum("spmd_remat" in n.meta for n in nodes)
+        out[f"{side} budgeted"] = sum("spmd_prefetch_budget" in n.meta for n in nodes)
+    out["ours q1-q3"] = _quartiles([a / b for a, b in zip(times["ours"], times["peer"])])
     if profile:
         out["profile"] = _profile(rank, lambda i: run("ours", i), args)
     return out
+
+
+def _quartiles(xs: list[float]) -> tuple[float, float]:
+    q = statistics.quantiles(xs, n=4) if len(xs) > 1 else [xs[0]] * 3
+    return q[0], q[2]
 
 
 def _profile(rank: int, step: Any, args: Any) -> dict[str, float] | None:
@@ -167,6 +205,8 @@ def main() -> None:
     p.add_argument("--kinds", nargs="+", default=["dp", "fsdp", "tp", "2d"])
     p.add_argument("--tp-dims", nargs="*", type=int, default=[32, 64, 128, 256])
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--variants", nargs="+", default=["default"], choices=list(VARIANTS),
+                   help="our step compiled without the passes each names (VARIANTS), one more side each in the rotation")
     p.add_argument("--strong", action="store_true", help="our eager and inductor backends against hand-written Megatron TP, "
                    "DDP and DDP + torch.compile (writes results/step_time_inductor.md)")
     p.add_argument("--out", default=None, help="where to write the table (default: results/step_time.md, "
@@ -179,6 +219,7 @@ def main() -> None:
         return strong_main(args)
     args.out = args.out or str(RESULTS)
 
+    load = [os.getloadavg()[0]]  # the machine may be shared: say how busy it was
     rows, profiles = [], {}
     for kind in args.kinds:
         world = TIMING_WORLD[kind]
@@ -210,6 +251,20 @@ def main() -> None:
             f"{got['standalone_ratio']:.3f} | {got['unguarded_ratio']:.2f} | "
             f"{count} | {nbytes:,} | {minimum:,} | {nbytes / minimum:.2f} |"
         )
+    var_lines = ["| plan | our step | ms | / our default (paired median) | q1-q3 | / peer (paired median) | "
+                 "recomputed nodes | budgeted gathers |", "|---|---|---|---|---|---|---|---|"]
+    for kind, world, got, *_ in rows:
+        q1, q3 = got["ours q1-q3"]
+        var_lines.append(f"| {kind} | default | {got['ours'] * 1e3:.1f} | 1 | | {got['ratio']:.3f} (q1-q3 {q1:.3f}-{q3:.3f}) | "
+                         f"{got['ours remat']} | {got['ours budgeted']} |")
+        for v in args.variants:
+            if v == "default":
+                continue
+            side = f"ours:{v}"
+            q1, q3 = got[f"{side}/ours q1-q3"]
+            var_lines.append(f"| {kind} | {v} (without {', '.join(VARIANTS[v])}) | {got[side] * 1e3:.1f} | "
+                             f"{got[f'{side}/ours']:.3f} | {q1:.3f}-{q3:.3f} | {got[f'{side}/peer']:.3f} | "
+                             f"{got[f'{side} remat']} | {got[f'{side} budgeted']} |")
     sweep_lines = ["| dim | compiled TP ms | eager DTensor TP ms | speedup (eager / compiled, paired median) | "
                    "compute floor ms | ceiling (eager / floor) |", "|---|---|---|---|---|---|"]
     for dim, got in sweep:
@@ -219,7 +274,8 @@ def main() -> None:
         "# Step time",
         "",
         f"`python benchmarks/step_time.py{''.join(' ' + a for a in sys.argv[1:])}` on {platform.machine()}, {os.cpu_count()} cores, "
-        f"torch {torch.__version__}, gloo, one thread per process.",
+        f"torch {torch.__version__}, gloo, one thread per process; 1-minute load average {load[0]:.1f} at the start, "
+        f"{os.getloadavg()[0]:.1f} at the end.",
         f"GPT: {args.layers} layers, dim {args.dim}, {args.heads} heads, seq {args.seq}, vocab {args.vocab}, global batch {args.batch}, AdamW.",
         f"Compiled and peer alternate step by step in the same processes, in an order shuffled every step ({args.warmup} warm-up steps, then {args.steps} rounds);",
         "the ratio is the median of the per-step ratios. Bytes: sum of collective buffer sizes per rank per step of the compiled",
@@ -234,11 +290,17 @@ def main() -> None:
         "",
         "\n".join(lines),
         "",
-        f"## Tensor parallel against eager DTensor, by model width (world 2, {args.layers} layers)",
-        "",
-        "\n".join(sweep_lines),
-        "",
     ]
+    if len(args.variants) > 1 or args.variants != ["default"]:
+        text += [f"## Our step without some passes (`--variants {' '.join(args.variants)}`), in the same rotation", "",
+                 "Each variant is our step compiled with `passes_disabled=` the passes it names; its ratios are medians",
+                 "of the per-step ratios against our default step and against the peer (q1-q3: the quartiles of the",
+                 "per-step ratio). Recomputed nodes / budgeted gathers: nodes the `rematerialize` pass added and",
+                 "parameter gathers `budget_prefetch` placed, in the program the steps ran.", "",
+                 "\n".join(var_lines), ""]
+    if sweep:
+        text += [f"## Tensor parallel against eager DTensor, by model width (world 2, {args.layers} layers)", "",
+                 "\n".join(sweep_lines), ""]
     if profiles:
         cols = list(next(iter(profiles.values())))
         text += ["## Where the compiled step's time goes (rank 0, ms per step, under torch.profiler)", "",
