@@ -45,7 +45,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # _table.py, c
 
 import spmd_compiler as sc  # noqa: E402
 from _table import results_path, write_results  # noqa: E402
-from spmd_compiler.expand import expander as expander_mod  # noqa: E402
+from spmd_compiler.expand import recipes as recipes_mod  # noqa: E402
 from spmd_compiler.optimize import default_passes, run_passes  # noqa: E402
 from spmd_compiler.driver import gc_paused  # noqa: E402
 from spmd_compiler.testing import fake_mesh  # noqa: E402
@@ -55,10 +55,10 @@ RESULTS = results_path("compile_time")
 
 
 def _retrace_build(orig):
-    """Wrap Expansion._build: after building a recipe, re-trace it with make_fx."""
+    """Wrap recipes.build_recipe: after building a recipe, re-trace it with make_fx."""
 
-    def build(self, node, op, args, kwargs):
-        recipe = orig(self, node, op, args, kwargs)
+    def build(ex, node, op, args, kwargs):
+        recipe = orig(ex, node, op, args, kwargs)
         phs = [n for n in recipe.graph.nodes if n.op == "placeholder"]
         gm = fx.GraphModule(torch.nn.Module(), recipe.graph)
         vals = [torch.zeros(v.shape, dtype=v.dtype) if isinstance(v, torch.Tensor) else v for v in (n.meta["val"] for n in phs)]
@@ -90,14 +90,14 @@ def measure(layers: int, plan_name: str, retrace: bool) -> dict:
     assert cached.gm.code == plain.gm.code, "memoized expansion changed the graph"
     retrace_s = float("nan")
     if retrace:
-        orig = expander_mod.Expansion._build
-        expander_mod.Expansion._build = _retrace_build(orig)
+        orig = recipes_mod.build_recipe
+        recipes_mod.build_recipe = _retrace_build(orig)
         try:
             with gc_paused():
                 r = sc.expand(traced, mesh, plan, cache=sc.ExpansionCache(enabled=False))
             retrace_s = r.timings["expand"]
         finally:
-            expander_mod.Expansion._build = orig
+            recipes_mod.build_recipe = orig
     t0 = time.perf_counter()
     with gc_paused():
         gm, _ = run_passes(cached.gm, default_passes())

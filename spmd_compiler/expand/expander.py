@@ -3,7 +3,7 @@
 The expander walks the traced graph in order. Placeholders become local tensors with
 the plan's placements; sizes become :class:`DSymInt`; every aten op becomes a recipe
 (DTensor's sharding propagation, or a registered rule) that is spliced into the per-rank
-graph. Recipes are memoized (:mod:`.cache`). The traced outputs are handed to
+graph (:mod:`.recipes`). Recipes are memoized (:mod:`.cache`). The traced outputs are handed to
 :mod:`spmd_compiler.rebuild` to finish the graph.
 """
 
@@ -22,14 +22,13 @@ from .tree import leaves, tree_map
 
 from .. import _private_torch as pt
 from ..errors import SpmdError, add_context, describe_node
-from . import dispatch, positions
+from . import positions
 from .advice import log_advice
-from .builder import Recipe, SubgraphBuilder, local_fake
-from .cache import ExpansionCache, abstract_key
+from .builder import local_fake
+from .cache import ExpansionCache
 from ..trace.markers import MARKER
-from .args import ExpandContext, ScalarArg, TensorArg
 from .fsdp import fsdp_gathered, regathered_view
-from .splice import splice_recipe
+from .recipes import expand_node
 from .symbolic import LocalSizes, size_symbols_of, symbolic_local_shape, symint_of, trace_fake_mode
 from .values import DSymInt, DValue, MeshContext, RScalar, placements_text, sym_apply
 
@@ -69,11 +68,6 @@ _FIX = (
 def _input_key(inp: Any) -> tuple:
     """How a traced input is named: (kind, name, key)."""
     return (inp.kind, inp.name, inp.key)
-
-
-def inputs_by_leaf(args: Any, kwargs: Any) -> list[fx.Node]:
-    """The per-rank node of every DValue argument, in flatten order."""
-    return [x.node for x in leaves((args, kwargs)) if isinstance(x, DValue)]
 
 
 def _is_uneven(shape: Any, placements: Any, mesh_shape: Any) -> bool:
@@ -310,7 +304,7 @@ class Expansion:
                 return sym_apply(target, *args, **kwargs) if not kwargs else target(*args, **kwargs)
             raise SpmdError(f"cannot expand call to {target}: only aten ops reach expansion" + describe_node(node))
         self.stats.ops += 1
-        value = self._expand(node, target, args, kwargs)
+        value = expand_node(self, node, target, args, kwargs)
         positions.follow(target, args, kwargs, value, node, self._written)
         return value
 
@@ -358,68 +352,6 @@ class Expansion:
         g, l = _as_int(math.prod(t.spec.shape)), _as_int(math.prod(t.local.shape))
         axes = self._shard_axes(t)
         return DSymInt(g, l, axes if (axes or g != l) else (), f"{t.node.name}.numel()")
-
-    # ------------------------------------------------------------------ ops
-    def _expand(self, node: fx.Node, op: Any, args: tuple, kwargs: dict) -> Any:
-        key = (op, abstract_key(args), abstract_key(kwargs), self.fallback, self.activation_sharding, self.rng)
-        if self.dynamic:  # recipes hold this trace's fake values: shared by its ranks, not by other traces
-            key += (self.fake_mode,)
-        recipe = self.cache.lookup(key, self.mctx.coordinate)
-        hit = recipe is not None
-        if recipe is None:
-            recipe = self._build(node, op, args, kwargs)
-            self.cache.store(key, self.mctx.coordinate, recipe)
-        if log.isEnabledFor(logging.DEBUG):
-            ins = ", ".join(placements_text(a.spec.placements) for a in leaves((args, kwargs)) if isinstance(a, DValue))
-            out = recipe.result.spec.placements if hasattr(recipe.result, "spec") else None
-            log.debug(
-                "expand %s = %s(%s) -> %s: %d nodes, %d collectives (%s)",
-                node.name, op, ins, placements_text(out) if out else "-", len(recipe.graph.nodes), recipe.num_collectives(), "cached" if hit else "new",
-            )
-        if recipe.coord_dependent:
-            self.stats.coord_dependent = True
-        if "fallback" in recipe.notes:
-            self.stats.fallbacks.append((node.name, str(op), recipe.notes["fallback"]))
-        inputs: list[fx.Node] = []
-        for leaf in leaves((args, kwargs)):
-            if isinstance(leaf, DValue):
-                inputs.append(leaf.node)
-                if leaf.mask is not None:
-                    inputs.append(leaf.mask)
-            elif isinstance(leaf, RScalar):
-                inputs.append(leaf.node)
-        traced_args = [a for a in leaves((node.args, node.kwargs)) if isinstance(a, fx.Node) and isinstance(self.env.get(a), DValue)]
-        value, replacements = splice_recipe(self.graph, recipe, self.coords, inputs, node, [a.name for a in traced_args])
-        if replacements:
-            # a Partial argument was reduced for this op: later users take the reduced copy
-            for i, new in replacements.items():
-                if i < len(traced_args) and self.env[traced_args[i]].node is inputs_by_leaf(args, kwargs)[i]:
-                    self.env[traced_args[i]] = new
-        return value
-
-    def _build(self, node: fx.Node, op: Any, args: tuple, kwargs: dict) -> Recipe:
-        b = SubgraphBuilder(self.mctx, self.fake_mode)
-        b.sizes = self.local_sizes
-        ctx = ExpandContext(self.mctx, self.fake_mode, self.fallback, node, self.warned, self.activation_sharding, self.rng)
-
-        counter = iter(range(1 << 30))
-
-        def to_arg(x: Any) -> Any:
-            if isinstance(x, DValue):
-                n = b.input(x.local, x.node.name)
-                mask = b.input(x.mask.meta["val"], x.node.name + "_mask") if x.mask is not None else None
-                return TensorArg(n, x.spec, mask, index=next(counter), positions=positions.positions_of(x))
-            if isinstance(x, RScalar):
-                return ScalarArg(b.input(x.hint, "scalar"), x.hint)
-            return x
-
-        r_args, r_kwargs = tree_map(to_arg, (args, kwargs))
-        result = dispatch.expand_op(ctx, b, op, r_args, r_kwargs)
-        notes = {}
-        fallback = [n.meta["spmd_fallback"] for n in b.graph.nodes if "spmd_fallback" in n.meta]
-        if fallback:
-            notes["fallback"] = fallback[0]
-        return b.finish(result, notes)
 
 
 def expand_graph(

@@ -19,6 +19,7 @@ from typing import Any
 import torch.fx as fx
 
 from .. import _private_torch as pt
+from .recipes import expand_node
 from .splice import FSDP_GATHER, redistribute_value
 from .tree import tree_map
 from .values import DValue
@@ -83,7 +84,7 @@ def regathered_view(ex: Any, x: fx.Node, node: fx.Node) -> DValue | None:
         prev = c.args[0]
         c_args, c_kwargs = tree_map(ex._lookup, (c.args[1:], c.kwargs))
         last = next(iter(reversed(ex.graph.nodes)))
-        cur = ex._expand(c, c.target, (cur, *c_args), c_kwargs)
+        cur = expand_node(ex, c, c.target, (cur, *c_args), c_kwargs)
         for n in nodes_after(ex.graph, last):
             n.meta["spmd_phase"] = "backward"
             n.meta["spmd_regathered"] = f"{c.name} taken again from the backward gather of {shard.extra['fsdp']}"

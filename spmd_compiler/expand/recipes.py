@@ -1,0 +1,97 @@
+"""One traced aten op in expansion: its recipe, from the cache or built, spliced in.
+
+:func:`expand_node` looks the op's recipe up in the expansion's cache (:mod:`.cache`) or
+builds it (:func:`build_recipe`: :func:`.dispatch.expand_op` on a fresh
+:class:`.builder.SubgraphBuilder`), then splices it into the per-rank graph
+(:mod:`.splice`). ``ex`` is the :class:`.expander.Expansion` in progress.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch.fx as fx
+
+from . import dispatch, positions
+from .args import ExpandContext, ScalarArg, TensorArg
+from .builder import Recipe, SubgraphBuilder
+from .cache import abstract_key
+from .splice import splice_recipe
+from .tree import leaves, tree_map
+from .values import DValue, RScalar, placements_text
+
+__all__ = ["expand_node", "build_recipe", "inputs_by_leaf"]
+
+log = logging.getLogger("spmd_compiler.expand.expander")  # the logger name users filter on
+
+
+def inputs_by_leaf(args: Any, kwargs: Any) -> list[fx.Node]:
+    """The per-rank node of every DValue argument, in flatten order."""
+    return [x.node for x in leaves((args, kwargs)) if isinstance(x, DValue)]
+
+
+def expand_node(ex: Any, node: fx.Node, op: Any, args: tuple, kwargs: dict) -> Any:
+    """Splice the recipe of traced ``node`` (``op`` on expanded ``args``/``kwargs``) into
+    ``ex.graph``; returns its value (a reduced Partial argument replaces its env entry)."""
+    key = (op, abstract_key(args), abstract_key(kwargs), ex.fallback, ex.activation_sharding, ex.rng)
+    if ex.dynamic:  # recipes hold this trace's fake values: shared by its ranks, not by other traces
+        key += (ex.fake_mode,)
+    recipe = ex.cache.lookup(key, ex.mctx.coordinate)
+    hit = recipe is not None
+    if recipe is None:
+        recipe = build_recipe(ex, node, op, args, kwargs)
+        ex.cache.store(key, ex.mctx.coordinate, recipe)
+    if log.isEnabledFor(logging.DEBUG):
+        ins = ", ".join(placements_text(a.spec.placements) for a in leaves((args, kwargs)) if isinstance(a, DValue))
+        out = recipe.result.spec.placements if hasattr(recipe.result, "spec") else None
+        log.debug(
+            "expand %s = %s(%s) -> %s: %d nodes, %d collectives (%s)",
+            node.name, op, ins, placements_text(out) if out else "-", len(recipe.graph.nodes), recipe.num_collectives(), "cached" if hit else "new",
+        )
+    if recipe.coord_dependent:
+        ex.stats.coord_dependent = True
+    if "fallback" in recipe.notes:
+        ex.stats.fallbacks.append((node.name, str(op), recipe.notes["fallback"]))
+    inputs: list[fx.Node] = []
+    for leaf in leaves((args, kwargs)):
+        if isinstance(leaf, DValue):
+            inputs.append(leaf.node)
+            if leaf.mask is not None:
+                inputs.append(leaf.mask)
+        elif isinstance(leaf, RScalar):
+            inputs.append(leaf.node)
+    traced_args = [a for a in leaves((node.args, node.kwargs)) if isinstance(a, fx.Node) and isinstance(ex.env.get(a), DValue)]
+    value, replacements = splice_recipe(ex.graph, recipe, ex.coords, inputs, node, [a.name for a in traced_args])
+    if replacements:
+        # a Partial argument was reduced for this op: later users take the reduced copy
+        for i, new in replacements.items():
+            if i < len(traced_args) and ex.env[traced_args[i]].node is inputs_by_leaf(args, kwargs)[i]:
+                ex.env[traced_args[i]] = new
+    return value
+
+
+def build_recipe(ex: Any, node: fx.Node, op: Any, args: tuple, kwargs: dict) -> Recipe:
+    """The recipe of ``op`` on these arguments: dispatch (a rule or DTensor) on a fresh builder."""
+    b = SubgraphBuilder(ex.mctx, ex.fake_mode)
+    b.sizes = ex.local_sizes
+    ctx = ExpandContext(ex.mctx, ex.fake_mode, ex.fallback, node, ex.warned, ex.activation_sharding, ex.rng)
+
+    counter = iter(range(1 << 30))
+
+    def to_arg(x: Any) -> Any:
+        if isinstance(x, DValue):
+            n = b.input(x.local, x.node.name)
+            mask = b.input(x.mask.meta["val"], x.node.name + "_mask") if x.mask is not None else None
+            return TensorArg(n, x.spec, mask, index=next(counter), positions=positions.positions_of(x))
+        if isinstance(x, RScalar):
+            return ScalarArg(b.input(x.hint, "scalar"), x.hint)
+        return x
+
+    r_args, r_kwargs = tree_map(to_arg, (args, kwargs))
+    result = dispatch.expand_op(ctx, b, op, r_args, r_kwargs)
+    notes = {}
+    fallback = [n.meta["spmd_fallback"] for n in b.graph.nodes if "spmd_fallback" in n.meta]
+    if fallback:
+        notes["fallback"] = fallback[0]
+    return b.finish(result, notes)
