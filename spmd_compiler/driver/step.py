@@ -11,15 +11,12 @@ local tensors; :class:`spmd_compiler.pipeline.step.PipelinedStep` runs it as a p
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import functools
-import gc
 import hashlib
 import logging
 import os
 import time
-import weakref
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,7 +24,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from .. import _private_torch as pt
@@ -35,12 +32,13 @@ from ..errors import SpmdError
 from ..expand import ExpansionCache
 from ..plan import Plan
 from ..trace.state import StateCache
-from .agreement import check_agreement, comm_device, exchange
+from .agreement import check_agreement, exchange
 from .batch import signature, why_recompile
 from .build import Options
 from .distribute import distribute_state, is_distributed
 from .failure import collective_failure
 from .guard import GuardError, Resync, StepGuard
+from .mesh import _LIVE, as_mesh
 from .rng import draws
 from .sizes import BatchSizes
 
@@ -61,51 +59,6 @@ class Program:
     local_key: Any = None  # this rank's call signature for it
     draws: bool = False  # the program has random ops (the step check agrees the generators too)
     sizes: Any = None  # a symbolic program's (dynamic=True) sizes.SizeProgram: keyed without the sharded sizes
-
-
-_LIVE: "weakref.WeakSet[StepDriver]" = weakref.WeakSet()
-
-
-@atexit.register
-def _release_at_exit() -> None:
-    """Free what holds process groups before the interpreter shuts down (best effort).
-
-    A compiled graph reaches the DeviceMesh through the placements recorded on its
-    nodes, DTensor's process-wide caches hold meshes too, and a mesh holds its process
-    groups. Whatever is still alive at interpreter shutdown is destroyed there, where
-    gloo's worker threads can no longer take the GIL to release the tensors of their
-    last collective, and the process can abort ("terminate called without an active
-    exception") after the training itself succeeded. Scripts launched by torchrun should
-    end with ``os._exit`` after ``destroy_process_group()``, as ``examples/train_gpt.py`` does.
-    """
-    for step in list(_LIVE):
-        step._release()
-    pt.clear_dtensor_caches()
-    gc.collect()
-
-
-def as_mesh(mesh: Any) -> DeviceMesh:
-    """A DeviceMesh from a DeviceMesh, a shape tuple or a ``{name: size}`` dict."""
-    if isinstance(mesh, DeviceMesh):
-        return mesh
-    if isinstance(mesh, dict):
-        names, shape = tuple(mesh), tuple(int(v) for v in mesh.values())
-    elif isinstance(mesh, (tuple, list)) and all(isinstance(s, int) for s in mesh):
-        names, shape = None, tuple(mesh)
-    else:
-        raise TypeError(f"mesh must be a DeviceMesh, a shape tuple or a {{name: size}} dict, got {type(mesh).__name__}")
-    if not dist.is_initialized():
-        raise ValueError(
-            f"mesh {shape} needs an initialized process group; call torch.distributed.init_process_group() "
-            f"first (torchrun sets up the environment for it)"
-        )
-    world = dist.get_world_size()
-    size = 1
-    for s in shape:
-        size *= s
-    if size > world:
-        raise ValueError(f"mesh {dict(zip(names, shape)) if names else shape} needs {size} ranks but the world has {world}; fix: launch {size} processes or shrink the mesh")
-    return init_device_mesh(comm_device().type, shape, mesh_dim_names=names)  # NCCL: cuda, else cpu
 
 
 class StepDriver:
