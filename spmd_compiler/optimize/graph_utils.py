@@ -1,9 +1,11 @@
-"""Facts about per-rank graphs that passes need: aliasing, mutation, purity, order."""
+"""Facts about per-rank graphs that passes need: aliasing, mutation, purity, order; and
+cutting a part of a graph out as a GraphModule of its own (:func:`cut_graph`)."""
 
 from __future__ import annotations
 
 import operator
 from collections import defaultdict
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -25,6 +27,7 @@ __all__ = [
     "written_through",
     "mutation_edges",
     "fused_comm",
+    "cut_graph",
 ]
 
 WAIT = torch.ops._c10d_functional.wait_tensor.default
@@ -275,3 +278,39 @@ def fused_comm(members: list[fx.Node], *, reason: str, label: str, what: str) ->
         "history": [f"fused {len(members)} {what} ({', '.join(m.name for m in members)})"],
         "bucket": [{k: m.meta["spmd_comm"].get(k) for k in ("value", "origin", "op", "source", "bytes", "transition")} for m in members],
     }
+
+
+def cut_graph(
+    gm: fx.GraphModule, nodes: Sequence[fx.Node], *, recompute: Callable[[fx.Node], bool] | None = None,
+    outputs: Sequence[fx.Node] | None = None,
+) -> tuple[fx.GraphModule, list[str], dict[fx.Node, fx.Node]]:
+    """A GraphModule of ``nodes`` (in graph order) cut out of ``gm``.
+
+    A value read from outside ``nodes`` becomes a placeholder named after it (with its
+    meta), in the order of first read, except ``get_attr`` nodes and the nodes for which
+    ``recompute(node)`` holds: those are copied in, with what they read. The GraphModule
+    returns ``outputs`` (nodes of ``gm``) as a list; with ``outputs=None`` it has no
+    output node yet (the caller adds one and recompiles). Returns the GraphModule, the
+    names of its inputs (in placeholder order) and each copied node's copy by original.
+    """
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    inputs: list[str] = []
+
+    def arg(a: fx.Node) -> fx.Node:
+        if a in env:
+            return env[a]
+        if a.op == "get_attr" or (recompute is not None and recompute(a)):
+            new = g.node_copy(a, arg)
+        else:
+            new = g.placeholder(a.name)
+            new.meta = dict(a.meta)
+            inputs.append(a.name)
+        env[a] = new
+        return new
+
+    for n in nodes:
+        env[n] = g.node_copy(n, arg)
+    if outputs is not None:
+        g.output([env[n] for n in outputs])
+    return fx.GraphModule(gm, g), inputs, env

@@ -19,9 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 import torch.fx as fx
 
+from ..optimize.graph_utils import cut_graph
 from ..trace.markers import MARKER
 from .partition import StageAssignment
 
@@ -139,36 +139,6 @@ def split_program(gm: fx.GraphModule, assignment: StageAssignment) -> StageProgr
 
 
 def _extract(gm: fx.GraphModule, key: tuple[int, str], nodes: list[fx.Node], outputs: set[str]) -> Piece:
-    g = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    inputs: list[str] = []
-    inside = set(nodes)
-
-    def arg(a: fx.Node) -> fx.Node:
-        if a in env:
-            return env[a]
-        if a.op == "get_attr":
-            new = g.get_attr(a.target)
-            new.meta = dict(a.meta)
-            env[a] = new
-            return new
-        ph = g.placeholder(a.name)
-        ph.meta = dict(a.meta)
-        env[a] = ph
-        inputs.append(a.name)
-        return ph
-
-    for n in nodes:
-        for a in n.all_input_nodes:
-            if a not in inside:
-                arg(a)
-        env[n] = g.node_copy(n, lambda a: env[a] if a in env else arg(a))
-    by_name = {n.name: n for n in nodes}
+    piece_gm, inputs, _ = cut_graph(gm, nodes, outputs=[n for n in nodes if n.name in outputs])
     out_names = [n.name for n in nodes if n.name in outputs]
-    g.output([env[by_name[name]] for name in out_names])
-    root = torch.nn.Module()
-    for n in g.nodes:
-        if n.op == "get_attr":
-            root.register_buffer(n.target, getattr(gm, n.target), persistent=False)
-    piece_gm = fx.GraphModule(root, g)
     return Piece(key[0], key[1], piece_gm, inputs, out_names, [n.name for n in nodes])

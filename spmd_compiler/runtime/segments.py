@@ -26,6 +26,7 @@ import torch
 import torch.fx as fx
 
 from .. import _private_torch as pt
+from ..optimize.graph_utils import cut_graph
 
 __all__ = ["Segment", "split_segments"]
 
@@ -94,28 +95,8 @@ def _extract(gm: fx.GraphModule, nodes: list[fx.Node], check: bool, host: Callab
     if len(nodes) == 1 and nodes[0].op == "call_function" and host(nodes[0]):
         n = nodes[0]
         return Segment(None, n, [a.name for a in n.all_input_nodes], [], check)
-    g = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    inputs: list[str] = []
     inside = set(nodes)
-
-    def arg(a: fx.Node) -> fx.Node:
-        if a in env:
-            return env[a]
-        if a.op == "get_attr" or (a not in inside and _input_view(a)):  # recomputed here
-            new = g.node_copy(a, arg)
-        else:
-            new = g.placeholder(a.name)
-            new.meta = dict(a.meta)
-            inputs.append(a.name)
-        env[a] = new
-        return new
-
-    for n in nodes:
-        env[n] = g.node_copy(n, arg)
-    root = torch.nn.Module()
-    for n in g.nodes:
-        if n.op == "get_attr":
-            setattr(root, n.target, getattr(gm, n.target))
+    # a get_attr, or a view of the program's inputs read here, is recomputed here
+    piece, inputs, env = cut_graph(gm, nodes, recompute=lambda a: a not in inside and _input_view(a))
     made = {n.name: env[n] for n in nodes if n.op == "call_function"}
-    return Segment(fx.GraphModule(root, g), None, inputs, [], check, made=made)
+    return Segment(piece, None, inputs, [], check, made=made)
