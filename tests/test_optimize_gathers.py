@@ -239,3 +239,50 @@ def test_a_gather_is_not_moved_past_a_write_to_its_input(mesh4):
     assert first in gm.graph.nodes and pos[first] < pos[write]  # still its own gather, before the write
     fused = [n for n in _gathers(gm) if n.meta.get("spmd_param_gather") == unit_of(param.meta["spmd_input"].name)]
     assert fused and all(param.name not in n.meta["spmd_comm"]["value"] for n in fused)
+
+
+def test_a_buffer_named_sharded_is_called_a_buffer_in_the_gather_reasons(mesh4):
+    """A buffer the FSDP plan names sharded (the causal mask here, Llama's rotary
+    ``inv_freq`` in the zoo) is gathered like a parameter; the reasons the dump prints say
+    "buffer" for it, "parameter" for the parameters."""
+    model = GPT(vocab=32, seq=8, dim=16, heads=2, layers=2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    ids = torch.randint(0, 32, (8, 8))
+    plan = gpt_fsdp_plan(reshard_after_forward=False)
+    plan = sc.Plan(params={**plan.params, "blocks.0.attn.mask": [sc.Shard(0)]}, default_input=plan.default_input,
+                   fsdp_axes=plan.fsdp_axes, reshard_after_forward=False)
+    step = sc.expand(sc.trace(train_step, model, opt, ids, ids), mesh4, plan)
+    gm = sc.optimize.remove_redundant_collectives_pass(step.gm)
+    reasons = [n.meta["spmd_comm"]["reason"] for n in _gathers(gm)]
+    assert any(r.startswith("FSDP: gather buffer blocks.0.attn.mask for forward:") for r in reasons), reasons
+    assert any(r.startswith("FSDP: gather parameter blocks.0.attn.q.weight for forward:") for r in reasons), reasons
+    assert not any("parameter blocks.0.attn.mask" in r for r in reasons), reasons
+
+
+class _ScaledLinear(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.register_buffer("scale", torch.linspace(1.0, 2.0, 8))
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+def _sum_step(model, opt, x):
+    loss = model(x).sum()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def test_a_fused_gather_with_a_buffer_counts_it_as_a_buffer(mesh4):
+    model = _ScaledLinear()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    plan = sc.Plan(params={"*": [sc.Shard(0)], "scale": [sc.Shard(0)]}, default_input=[sc.Shard(0)], fsdp_axes=(0,),
+                   reshard_after_forward=False)
+    step = sc.expand(sc.trace(_sum_step, model, opt, torch.randn(8, 8)), mesh4, plan)
+    gm = bucket_parameter_gathers_pass(sc.optimize.remove_redundant_collectives_pass(step.gm))
+    fused = [n.meta["spmd_comm"]["reason"] for n in _gathers(gm)]
+    assert fused == ["FSDP: gather the 2 parameters and 1 buffer of unit <root> in one collective"], fused

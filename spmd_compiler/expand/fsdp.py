@@ -53,7 +53,9 @@ def fsdp_gathered(ex: Any, value: DValue, node: fx.Node, phase: str) -> DValue:
         pl = tuple(pt.Replicate() if a in ex.fsdp_axes else p for a, p in enumerate(value.spec.placements))
         dst = pt.DTensorSpec(value.spec.mesh, pl, tensor_meta=value.spec.tensor_meta)
         last = next(iter(reversed(ex.graph.nodes)))
-        got = redistribute_value(ex, value, dst, f"FSDP: gather parameter {value.extra['fsdp']} for {phase}", node)
+        inp = value.node.meta.get("spmd_input")
+        what = "buffer" if inp is not None and inp.kind == "buffer" else "parameter"  # rotary inv_freq is a buffer
+        got = redistribute_value(ex, value, dst, f"FSDP: gather {what} {value.extra['fsdp']} for {phase}", node)
         if ex.reshard_after_forward:
             for n in nodes_after(ex.graph, last):
                 n.meta[FSDP_GATHER] = phase

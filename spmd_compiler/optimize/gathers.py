@@ -46,6 +46,12 @@ def unit_of(fqn: str) -> str:
 
 def _param_of(n: fx.Node) -> str | None:
     """The FQN of the parameter (or buffer) a gather collects, if it is one."""
+    inp = _gathered_input(n)
+    return None if inp is None else inp.name
+
+
+def _gathered_input(n: fx.Node) -> Any:
+    """The GraphInput of the parameter or buffer a gather collects, if it is one."""
     if n.meta.get("spmd_comm", {}).get("kind") != "all_gather":
         return None
     chain = prep_chain(n)
@@ -53,8 +59,16 @@ def _param_of(n: fx.Node) -> str | None:
     root = alias_root(src)
     inp = root.meta.get("spmd_input") if isinstance(root, fx.Node) else None
     if isinstance(root, fx.Node) and root.op == "placeholder" and inp is not None and inp.kind in ("param", "buffer"):
-        return inp.name
+        return inp
     return None
+
+
+def _gathered_what(members: list[fx.Node]) -> str:
+    """``3 parameters``, ``2 parameters and 1 buffer``: what the fused gather collects."""
+    buffers = sum(1 for m in members if getattr(_gathered_input(m), "kind", None) == "buffer")
+    params = len(members) - buffers
+    parts = [f"{k} {word}{'s' if k != 1 else ''}" for k, word in ((params, "parameter"), (buffers, "buffer")) if k]
+    return " and ".join(parts)
 
 
 def _sources(m: fx.Node) -> set[fx.Node]:
@@ -131,7 +145,7 @@ def _fuse(gm: fx.GraphModule, members: list[fx.Node], unit: str, pos: dict[fx.No
     sizes = [int(f.meta["val"].numel()) for f in flats]
     buf = add(aten.cat.default, (flats,))
     comm = fused_comm(
-        members, reason=f"FSDP: gather the {len(members)} parameters of unit {unit or '<root>'} in one collective",
+        members, reason=f"FSDP: gather the {_gathered_what(members)} of unit {unit or '<root>'} in one collective",
         label="unit", what="parameter gathers",
     )
     coll = add(c10d.all_gather_into_tensor.default, (buf, n, group), meta={"spmd_comm": comm, "spmd_param_gather": unit})
