@@ -235,3 +235,84 @@ def test_add_context_keeps_type_and_adds_once():
     assert type(err) is ValueError and err.spmd_node is node
     assert msg.startswith("bad thing") and msg.count("graph node:") == 1 and "%relu" in msg
     assert "input placements: x: S(0) [4]" in msg and msg.endswith("fix: do better")
+
+
+# ---------------------------------------------------------------- token ids out of the vocabulary
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab: int = 10) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, 4)
+        self.head = nn.Linear(4, vocab)
+
+    def forward(self, ids):
+        return self.head(self.emb(ids[:, :-1]).mean(1))  # the last column is the label
+
+
+def lm_step(model, optimizer, ids):
+    loss = nn.functional.cross_entropy(model(ids), ids[:, -1], ignore_index=-100)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def _ids(bad: int | None = None) -> torch.Tensor:
+    ids = torch.randint(0, 10, (2, 6))
+    ids[1, -1] = -100  # an ignored label, never embedded: no error for it
+    if bad is not None:
+        ids[0, 2] = bad
+    return ids
+
+
+def _assert_names_embedding(err: BaseException, bad: int) -> None:
+    msg = str(err)
+    assert "token ids out of range for the Embedding 'emb' (table emb.weight with 10 rows)" in msg, msg
+    assert (f"batch[0] holds ids from {bad} to " if bad < 0 else f" to {bad} (e.g. {bad})") in msg, msg
+    assert "expected every id in [0, 10)" in msg, msg
+    assert "test_errors.py" in msg and "self.emb(ids[:, :-1])" in msg, msg  # the user's line
+    assert "fix: keep the ids below num_embeddings=10" in msg, msg
+
+
+@pytest.mark.parametrize("plan", [None, sc.Plan(params={"emb.weight": [sc.Shard(0)]})], ids=["dp", "vocab_sharded"])
+def test_out_of_vocabulary_id_at_compile_names_the_embedding(mesh4, plan):
+    """An id >= num_embeddings in the batch a program is compiled for: our ValueError
+    (one device: IndexError; a vocab-sharded table would mask the id out silently)."""
+    model = TinyLM()
+    step = sc.compile(lm_step, mesh=mesh4, plan=plan)
+    with pytest.raises(ValueError) as info:
+        step(model, torch.optim.SGD(model.parameters(), lr=0.1), _ids(bad=12))
+    _assert_names_embedding(info.value, 12)
+    with pytest.raises(IndexError):  # what one device does with the same batch
+        one = TinyLM()
+        lm_step(one, torch.optim.SGD(one.parameters(), lr=0.1), _ids(bad=12))
+
+
+def test_out_of_vocabulary_id_at_run_names_the_embedding(mesh4):
+    """A later batch with a negative id, run by the compiled program (no check on the
+    per-step path): the runtime IndexError becomes our ValueError."""
+    model = TinyLM()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = sc.compile(lm_step, mesh=mesh4)
+    step(model, opt, _ids())
+    step(model, opt, _ids())
+    assert step.compiles == 1
+    with pytest.raises(ValueError) as info:
+        step(model, opt, _ids(bad=-3))
+    assert isinstance(info.value.__cause__, IndexError)
+    assert step.compiles == 1  # the program ran (and failed): not a compile-time check
+    _assert_names_embedding(info.value, -3)
+
+
+def test_ids_in_range_and_ignored_labels_are_not_flagged(mesh4):
+    """The ids an embedding reads are computed from the batch as the step does
+    (``ids[:, :-1]``): the -100 label in the last column is not an embedding id."""
+    model = TinyLM().double()
+    res = assert_training_matches(lm_step, model, lambda p: torch.optim.SGD(p, lr=0.1),
+                                  [(_ids().repeat(4, 1),) for _ in range(2)], mesh4)
+    assert res.sim is not None
+    step = sc.compile(lm_step, mesh=mesh4)
+    m = TinyLM()
+    step(m, torch.optim.SGD(m.parameters(), lr=0.1), _ids())
+    assert step.compiles == 1

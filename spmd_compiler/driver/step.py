@@ -41,6 +41,7 @@ from .guard import GuardError, Resync, StepGuard
 from .mesh import _LIVE, as_mesh
 from .rng import draws
 from .sizes import BatchSizes
+from .token_ids import embedding_ids_error
 
 __all__ = ["StepDriver", "Program", "as_mesh"]
 
@@ -251,6 +252,9 @@ class StepDriver:
         step, texts = None, {}
         try:  # anything that can fail on one rank fails here, before the step's first collective
             step, texts = self._build(model, optimizer, batch, kwargs)
+            bad_ids = embedding_ids_error(step.traced, batch, kwargs)  # once per compile, on the batch it is for
+            if bad_ids is not None:
+                raise bad_ids
             self._dump(step, texts)
         except BaseException as e:  # reported to every rank by check_agreement (an interrupt too)
             error = e

@@ -23,6 +23,7 @@ from .. import _private_torch as pt
 from ..driver import StepDriver, exchange, expand, gc_paused, global_batch, is_host_scalar, store_outputs
 from ..driver.failure import collective_failure
 from ..driver.rng import AxesRngSync
+from ..driver.token_ids import explain_index_error
 from ..errors import SpmdError
 from ..trace import trace
 from ..trace.host_values import resolve_constant
@@ -256,8 +257,11 @@ class PipelinedStep(StageOwnership, StepDriver):
 
         try:
             values = runner.run(feed)
-        except RuntimeError as e:  # a peer stage died or timed out: say so on every survivor
-            if isinstance(e, SpmdError):
+        except (RuntimeError, IndexError) as e:  # a peer stage died or timed out: say so on every survivor
+            bad_ids = explain_index_error(e, traced, batch, kwargs)  # a token id out of range
+            if bad_ids is not None:
+                raise bad_ids from e
+            if isinstance(e, (SpmdError, IndexError)):
                 raise
             raise collective_failure(e, where=f"the pipeline schedule ({self.pipeline.schedule}: sends, receives and "
                                      f"stage collectives)", step_name=getattr(self.fn, "__name__", "step"), call=self.calls,

@@ -25,6 +25,7 @@ from ..driver import StepDriver, build_program, exchange, global_batch, is_host_
 from ..driver.failure import collective_failure, failed_node, is_collective_node
 from ..driver.fold import FoldPoint, find_fold, fold_guard_pass
 from ..driver.guard import GuardError, Resync, first_effect
+from ..driver.token_ids import explain_index_error
 from ..expand.symbolic import concrete_shape
 from ..plan import Plan
 from ..trace.tracer import flatten_batch
@@ -96,8 +97,11 @@ class CompiledStep(StepDriver):
                     outs = runner(*inputs, _check=check)
             except (Resync, GuardError):
                 raise
-            except RuntimeError as e:  # gloo/NCCL: a timeout or a dead peer
-                if not is_collective_node(failed_node(e, runner)):
+            except (RuntimeError, IndexError) as e:  # gloo/NCCL: a timeout or a dead peer; a token id out of range
+                bad_ids = explain_index_error(e, step.traced, batch, kwargs)
+                if bad_ids is not None:
+                    raise bad_ids from e
+                if isinstance(e, IndexError) or not is_collective_node(failed_node(e, runner)):
                     raise
                 raise collective_failure(e, runner, step_name=getattr(self.fn, "__name__", "step"), call=self.calls,
                                          timeout=self.options.timeout) from e

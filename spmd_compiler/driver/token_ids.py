@@ -1,0 +1,155 @@
+"""Token ids outside an embedding's table: our error instead of torch's IndexError.
+
+On one device an id outside ``[0, num_embeddings)`` raises ``IndexError: index out of
+range in self`` from deep inside ``F.embedding``. A per-rank program raises the same
+when the table is whole on the rank (data parallel, FSDP's gather) and, when its rows
+are sharded (vocab-parallel), masks the id out: a zero row, no error.
+:func:`embedding_ids_error` tells which embedding of the traced step reads an id out of
+range from the batch, computing the ids from this rank's batch tensors (the ops between
+the batch and the embedding, such as ``ids[:, :-1]``, run again on them). It runs when a
+program is compiled, on the batch it is compiled for (so every rank raises it, through
+the compile's agreement), and when a run fails with an index error; never on the
+per-step path.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from .. import _private_torch as pt
+from ..errors import describe_node
+from ..trace.tracer import flatten_batch
+
+__all__ = ["embedding_ids_error", "explain_index_error"]
+
+log = logging.getLogger(__name__)
+
+_EMBEDDING = torch.ops.aten.embedding.default
+
+
+def embedding_ids_error(traced: Any, batch: tuple, kwargs: dict) -> ValueError | None:
+    """The error for the first embedding of ``traced`` (a TracedStep) whose ids, computed
+    from the batch ``(batch, kwargs)``, fall outside its table; None when every id is in
+    range or no embedding reads ids computed from the batch alone."""
+    gm = traced.gm
+    embeddings = list(gm.graph.find_nodes(op="call_function", target=_EMBEDDING))
+    if not embeddings:
+        return None
+    leaves, _, paths = flatten_batch(batch, kwargs)
+    values = _batch_values(gm, [e.args[1] for e in embeddings], leaves)
+    for node in embeddings:
+        ids = values.get(node.args[1])
+        if not isinstance(ids, torch.Tensor) or ids.numel() == 0 or ids.is_floating_point():
+            continue
+        rows, table = _table(node.args[0])
+        if rows is None:
+            continue
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo >= 0 and hi < rows:
+            continue
+        return ValueError(_message(traced, node, table, rows, lo, hi, _sources(node.args[1], paths)))
+    return None
+
+
+def explain_index_error(error: BaseException, traced: Any, batch: tuple, kwargs: dict) -> ValueError | None:
+    """Our error for a run that failed with ``error`` if it is an index out of range
+    (IndexError on the eager path, a bounds check of inductor's code) that an embedding's
+    ids explain; None otherwise."""
+    if not isinstance(error, IndexError) and "index out of" not in str(error):
+        return None
+    try:
+        return embedding_ids_error(traced, batch, kwargs)
+    except Exception:  # explaining must never hide the original error
+        log.debug("could not explain %r by the embeddings' ids", error, exc_info=True)
+        return None
+
+
+def _table(weight: Any) -> tuple[int | None, str]:
+    """Rows of an embedding's table (global) and the table's name."""
+    inp = weight.meta.get("spmd_input") if isinstance(weight, fx.Node) else None
+    if inp is not None and inp.kind in ("param", "buffer") and inp.shape:
+        return int(inp.shape[0]), inp.name
+    val = weight.meta.get("val") if isinstance(weight, fx.Node) else None
+    try:
+        return int(val.shape[0]), getattr(weight, "name", "?")
+    except (AttributeError, IndexError, TypeError, RuntimeError):
+        return None, "?"
+
+
+def _sources(ids: fx.Node, paths: list[str]) -> str:
+    """The batch leaves the ids are computed from (``batch[0]``)."""
+    seen, todo, out = set(), [ids], []
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        inp = n.meta.get("spmd_input")
+        if n.op == "placeholder" and inp is not None and inp.kind == "batch":
+            out.append(paths[inp.index])
+        todo.extend(n.all_input_nodes)
+    return ", ".join(sorted(out)) or "the batch"
+
+
+def _message(traced: Any, node: fx.Node, table: str, rows: int, lo: int, hi: int, source: str) -> str:
+    mod_path = table.rpartition(".")[0]
+    what = f"the embedding {mod_path or table!r}"
+    model = getattr(traced, "model", None)
+    try:
+        module = model.get_submodule(mod_path) if model is not None else None
+    except AttributeError:
+        module = None
+    if module is not None:
+        what = f"the {type(module).__name__} {mod_path!r}" if mod_path else f"the model's {type(module).__name__}"
+    bad = [v for v in (lo, hi) if not 0 <= v < rows]
+    return (
+        f"token ids out of range for {what} (table {table} with {rows} rows): {source} holds ids from {lo} to {hi} "
+        f"(e.g. {bad[-1]}); expected every id in [0, {rows}){describe_node(node)}\n"
+        f"  fix: keep the ids below num_embeddings={rows} (a tokenizer whose vocabulary, with its added special or "
+        f"pad tokens, is larger than the model's: build the model with the tokenizer's vocabulary size or resize "
+        f"the embedding), and map ignore labels such as -100 to a valid id before the embedding"
+    )
+
+
+def _batch_values(gm: fx.GraphModule, wanted: list[Any], leaves: list[Any]) -> dict[fx.Node, Any]:
+    """The values of the ``wanted`` nodes that the batch alone determines, computed from
+    ``leaves`` by running their ancestors again (pure, deterministic ops only: the user's
+    batch is never written). A node that reads state, or whose ops fail on this rank's
+    batch (a size traced as a constant), is left out."""
+    needed: set[fx.Node] = set()
+    todo = [w for w in wanted if isinstance(w, fx.Node)]
+    while todo:
+        n = todo.pop()
+        if n not in needed:
+            needed.add(n)
+            todo.extend(n.all_input_nodes)
+    values: dict[fx.Node, Any] = {}
+    with torch.no_grad():
+        for n in gm.graph.nodes:
+            if n not in needed:
+                continue
+            if n.op == "placeholder":
+                inp = n.meta.get("spmd_input")
+                if inp is not None and inp.kind == "batch":
+                    values[n] = leaves[inp.index]
+                continue
+            if n.op != "call_function" or not _pure(n.target) or any(a not in values for a in n.all_input_nodes):
+                continue
+            args, kwargs = fx.map_arg((n.args, n.kwargs), lambda a: values[a])
+            try:
+                values[n] = n.target(*args, **kwargs)
+            except Exception:  # e.g. a view to a global size on a rank's shard
+                continue
+    return values
+
+
+def _pure(target: Any) -> bool:
+    """An op that neither writes its inputs nor draws random numbers."""
+    if isinstance(target, torch._ops.OpOverload):
+        return not pt.written_args(target) and torch.Tag.nondeterministic_seeded not in target.tags
+    return getattr(target, "__module__", None) in (operator.__name__, "_operator")
