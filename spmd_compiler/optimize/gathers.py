@@ -120,6 +120,7 @@ def _written_between(m: fx.Node, start: float, end: float, pos: dict[fx.Node, fl
 
 def _fuse(gm: fx.GraphModule, members: list[fx.Node], unit: str, pos: dict[fx.Node, float]) -> None:
     g = gm.graph
+    gathered = _gathered_what(members)  # before the copy-in reads the members' prep chains
     members = sorted(members, key=lambda m: pos[m])
     first = members[0].meta["spmd_comm"]
     n = first["group_size"]
@@ -145,7 +146,7 @@ def _fuse(gm: fx.GraphModule, members: list[fx.Node], unit: str, pos: dict[fx.No
     sizes = [int(f.meta["val"].numel()) for f in flats]
     buf = add(aten.cat.default, (flats,))
     comm = fused_comm(
-        members, reason=f"FSDP: gather the {_gathered_what(members)} of unit {unit or '<root>'} in one collective",
+        members, reason=f"FSDP: gather the {gathered} of unit {unit or '<root>'} in one collective",
         label="unit", what="parameter gathers",
     )
     coll = add(c10d.all_gather_into_tensor.default, (buf, n, group), meta={"spmd_comm": comm, "spmd_param_gather": unit})

@@ -96,3 +96,24 @@ def test_batch_the_mesh_does_not_divide_trains_as_on_one_device():
     """3 rows on 4 ranks (shards 1, 1, 1, 0): no error to give, the uneven split is exact."""
     model = gpt2("sdpa").double()
     assert_training_matches(lm_step, copy.deepcopy(model), adamw, [batch(3), batch(5)], fake_mesh((4,), ("dp",)), sc.Plan())
+
+
+@pytest.mark.parametrize("plan", ["dp", "vocab_sharded"])
+def test_token_id_out_of_the_vocabulary_names_the_embedding(plan):
+    """A token id >= vocab_size (a tokenizer larger than the model): one device raises
+    IndexError, a vocab-sharded table would mask it out silently; ours names GPT-2's
+    ``wte``, the ids' range, the line in transformers that embeds them and a fix."""
+    model = gpt2("sdpa")
+    plan = sc.Plan(params={"transformer.wte.weight": [Shard(0)]}) if plan == "vocab_sharded" else sc.Plan()
+    ids, targets = batch(4)
+    ids[2, 3] = VOCAB + 5
+    one = copy.deepcopy(model)
+    with pytest.raises(IndexError):  # one device
+        lm_step(one, adamw(one.parameters()), ids, targets)
+    step = sc.compile(lm_step, mesh=fake_mesh((2,), ("dp",)), plan=plan)
+    with pytest.raises(ValueError) as info:
+        step(model, adamw(model.parameters()), ids, targets)
+    text = str(info.value)
+    assert f"token ids out of range for the Embedding 'transformer.wte' (table transformer.wte.weight with {VOCAB} rows)" in text, text
+    assert "batch[0] holds ids from " in text and f" to {VOCAB + 5} " in text, text
+    assert "modeling_gpt2.py" in text and "self.wte(" in text and f"fix: keep the ids below num_embeddings={VOCAB}" in text, text
