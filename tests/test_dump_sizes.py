@@ -102,3 +102,5 @@ def test_compile_dump_of_a_dynamic_program_on_the_fake_group(tmp_path, caplog):
     assert meta["sizes"][0]["last call"] == 12
     assert meta["memory"]["input_bytes"]["batch"] == 2 * 3 * 8 * 8 and meta["memory"]["peak_bytes"] > 0, meta["memory"]
     assert (folder / "memory.txt").read_text().startswith("batch sizes of the call: s3 = 12 (this rank: u0 = 3)")
+    # the step's own memory_trace(): at the last call's sizes (2 rows here, global 8)
+    assert step.memory_trace().input_bytes["batch"] == 2 * 2 * 8 * 8

@@ -411,12 +411,15 @@ class StepDriver:
 
     def memory_trace(self) -> Any:
         """Static memory trace of the last compiled graph: bytes alive per node and the
-        peak per rank per step (:func:`spmd_compiler.dump.memory_trace`)."""
+        peak per rank per step (:func:`spmd_compiler.dump.memory_trace`); a symbolic
+        program's (dynamic=True) at the batch sizes of the last call."""
         from ..dump.memory import memory_trace
+        from ..dump.sizes import SizeContext
 
         if self.last is None:
             raise RuntimeError("the step has not been compiled yet; call it once first")
-        return memory_trace(self.last.gm, backend=dist.get_backend() if dist.is_initialized() else None)
+        sizes = SizeContext(self.last, self._feed) if self.last.size_symbols and self._feed else None
+        return memory_trace(self.last.gm, backend=dist.get_backend() if dist.is_initialized() else None, sizes=sizes)
 
     def timings(self) -> dict[str, float]:
         """Seconds per compile phase of the last compile (trace, expand, rebuild, passes, total)."""
