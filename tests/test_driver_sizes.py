@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import re
 
 import pytest
 import torch
@@ -168,3 +169,39 @@ def _three_ranks(rank: int, world: int) -> dict:
 def test_three_ranks_uneven_and_empty_shards():
     for rank, res in enumerate(run_processes(_three_ranks, 3, timeout=400)):
         assert res["err"] < 1e-10 and res["compiles"] == 1, (rank, res)
+
+
+def _dumping_ranks(rank: int, world: int, root: str) -> dict:
+    import json
+    import os
+
+    os.environ["SPMD_COMPILER_DUMP_RANKS"] = "all"  # rank 1 writes its own folder too
+    train = _train(rank, world, threshold_step, [7, 8, 3], dump_dir=root)  # compiles at 7 (guard 4 < s) and at 3
+    out = {"train": train, "dumps": []}
+    for folder in sorted(p for p in os.listdir(root) if p.endswith(f"rank{rank}")):
+        path = os.path.join(root, folder)
+        meta = json.load(open(os.path.join(path, "meta.json")))
+        out["dumps"].append({"sizes": open(os.path.join(path, "sizes.txt")).read(), "memory": meta["memory"]})
+    return out
+
+
+def test_dumps_of_a_dynamic_program_show_each_ranks_sizes_at_the_compiling_call(tmp_path):
+    """compile(dynamic=True, dump_dir=...) on 2 gloo ranks dumps each symbolic program with
+    the sizes of the call that compiled it: each rank's local size expression and value,
+    and the memory trace at this rank's rows (rank 1 holds 3 of 7, not rank 0's 4)."""
+    for rank, res in enumerate(run_processes(_dumping_ranks, 2, str(tmp_path), timeout=400)):
+        train = res["train"]
+        assert train["err"] < 1e-10 and train["compiles"] == 2, (rank, train)
+        first, second = res["dumps"]
+        assert "| last call: 7" in first["sizes"] and "| last call: 3" in second["sizes"], res["dumps"]
+        mine = "  <- this program"
+        first["sizes"], second["sizes"] = (re.sub(r"\bs\d+\b", "s", d["sizes"]) for d in (first, second))
+        assert f"rank 0 (axis0=0): ceil(s/2) = 4{mine if rank == 0 else ''}\n" in first["sizes"], first["sizes"]
+        assert f"rank 1 (axis0=1): s - ceil(s/2) = 3{mine if rank == 1 else ''}\n" in first["sizes"], first["sizes"]
+        assert f"rank 1 (axis0=1): s - ceil(s/2) = 1{mine if rank == 1 else ''}\n" in second["sizes"], second["sizes"]
+        rows = [(4, 3), (2, 1)]  # this rank's rows of 7 and of 3
+        for dump, (r0, r1) in zip(res["dumps"], rows):
+            local = r0 if rank == 0 else r1
+            assert dump["memory"]["input_bytes"]["batch"] == 2 * local * 16 * 8, (rank, dump["memory"])
+            assert re.fullmatch(rf"batch sizes of the call: s\d+ = {7 if r0 == 4 else 3} \(this rank: u\d+ = {local}\)",
+                                dump["memory"]["at"]), dump

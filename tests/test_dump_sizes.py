@@ -4,10 +4,13 @@ the values of the last call (spmd_compiler/dump/sizes.py)."""
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import sympy
 import torch
+
+import spmd_compiler as sc
 
 from spmd_compiler.dump.sizes import evaluate, readable
 from spmd_compiler.expand.chunks import local_size
@@ -63,3 +66,41 @@ def test_dump_of_a_dynamic_dp_program_shows_each_ranks_size_and_the_last_call(tm
     assert entry["last call"] == 7 and [r["value"] for r in entry["local"][0]["ranks"]] == [3, 3, 1]
     report = (folder / "report.html").read_text()
     assert "<h2>Batch sizes</h2>" in report and "Max(0, s3 - 2*ceil(s3/3)) = 1" in report and "size: 8*s3 = 56" in report
+    # the memory trace is counted at the last call's sizes (rank 0 holds 3 rows of 7), not
+    # at the compile's example sizes (4 rows of 10): two batch inputs of 3 x 8 float64
+    memory = (folder / "memory.txt").read_text()
+    assert memory.startswith("batch sizes of the call: s3 = 7 (this rank: u0 = 3)\n"), memory
+    assert meta["memory"]["input_bytes"]["batch"] == 2 * 3 * 8 * 8, meta["memory"]
+
+
+def test_compile_dump_of_a_dynamic_program_on_the_fake_group(tmp_path, caplog):
+    """compile(dynamic=True, dump_dir=...) writes the dump of the symbolic program (no
+    WARNING), with the sizes of the call that compiled it: on the fake group every rank is
+    taken to hold this rank's rows (3 of 4 ranks: global 12)."""
+    mesh = fake_mesh((4,), ("dp",))
+    model = MLP(8, 6).double()
+    step = sc.compile(mse_train_step, mesh=mesh, dynamic=True, dump_dir=str(tmp_path))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with caplog.at_level(logging.INFO, logger="spmd_compiler"):
+        for b in (3, 2):
+            step(model, opt, torch.randn(b, 8, dtype=torch.float64), torch.randn(b, 8, dtype=torch.float64))
+    assert step.compiles == 1 and len(step.dumps) == 1, step.dumps
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], [r.getMessage() for r in caplog.records]
+    assert any("memory per rank per step (static trace, batch sizes s3 = 12 (this rank: u0 = 3))" in r.getMessage()
+               for r in caplog.records)
+    folder = step.dumps[0]
+    sizes = (folder / "sizes.txt").read_text()
+    assert "s3: batch[0] dim 0 (input size_s3; also batch[1] dim 0) | last call: 12" in sizes, sizes
+    assert "rank 0 (dp=0): ceil(s3/4) = 3  <- this program" in sizes and "rank 3 (dp=3): Max(0, s3 - 3*ceil(s3/4)) = 3" in sizes
+    # the driver's annotated graphs (before and after the passes) carry the call's values too
+    expanded = (folder / "expanded.py").read_text()
+    assert "| global [s3, 8] = [12, 8] | local [u0, 8] = [3, 8] | batch batch[0]" in expanded
+    assert "# size: 8*s3 = 96" in expanded
+    last_pass = sorted(folder.glob("pass_*.py"))[-1].read_text()
+    assert "# size: 8*s3 = 96" in last_pass
+    meta = json.loads((folder / "meta.json").read_text())
+    assert meta["sizes"][0]["last call"] == 12
+    assert meta["memory"]["input_bytes"]["batch"] == 2 * 3 * 8 * 8 and meta["memory"]["peak_bytes"] > 0, meta["memory"]
+    assert (folder / "memory.txt").read_text().startswith("batch sizes of the call: s3 = 12 (this rank: u0 = 3)")
+    # the step's own memory_trace(): at the last call's sizes (2 rows here, global 8)
+    assert step.memory_trace().input_bytes["batch"] == 2 * 2 * 8 * 8

@@ -5,6 +5,7 @@ wrong collective counts."""
 from __future__ import annotations
 
 import copy
+import operator
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from spmd_compiler.testing import (
     assert_spmd_matches,
     assert_training_matches,
     distribution_of,
+    fake_mesh,
     rank_coordinates,
 )
 from spmd_compiler.testing.models import MLP, megatron_mlp_plan
@@ -156,3 +158,94 @@ def test_bad_expectations_are_rejected(mesh4):
         assert_distributed(step, collectives=0)
     with pytest.raises(ValueError, match="expected a count >= 0"):
         assert_distributed(step, collectives={"all_reduce": -1})
+
+
+# ----------------------------------------------------------------------------- symbolic programs (dynamic=True)
+
+def _cumsum_step(model, optimizer, x, y):
+    loss = (model(x).cumsum(0) * y).mean()  # the cumsum over the sharded batch gathers it (padded when uneven)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def _dynamic_sim(fn, ranks=3):
+    torch.manual_seed(0)
+    model = MLP(8, 6).double()
+    sim = SimulatedTraining(fn, model, torch.optim.SGD(model.parameters(), lr=0.1), fake_mesh((ranks,), ("dp",)), dynamic=True)
+    for b in (10, 7):
+        sim.step(torch.randn(b, 8, dtype=torch.float64), torch.randn(b, 8, dtype=torch.float64))
+    assert sim.compiles == 1, sim.reasons
+    return sim
+
+
+def _each_program(sim):
+    return list({id(e.gm): e.gm for e in sim.expansions.values()}.values())
+
+
+def test_symbolic_program_is_checked_at_even_and_uneven_batch_sizes():
+    """A dynamic=True program takes the batch size as an input: it is fed sizes even and
+    uneven over 3 ranks (and fewer rows than ranks) and run on fake tensors per rank."""
+    sim = _dynamic_sim(mse_step)
+    dist = assert_distributed(sim, dynamic=True, collectives={"optimizer/all_reduce/dp": 1}, sharded=["batch[0]", "batch[1]"])
+    assert dist.batch_sizes == (1, 2, 3, 4, 7, 12, 15), dist
+    assert any(b % 3 for b in dist.batch_sizes) and dist.placements["batch[0]"] == "S(0)"
+    assert assert_distributed(sim, batch_sizes=[5, 2]).batch_sizes == (2, 5)
+    sim.step(torch.randn(5, 8, dtype=torch.float64), torch.randn(5, 8, dtype=torch.float64))
+    assert sim.compiles == 1, sim.reasons  # checking added no guard to the program's sizes
+    cumsum = _dynamic_sim(_cumsum_step)
+    gathers = assert_distributed(cumsum, dynamic=True, collectives={"forward/all_gather": 1})
+    assert gathers.count("all_gather") == 2  # forward gather of the cumsum input, backward of its gradient
+    assert gathers.batch_sizes == (2, 3, 4, 7, 12, 15)  # 1 breaks one of the program's size guards: skipped
+    with pytest.raises(AssertionError, match=r"does not serve batch size 1: .*expected batch_sizes the program serves"):
+        assert_distributed(cumsum, batch_sizes=[1])
+    # dynamic=True insists on a symbolic program; a program for one shape fails it
+    with pytest.raises(AssertionError, match="dynamic=True: expected a symbolic program"):
+        assert_distributed(_expand(fake_mesh((4,), ("dp",))), dynamic=True)
+    with pytest.raises(AssertionError, match="dynamic=False: expected a program compiled for one batch shape"):
+        assert_distributed(sim, dynamic=False)
+    with pytest.raises(ValueError, match="batch_sizes=.* is for symbolic programs"):
+        assert_distributed(_expand(fake_mesh((4,), ("dp",))), batch_sizes=[4])
+
+
+def test_symbolic_program_with_a_wrong_size_node_fails():
+    """The MSE mean divides by the global count 8*B, an integer node of the program: made
+    4*B on one rank, the run at the first size names the node, the rank and both values."""
+    sim = _dynamic_sim(mse_step)
+    gm = sim.expansions[(1,)].gm
+    (count,) = [n for n in gm.graph.nodes if n.target is operator.mul and n.args[0] == 8]
+    count.args = (4, count.args[1])
+    gm.recompile()
+    with pytest.raises(AssertionError, match=r"coordinate \(1,\), global batch size 1: size node mul_\d+ \(mul\) computes 4, but "
+                                             r"the program records 8\*s\d+ = 8 for this size"):
+        assert_distributed(sim)
+
+
+def test_symbolic_program_with_an_unpadded_gather_fails_at_uneven_sizes_only():
+    """The cumsum gathers the batch, each rank's piece padded to ceil(B/3) rows first. With
+    the padding dropped from the all_gather every even size still passes (equal pieces);
+    the uneven sizes the check feeds by default catch it."""
+    sim = _dynamic_sim(_cumsum_step)
+    for gm in _each_program(sim):
+        gather = next(n for n in gm.graph.nodes if n.target is torch.ops._c10d_functional.all_gather_into_tensor.default)
+        padded = gather.args[0]  # contiguous(cat(local rows, new_zeros(pad rows)))
+        assert padded.args[0].target is torch.ops.aten.cat.default, padded.format_node()
+        gather.args = (padded.args[0].args[0][0], *gather.args[1:])
+        gm.recompile()
+    assert assert_distributed(sim, batch_sizes=[3, 6, 12]).batch_sizes == (3, 6, 12)  # every piece equal: nothing to see
+    with pytest.raises(AssertionError, match=r"coordinate \(2,\), global batch size 2: all_gather_into_tensor\S* .*\(from cumsum, "
+                                             r"test_testing_checks.py:\d+: loss = \(model\(x\).cumsum\(0\) \* y\).mean\(\)\) has shape "
+                                             r"\[0, 8\], but the program records \[3\*u\d+, 8\] = \[3, 8\] for this size"):
+        assert_distributed(sim)
+
+
+def test_collective_buffers_must_agree_across_the_ranks_of_a_group():
+    from spmd_compiler.testing.symbolic_checks import _same_buffers
+
+    same = {(0, 0): [("all_gather", "dp", (3, 6), "ag")], (1, 0): [("all_gather", "dp", (3, 6), "ag")],
+            (0, 1): [("all_gather", "dp", (2, 6), "ag")], (1, 1): [("all_gather", "dp", (2, 6), "ag")]}
+    _same_buffers(same, ("dp", "tp"), 7)  # groups of dp: {(0,0),(1,0)} and {(0,1),(1,1)}, each one shape
+    differ = {**same, (1, 1): [("all_gather", "dp", (1, 6), "ag")]}
+    with pytest.raises(AssertionError, match=r"batch size 7: all_gather over mesh axis dp .*\(0, 1\): ag \[2, 6\], \(1, 1\): ag \[1, 6\]"):
+        _same_buffers(differ, ("dp", "tp"), 7)

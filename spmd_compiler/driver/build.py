@@ -199,12 +199,16 @@ def optimize_program(
     after: Callable[[str, Any], None] | None = None
     if texts is not None:
         from ..dump.printer import annotated_code
+        from ..dump.sizes import SizeContext
 
-        texts["expanded"] = annotated_code(step.gm, title="per-rank graph after expansion")
+        # a symbolic program: its size expressions with the values of the call being compiled
+        values = texts.get("size_values")
+        sizes = SizeContext(step, values(step)) if step.size_symbols and values is not None else None
+        texts["expanded"] = annotated_code(step.gm, title="per-rank graph after expansion", sizes=sizes)
         texts["passes"] = []
 
         def record(name: str, gm: Any) -> None:
-            texts["passes"].append((name, annotated_code(gm, title=f"after pass {name}")))
+            texts["passes"].append((name, annotated_code(gm, title=f"after pass {name}", sizes=sizes)))
 
         after = record
 

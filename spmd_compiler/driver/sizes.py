@@ -142,6 +142,13 @@ class SizeProgram:
         return feed, None
 
 
+def _positions(step: Any, dims: list[ShardedDim]) -> Any:
+    """``position(size symbol of step)``: the index in ``dims`` of the batch dim it reads."""
+    where = {(sd.leaf, sd.dim): j for j, sd in enumerate(dims)}
+    inputs = step.traced.inputs
+    return lambda s: where[(inputs[s.index].index, s.dim)]
+
+
 class _Waited:
     """A step check that already waited (a symbolic program needs the sizes first)."""
 
@@ -221,9 +228,10 @@ class BatchSizes:
 
     def everyone(self, program: Any, reduced: list[int] | None, mine: list[int]) -> list[tuple[tuple[int, ...], list[int]]]:
         """Every rank's (coordinate, local sizes) from the reduced slots."""
-        n = len(program.dims)
         if reduced is None:  # one process, or the fake group: even shards assumed, as global_batch does
-            return [(c, list(mine)) for c in self.coords]
+            # (the mesh's ranks only: a fake group's world may be larger than the mesh)
+            return [(c, list(mine)) for c in self.coords if len(c) == len(self.mesh_shape)]
+        n = len(program.dims)
         return [(self.coords[r], list(reduced[r * n : (r + 1) * n])) for r in range(self.world)]
 
     def wait(self, program: Any, check: Any, batch: tuple, kwargs: dict) -> tuple[list[int], Any]:
@@ -247,16 +255,29 @@ class BatchSizes:
         together (it gathers every rank's size guards, once per compile)."""
         if not step.size_symbols:
             return None
-        where = {(sd.leaf, sd.dim): j for j, sd in enumerate(dims)}
-        inputs = step.traced.inputs
-
-        def position(s: Any) -> int:
-            return where[(inputs[s.index].index, s.dim)]
-
+        position = _positions(step, dims)
         symbols = [s.symbol for s in step.size_symbols]
         aliases = [(a.label, position(a), symbols.index(a.symbol)) for a in step.size_guards.aliases if a.symbol in symbols]
         guards = exchange(step.size_guards) if self.exchanged else [step.size_guards]
         return SizeProgram(dims, [position(s) for s in step.size_symbols], symbols, aliases, list(guards))
+
+    def call_values(self, batch: tuple, kwargs: dict, everyone: list[Any] | None) -> Any:
+        """``f(step)``: the global sizes of this call in the order of ``step.size_symbols``
+        (the ``size_*`` inputs a symbolic step is fed; None for another step or unknown
+        sizes), from ``everyone``, every rank's local sizes exchanged to agree on the program."""
+        dims = self.dims(batch, kwargs)
+        return lambda step: self.step_values(step, dims, everyone) if step.size_symbols and everyone and dims is not None else None
+
+    def step_values(self, step: Any, dims: list[ShardedDim], everyone: list[Any]) -> list[int]:
+        """The global sizes a symbolic ``step`` is fed for a call (in ``step.size_symbols``
+        order) from every rank's ``(coordinate, local sizes)`` of ``dims`` (the exchange
+        that agrees on the program; one process and the fake group: this rank's sizes on
+        every rank). Raises ValueError as :func:`global_sizes` does."""
+        if not self.exchanged:
+            everyone = self.everyone(None, None, everyone[0][1])
+        sizes = global_sizes(dims, everyone, self.mesh_shape)
+        position = _positions(step, dims)
+        return [sizes[position(s)] for s in step.size_symbols]
 
     def pick(self, programs: Any, free: tuple, everyone: list[Any]) -> tuple[Any, list[int], str | None]:
         """The key in ``programs`` (the step's compile cache, least recently used first) of

@@ -85,6 +85,7 @@ class StepDriver:
             self.options = dataclasses.replace(self.options, dynamic=False)
         self._sizes: BatchSizes | None = None  # dynamic=True: the ranks' agreement on the batch sizes
         self._feed: list[int] = []  # the size_* inputs of the running call
+        self._compiling: list[Any] | None = None  # dynamic=True: every rank's local sizes of the call being compiled
         self._mesh_arg = mesh
         self._mesh: DeviceMesh | None = mesh if isinstance(mesh, DeviceMesh) else None
         self.plan = plan or Plan()
@@ -221,6 +222,7 @@ class StepDriver:
         if program is not None:
             self._programs.move_to_end(everyone)
             return program
+        self._compiling = [p[2] for p in payloads] if self._sizes is not None else None  # every rank's sizes, for dumps
         program = self._compile(model, optimizer, batch, kwargs, reason or why_recompile(self._last_key, key))
         known = len(self._states.value_guards)
         self._states.add_value_guards(getattr(getattr(program.step, "traced", None), "value_guards", []))
@@ -279,8 +281,18 @@ class StepDriver:
 
             log.info("collectives per rank per step:\n%s", comm_summary(step.gm).table())
             backend = dist.get_backend() if dist.is_initialized() else None
-            if not step.size_symbols:  # a symbolic program's bytes depend on the batch sizes of each call
+            if not step.size_symbols:
                 log.info("memory per rank per step (static trace):\n%s", memory_trace(step.gm, backend=backend).table())
+            else:  # a symbolic program's bytes depend on the batch sizes of each call: this one's
+                from ..dump.sizes import SizeContext
+
+                try:
+                    ctx = SizeContext(step, self._sizes.call_values(batch, kwargs, self._compiling)(step) if self._sizes else None)
+                except ValueError:  # a batch not laid out as torch.chunk cuts it: raised below, on every rank
+                    ctx = SizeContext(step)
+                log.info("memory per rank per step (static trace, %s):\n%s",
+                         f"batch sizes {ctx.call_text()}" if ctx.values is not None else "the trace's example sizes",
+                         memory_trace(step.gm, backend=backend, sizes=ctx if ctx.values is not None else None).table())
             log.info(
                 "compiled %s in %.2fs (%s): %d nodes, %d collectives", name, elapsed,
                 ", ".join(f"{k} {v:.2f}s" for k, v in step.timings.items() if not k.startswith("pass ") and k != "total"),
@@ -313,16 +325,18 @@ class StepDriver:
         if not self._dumping():
             return
         name = getattr(self.fn, "__name__", "step")
-        if step.size_symbols:  # its static memory trace needs concrete sizes (docs/dynamic_shapes.md, "left")
-            log.warning("dump of %s skipped: a dynamic=True program has symbolic batch sizes, which dumps do not "
-                        "print yet; fix: compile with dynamic=False to dump the program of one batch shape", name)
-            return
+        values = texts["size_values"](step) if step.size_symbols and texts.get("size_values") else None
         folder = write_dump(
             dump_root(self.dump_dir), step, name=name, expanded_text=texts.get("expanded"), pass_texts=texts.get("passes", []),
-            info={"world size": dist.get_world_size() if dist.is_initialized() else 1},
+            info={"world size": dist.get_world_size() if dist.is_initialized() else 1}, sizes=values,
         )
         self.dumps.append(folder)
         log.info("dump of %s written to %s", name, folder)
+
+    def _dump_texts(self, batch: tuple, kwargs: dict) -> dict[str, Any]:
+        """What ``_build`` records for a dump: the annotated graphs go in it; a symbolic
+        program's texts and dump show the sizes of the call being compiled (``size_values``)."""
+        return {"size_values": self._sizes.call_values(batch, kwargs, self._compiling)} if self._sizes is not None else {}
 
     def _run(self, step: Any, model: Any, optimizer: Any, batch: tuple, kwargs: dict, check: Callable[[], None]) -> Any:
         """Run ``step``; call ``check()`` before its first collective, write or random op
@@ -354,12 +368,15 @@ class StepDriver:
 
     def memory_trace(self) -> Any:
         """Static memory trace of the last compiled graph: bytes alive per node and the
-        peak per rank per step (:func:`spmd_compiler.dump.memory_trace`)."""
+        peak per rank per step (:func:`spmd_compiler.dump.memory_trace`); a symbolic
+        program's (dynamic=True) at the batch sizes of the last call."""
         from ..dump.memory import memory_trace
+        from ..dump.sizes import SizeContext
 
         if self.last is None:
             raise RuntimeError("the step has not been compiled yet; call it once first")
-        return memory_trace(self.last.gm, backend=dist.get_backend() if dist.is_initialized() else None)
+        sizes = SizeContext(self.last, self._feed) if self.last.size_symbols and self._feed else None
+        return memory_trace(self.last.gm, backend=dist.get_backend() if dist.is_initialized() else None, sizes=sizes)
 
     def timings(self) -> dict[str, float]:
         """Seconds per compile phase of the last compile (trace, expand, rebuild, passes, total)."""

@@ -22,6 +22,11 @@ second buffer of its output's size, ``reduce_scatter_tensor`` one of its input's
 from issue to wait). What it does not see: other backends' internal buffers, the 0-d
 tensors a Python number becomes inside an op (``x + 1``: 12 bytes), the allocator's
 rounding and caching, and the Python objects around the tensors.
+
+A symbolic program (``dynamic=True``) has shapes in the batch size symbols: with
+``sizes`` (a :class:`~spmd_compiler.dump.sizes.SizeContext` that knows the global sizes
+of a call) every size is that call's value for the program's rank; without it, the
+example call's (rank 0's local size).
 """
 
 from __future__ import annotations
@@ -103,7 +108,12 @@ class MemoryTrace:
         return self.table()
 
 
-def _int(x: Any) -> int:
+def _int(x: Any, sizes: Any = None) -> int:
+    if isinstance(x, torch.SymInt) and sizes is not None:  # a call's sizes (dump.sizes.SizeContext)
+        try:
+            return sizes.value(x)
+        except (ValueError, TypeError):  # a size the batch sizes do not determine: its hint, below
+            pass
     if isinstance(x, torch.SymInt):  # dynamic=True: the example call's size (rank 0's for a local size)
         from ..expand.symbolic import size_hint
 
@@ -119,11 +129,12 @@ def _int(x: Any) -> int:
         return int(hint) if hint is not None else 0
 
 
-def tensor_bytes(t: torch.Tensor) -> int:
-    """Bytes of the storage a fresh tensor like ``t`` needs (its strides' extent)."""
-    if _int(t.numel()) == 0:
+def tensor_bytes(t: torch.Tensor, sizes: Any = None) -> int:
+    """Bytes of the storage a fresh tensor like ``t`` needs (its strides' extent);
+    ``sizes``: the SizeContext symbolic sizes are evaluated with (see the module doc)."""
+    if _int(t.numel(), sizes) == 0:
         return 0
-    extent = 1 + sum((_int(s) - 1) * abs(_int(st)) for s, st in zip(t.shape, t.stride()))
+    extent = 1 + sum((_int(s, sizes) - 1) * abs(_int(st, sizes)) for s, st in zip(t.shape, t.stride()))
     return extent * t.element_size()
 
 
@@ -136,7 +147,7 @@ def _returns_alias(target: Any) -> bool:
     return bool(rets and rets[0].alias_info is not None)
 
 
-def _copies(node: fx.Node) -> bool:
+def _copies(node: fx.Node, sizes: Any = None) -> bool:
     """Whether a ``reshape`` / ``contiguous`` (aliasing in the schema) copies here."""
     src, out = node.args[0], node.meta.get("val")
     src_val = src.meta.get("val") if isinstance(src, fx.Node) else None
@@ -144,9 +155,9 @@ def _copies(node: fx.Node) -> bool:
         return True
     if node.target is torch.ops.aten.contiguous.default:
         return not src_val.is_contiguous()
-    probe = torch.empty_strided([_int(s) for s in src_val.shape], [_int(s) for s in src_val.stride()], device="meta")
+    probe = torch.empty_strided([_int(s, sizes) for s in src_val.shape], [_int(s, sizes) for s in src_val.stride()], device="meta")
     try:
-        probe.view([_int(s) for s in out.shape])
+        probe.view([_int(s, sizes) for s in out.shape])
     except RuntimeError:
         return True
     return False
@@ -172,10 +183,12 @@ def _what(n: fx.Node) -> str:
     return f"{phase} {getattr(n.target, '__name__', str(n.target))}"
 
 
-def memory_trace(gm: fx.GraphModule, *, backend: str | None = None) -> MemoryTrace:
+def memory_trace(gm: fx.GraphModule, *, backend: str | None = None, sizes: Any = None) -> MemoryTrace:
     """The bytes alive at each node of the per-rank program ``gm`` and the peak (see the
     module doc). ``backend``: the process group's backend (``"gloo"`` adds the buffers its
-    collectives stage while in flight; others, or None, add nothing)."""
+    collectives stage while in flight; others, or None, add nothing). ``sizes``: for a
+    symbolic program, the :class:`~spmd_compiler.dump.sizes.SizeContext` of the call
+    whose sizes the bytes are counted at."""
     staging = STAGING.get(backend or "", {})
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
@@ -190,7 +203,7 @@ def memory_trace(gm: fx.GraphModule, *, backend: str | None = None) -> MemoryTra
             if isinstance(val, torch.Tensor):
                 inp = n.meta.get("spmd_input")
                 kind = getattr(inp, "kind", "input")
-                nbytes = tensor_bytes(val)
+                nbytes = tensor_bytes(val, sizes)
                 storages[n] = [0, end, nbytes, kind]
                 input_bytes[kind] = input_bytes.get(kind, 0) + nbytes
                 holds[n] = [n]
@@ -209,7 +222,7 @@ def memory_trace(gm: fx.GraphModule, *, backend: str | None = None) -> MemoryTra
             else:
                 holds[n] = [parent[i]] if isinstance(i, int) else list(parent)
         elif n.op == "call_function" and src is not None and _returns_alias(n.target) and not (
-            n.target in _MAYBE_COPY and _copies(n)
+            n.target in _MAYBE_COPY and _copies(n, sizes)
         ):
             holds[n] = list(holds.get(src, []))
         else:
@@ -219,7 +232,7 @@ def memory_trace(gm: fx.GraphModule, *, backend: str | None = None) -> MemoryTra
                 if t is None:
                     continue
                 sid = (n, j)
-                storages[sid] = [pos[n], pos[n], tensor_bytes(t), what]
+                storages[sid] = [pos[n], pos[n], tensor_bytes(t, sizes), what]
                 ids.append(sid)
             if isinstance(val, (list, tuple)):
                 holds[n] = [(n, j) if t is not None else None for j, t in enumerate(_tensors(val))]
@@ -234,7 +247,7 @@ def memory_trace(gm: fx.GraphModule, *, backend: str | None = None) -> MemoryTra
             like = val if staging[kind] == "output" else (src.meta.get("val") if src is not None else None)
             if isinstance(like, torch.Tensor):
                 until = max(pos[u] for u in n.users)  # its wait
-                storages[(n, "staging")] = [pos[n], until, tensor_bytes(like), f"{n.meta.get('spmd_phase', '?')} {kind} staging ({backend})"]
+                storages[(n, "staging")] = [pos[n], until, tensor_bytes(like, sizes), f"{n.meta.get('spmd_phase', '?')} {kind} staging ({backend})"]
     delta = [0] * (len(nodes) + 1)
     for first, last, nbytes, _ in storages.values():
         delta[first] += nbytes

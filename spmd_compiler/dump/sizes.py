@@ -21,9 +21,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import sympy
+import torch
 
 from .. import _private_torch as pt
-from ..expand.symbolic import coordinate_symbol
+from ..expand.symbolic import coordinate_symbol, resolve
 
 __all__ = ["readable", "SizeContext"]
 
@@ -127,6 +128,28 @@ class SizeContext:
         self.coord_symbols = [coordinate_symbol(a) for a in self.axis_names]
         self.coordinates = dict(zip(self.coord_symbols, step.mctx.coordinate))
         self.values = {s.symbol: int(v) for s, v in zip(self.symbols, values)} if values is not None else None
+
+    def value(self, x: Any) -> int:
+        """The value of a size (int, SymInt or sympy expression in the size, local size and
+        coordinate symbols) for this rank and the last call. Raises ValueError without a
+        last call, or for a symbol the sizes do not determine (a data-dependent size)."""
+        if isinstance(x, int):
+            return x
+        if self.values is None:
+            raise ValueError("no call's sizes are known: SizeContext(step, values) needs the values of a call")
+        expr = pt.sym_expr(x) if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)) else sympy.sympify(x)
+        out = evaluate(resolve(expr, self.definitions), self.coordinates, self.values)
+        if not isinstance(out, int):
+            raise ValueError(f"size {expr} is not an integer for the sizes {self.values}: {out}")
+        return out
+
+    def call_text(self) -> str:
+        """``s3 = 7 (local u0 = 4)``: the sizes of the last call for this rank ('' if unknown)."""
+        if self.values is None:
+            return ""
+        out = ", ".join(f"{k} = {v}" for k, v in self.values.items())
+        local = ", ".join(f"{u} = {self.value(d)}" for u, d in self.definitions.items())
+        return out + (f" (this rank: {local})" if local else "")
 
     def rank_coordinates(self) -> list[dict[Any, int]]:
         return [dict(zip(self.coord_symbols, c)) for c in itertools.product(*[range(n) for n in self.mesh_shape])]

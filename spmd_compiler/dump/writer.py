@@ -11,7 +11,8 @@ Layout of ``<dump_dir>/<step>-<NNN>-rank<R>/``:
 ``comm_summary.json``  count and bytes per phase, kind and mesh axis (and ``.txt``)
 ``memory.txt``         static memory trace: peak bytes per rank, what is alive there
 ``sizes.txt``          dynamic=True: each batch size symbol, each rank's local size
-                       expression, the values of the last call (when known)
+                       expression, the values of the last call (when known); the
+                       memory trace is then counted at that call's sizes
 ``meta.json``          mesh, coordinate, plan source of every input, timings
 ``report.html``        self-contained, searchable report (open in a browser)
 =====================  =====================================================
@@ -122,7 +123,9 @@ def write_dump(
     (folder / "comm_summary.json").write_text(summary.to_json())
     (folder / "comm_summary.txt").write_text(summary.table() + "\n")
     backend = dist.get_backend() if dist.is_initialized() else None
-    (folder / "memory.txt").write_text(memory_trace(final, backend=backend).table(top=20) + "\n")
+    memory = memory_trace(final, backend=backend, sizes=ctx if ctx is not None and ctx.values is not None else None)
+    at = _memory_sizes(ctx)
+    (folder / "memory.txt").write_text((f"{at}\n" if at else "") + memory.table(top=20) + "\n")
     (folder / "collectives.json").write_text(json.dumps(collectives_table(final), indent=1))
     meta = {
         "name": name,
@@ -138,9 +141,20 @@ def write_dump(
         ],
         "passes": [p for p, _ in pass_texts],
         **({"sizes": ctx.as_json()} if ctx is not None else {}),
+        "memory": {"peak_bytes": memory.peak_bytes, "peak_node": memory.peak_node, "input_bytes": memory.input_bytes,
+                   **({"at": at} if at else {})},
         **(info or {}),
     }
     (folder / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
     (folder / "report.html").write_text(render_report(step, summary, title=f"spmd-compiler: {name}", info=info, sizes=ctx))
     log.info("wrote dump %s", folder)
     return folder
+
+
+def _memory_sizes(ctx: SizeContext | None) -> str:
+    """The first line of a symbolic program's memory.txt: the sizes its bytes are for."""
+    if ctx is None:
+        return ""
+    if ctx.values is None:
+        return "batch sizes: the trace's example sizes (rank 0's local sizes); no call's sizes were given"
+    return f"batch sizes of the call: {ctx.call_text()}"

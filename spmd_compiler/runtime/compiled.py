@@ -59,7 +59,7 @@ class CompiledStep(StepDriver):
     def _build(self, model: Any, optimizer: Any, batch: tuple, kwargs: dict) -> tuple[Any, dict[str, Any]]:
         mesh = self.mesh
         args, kw = global_batch(batch, kwargs, mesh, self.plan, exchange)
-        texts: dict[str, Any] | None = {} if self._dumping() else None
+        texts: dict[str, Any] | None = self._dump_texts(batch, kwargs) if self._dumping() else None
         step = build_program(
             self.fn, model, optimizer, args, kw, mesh, self.plan, self._sizes.options(self.options, batch, kwargs) if self._sizes else self.options,
             coordinate=tuple(mesh.get_coordinate()), cache=self.cache, texts=texts,

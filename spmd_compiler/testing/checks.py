@@ -27,6 +27,7 @@ Terms:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +39,7 @@ from .. import _private_torch as pt
 from ..dump.summary import PHASE_ORDER, CommSummary, comm_summary
 from ..expand.redistribute import COLLECTIVE_OPS
 from ..expand.values import placements_text
+from .symbolic_checks import check_run, default_batch_sizes, is_symbolic, mesh_shape_of, served_sizes, size_contexts
 
 __all__ = ["Distribution", "assert_distributed", "distribution_of"]
 
@@ -57,6 +59,8 @@ class Distribution:
         sharded: labels of the sharded inputs (see the module docstring).
         comm: collectives per rank per step (the first checked coordinate's program;
             every other one was checked to have the same kinds and counts).
+        batch_sizes: for a symbolic program (``dynamic=True``), the global batch sizes
+            it was fed and checked at (placements and ``sharded`` are those of the largest).
     """
 
     mesh: dict[str, int]
@@ -64,6 +68,7 @@ class Distribution:
     placements: dict[str, str]
     sharded: tuple[str, ...]
     comm: CommSummary = field(repr=False)
+    batch_sizes: tuple[int, ...] = ()  # a symbolic program (dynamic=True): the global batch sizes it was checked at
 
     @property
     def num_collectives(self) -> int:
@@ -88,7 +93,7 @@ class Distribution:
         return f"mesh {self.mesh}; inputs {shown}; sharded inputs [{sharded}]; collectives {comm}"
 
 
-def distribution_of(program: Any) -> Distribution:
+def distribution_of(program: Any, *, batch_sizes: Sequence[int] | None = None) -> Distribution:
     """Check every input's local shape against the plan the program records; report how
     it is distributed.
 
@@ -96,8 +101,34 @@ def distribution_of(program: Any) -> Distribution:
     by its placements at its rank's coordinate, when the recorded specs disagree, or when
     two ranks' programs have different collectives. Raises TypeError for an argument
     that is not a program (see the module docstring for what is accepted).
+
+    A symbolic program (``dynamic=True``: batch sizes are inputs) is checked at each of
+    ``batch_sizes`` (default: even and uneven sizes for the mesh, fewer rows than ranks
+    included), fed like a call of that size, and run on fake tensors
+    (:mod:`.symbolic_checks`).
     """
     programs = _programs(program)
+    if not any(is_symbolic(gm) for _, gm, _ in programs):
+        if batch_sizes is not None:
+            raise ValueError(f"batch_sizes={list(batch_sizes)!r} is for symbolic programs (dynamic=True); this program "
+                             f"was compiled for one batch shape")
+        return _distribution(programs)
+    if batch_sizes is not None:
+        batch_sizes = list(batch_sizes)
+        if not batch_sizes or any(isinstance(b, bool) or not isinstance(b, int) or b < 0 for b in batch_sizes):
+            raise ValueError(f"batch_sizes={batch_sizes!r}: expected a non-empty list of global batch sizes >= 0")
+    sizes = served_sizes(programs, batch_sizes if batch_sizes is not None else default_batch_sizes(mesh_shape_of(programs)),
+                         explicit=batch_sizes is not None)
+    for b in sorted(sizes):
+        contexts = size_contexts(programs, b)
+        found = _distribution(programs, contexts, b)
+        check_run(programs, contexts, b)
+    return dataclasses.replace(found, batch_sizes=tuple(sorted(sizes)))
+
+
+def _distribution(programs: list[tuple[tuple[int, ...], fx.GraphModule, Any]], contexts: Mapping[Any, Any] | None = None,
+                  size: int | None = None) -> Distribution:
+    """distribution_of for ``programs`` (symbolic ones: at the sizes of ``contexts``, per coordinate)."""
     placements: dict[str, str] = {}
     sharded: list[str] = []
     summaries: dict[int, tuple[tuple[int, ...], CommSummary]] = {}
@@ -107,13 +138,15 @@ def distribution_of(program: Any) -> Distribution:
         mesh = dict(zip(axis_names, mesh_shape))
         if len(coord) != len(mesh_shape):
             raise AssertionError(f"coordinate {coord} has {len(coord)} entries; expected one per axis of mesh {mesh}")
+        value = contexts[coord].value if contexts is not None else int
         for label, kind, spec, node in inputs:
-            global_shape = tuple(int(s) for s in spec.shape)
+            global_shape = tuple(value(s) for s in spec.shape)
             want = local_shape(global_shape, spec.placements, mesh_shape, coord)
-            got = tuple(int(s) for s in node.meta["val"].shape)
+            got = tuple(value(s) for s in node.meta["val"].shape)
             if got != want:
+                at = f" at global batch size {size} (local {list(node.meta['val'].shape)})" if size is not None else ""
                 raise AssertionError(
-                    f"{kind} input {label!r} on the rank at coordinate {coord}: local shape {list(got)}, expected "
+                    f"{kind} input {label!r} on the rank at coordinate {coord}{at}: local shape {list(got)}, expected "
                     f"{list(want)} (global {list(global_shape)} split by {placements_text(spec.placements)} over mesh "
                     f"{mesh}); the per-rank program does not hold the shard its plan says"
                 )
@@ -139,6 +172,8 @@ def assert_distributed(
     *,
     collectives: int | Mapping[str, int] | None = None,
     sharded: Collection[str] | None = None,
+    dynamic: bool | None = None,
+    batch_sizes: Sequence[int] | None = None,
 ) -> Distribution:
     """Assert that ``program`` is really distributed, as its plan says.
 
@@ -152,6 +187,14 @@ def assert_distributed(
       gives the exact count for each collective key (``{"all_reduce/dp": 4,
       "all_gather": 0}``, see the module docstring);
     * ``sharded``: labels of inputs that must be sharded (``["l1.weight", "batch[0]"]``).
+    * a symbolic program (``dynamic=True``, batch sizes are inputs; detected): all of the
+      above at each of ``batch_sizes`` (default: even and uneven global sizes for the mesh,
+      fewer rows than ranks included), fed as a call of that size, plus a run on fake
+      tensors where every shape and integer size the program computes must be what it
+      records for that size and every collective's buffer the same shape on every rank
+      of its group (:mod:`.symbolic_checks`). ``dynamic=True`` also requires the program
+      to be symbolic (a step that fell back to one program per shape fails), ``False``
+      requires one compiled for one shape.
 
     Returns the :class:`Distribution` for further checks.
     """
@@ -163,7 +206,16 @@ def assert_distributed(
             )
     if isinstance(sharded, str):
         raise TypeError(f"sharded={sharded!r}: expected a collection of input labels, got a str (write [{sharded!r}])")
-    dist = distribution_of(program)
+    if dynamic is not None:
+        symbolic = any(is_symbolic(gm) for _, gm, _ in _programs(program))
+        if symbolic != bool(dynamic):
+            raise AssertionError(
+                "dynamic=True: expected a symbolic program (the global batch sizes as inputs, one program for every "
+                "size), got one compiled for one batch shape (see the INFO log of the compile for why it fell back)"
+                if dynamic else
+                "dynamic=False: expected a program compiled for one batch shape, got a symbolic one (batch sizes as inputs)"
+            )
+    dist = distribution_of(program, batch_sizes=batch_sizes)
     if not dist.sharded and dist.num_collectives == 0:
         raise AssertionError(
             "nothing was distributed: expected at least one input sharded over a mesh axis of size > 1 or at "
@@ -278,7 +330,7 @@ def _inputs_of(gm: fx.GraphModule, step: Any) -> tuple[tuple[int, ...], tuple[st
 
     With an ExpandedStep, the placeholders are matched to ``traced.inputs`` and
     ``input_specs`` in order, and their recorded specs must agree with those."""
-    nodes = [n for n in gm.graph.find_nodes(op="placeholder") if "spmd_coord" not in n.meta]
+    nodes = [n for n in gm.graph.find_nodes(op="placeholder") if "spmd_coord" not in n.meta and "spmd_size" not in n.meta]
     missing = [n.name for n in nodes if "spmd_spec" not in n.meta or not isinstance(n.meta.get("val"), torch.Tensor)]
     if missing:
         raise AssertionError(f"placeholders {missing} have no meta['spmd_spec'] or local tensor meta['val']; expected every input of a per-rank program to record both")
@@ -301,16 +353,22 @@ def _inputs_of(gm: fx.GraphModule, step: Any) -> tuple[tuple[int, ...], tuple[st
     rows = []
     for n, inp, spec in zip(nodes, inputs, specs):
         rec = n.meta["spmd_spec"]
-        if tuple(rec.placements) != tuple(spec.placements) or tuple(rec.shape) != tuple(spec.shape):
+        if tuple(rec.placements) != tuple(spec.placements) or _dims(rec.shape) != _dims(spec.shape):
             raise AssertionError(
                 f"{inp.kind} input {inp.label!r}: placeholder {n.name} records {placements_text(rec.placements)} "
                 f"{list(rec.shape)}, the step's input_specs {placements_text(spec.placements)} {list(spec.shape)}; "
                 f"expected the same spec (inputs are sharded by input_specs)"
             )
-        if tuple(spec.shape) != tuple(inp.shape):
+        # a symbolic dim (dynamic=True) against the trace's example size: never compared (== on a SymInt is a guard)
+        if len(spec.shape) != len(inp.shape) or any(not pt.is_symbolic(a) and int(a) != int(b) for a, b in zip(spec.shape, inp.shape)):
             raise AssertionError(f"{inp.kind} input {inp.label!r}: spec global shape {list(spec.shape)}, traced shape {list(inp.shape)}; expected equal")
         rows.append((inp.label, inp.kind, spec, n))
     return tuple(step.mctx.shape), tuple(step.mctx.axis_names), rows
+
+
+def _dims(shape: Any) -> tuple[str, ...]:
+    """A shape as text: sizes and size expressions compared without guarding on a SymInt."""
+    return tuple(str(d) for d in shape)
 
 
 # ----------------------------------------------------------------------------- collectives
