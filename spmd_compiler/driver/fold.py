@@ -12,8 +12,8 @@ runs that same collective. So the check can ride on it:
   every rank, on a CPU tensor of a float or integer dtype;
 * the *guarded variant* (:func:`fold_guard_pass`) sends that collective's payload
   flattened with one more element, 0 (a rank running the program has the agreed
-  signature), waits for it before the program's next effect (moving the wait up if the
-  schedule put it later), checks the extra element(s) (:func:`resync_if_flagged`: above 0
+  signature), waits for it before the program's next collective, write or random op
+  (moving the wait up if the schedule put it later), checks the extra element(s) (:func:`resync_if_flagged`: above 0
   means some rank's signature changed; every rank raises :class:`.guard.Resync` there
   together, nothing having changed), and hands
   the original elements on to the collective's users (a gather: each rank's row without
@@ -32,23 +32,22 @@ flags, so it runs or skips them together): a write, or a collective of another g
 before it keeps the standalone check.
 
 The steady step then makes exactly the collectives of the program, one element longer
-per rank (per axis on a mesh of several). Only for gloo: on NCCL reading the flag would synchronize the host with the GPU
-stream, so there the standalone check on a gloo side group stays
-(:class:`.guard.StepGuard`), as it does for pipelines, for the fake backend and for
-programs whose first effect is a write or a collective over part of the mesh (and no
-chain of folds fits), and for
-programs that draw random numbers: their standalone exchange also carries a fingerprint
-of every rank's generators (:mod:`.rng`, docs/randomness.md), which a float payload
-could not carry exactly.
+per rank (per axis on a mesh of several). Only for gloo: on NCCL reading the flag would
+synchronize the host with the GPU stream, so there the standalone check on a gloo side
+group stays (:class:`.guard.StepGuard`), as it does for pipelines, for the fake backend,
+for programs whose first effect is a write or a collective over part of the mesh (where
+no chain of folds fits), and for programs that draw random numbers: their standalone
+exchange also carries a fingerprint of every rank's generators (:mod:`.rng`,
+docs/randomness.md), which a float payload could not carry exactly.
 """
 
 from __future__ import annotations
 
-import logging
 import dataclasses
-from dataclasses import dataclass
+import logging
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import NoReturn
 
 import torch
