@@ -148,11 +148,13 @@ def _param_bytes(args: Any) -> dict[str, int]:
     model = GPT(_cfg(args))
     total = sum(p.numel() for p in model.parameters()) * 4
     tp_sharded = 0
-    blocks = sum(p.numel() for p in model.blocks.parameters()) * 4
+    # what backward reads of a block's parameters: the weights (a Linear's for its input's
+    # gradient, a LayerNorm's for its input's); no bias (its gradient is the output's, summed)
+    blocks_backward = sum(p.numel() for n, p in model.blocks.named_parameters() if n.endswith("weight")) * 4
     for name, p in model.named_parameters():
         if any(k in name for k in ("attn.q.", "attn.k.", "attn.v.", "fc.")) or name.endswith("attn.out.weight") or name.endswith("proj.weight"):
             tp_sharded += p.numel() * 4
-    return {"total": total, "tp_sharded": tp_sharded, "blocks": blocks}
+    return {"total": total, "tp_sharded": tp_sharded, "blocks_backward": blocks_backward}
 
 
 def analytic_min(kind: str, args: Any, world: int) -> int:
@@ -163,8 +165,8 @@ def analytic_min(kind: str, args: Any, world: int) -> int:
         return pb["total"] + 4
     if kind == "fsdp":  # gather parameters once (kept for backward), reduce-scatter gradients
         return 2 * pb["total"] + 4
-    if kind == "fsdp_reshard":  # gather in forward, the blocks' again in backward (the root's kept), reduce-scatter
-        return 2 * pb["total"] + pb["blocks"] + 4
+    if kind == "fsdp_reshard":  # gather in forward, the blocks' weights again in backward (the root's kept), reduce-scatter
+        return 2 * pb["total"] + pb["blocks_backward"] + 4
     if kind == "tp":  # Megatron: 2 all_reduces per block in forward and 2 in backward
         return 4 * args.layers * act
     dp = world // 2  # 2-D: TP on the local batch, then all_reduce of the local gradients over dp

@@ -5,6 +5,7 @@ tests/test_runtime_consistency.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import pytest
@@ -13,7 +14,7 @@ import torch.fx as fx
 
 import spmd_compiler as sc
 from spmd_compiler.testing.simulate import example_inputs
-from spmd_compiler.driver.fold import FoldPoint, find_fold, fold_guard_pass, resync_if_flagged
+from spmd_compiler.driver.fold import FoldChain, FoldPoint, find_fold, fold_guard_pass, resync_if_flagged
 from spmd_compiler.driver.guard import Resync, _is_effect
 from spmd_compiler.runtime.executor import compile_runner
 from spmd_compiler.testing.models import GPT, MLP, gpt_fsdp_plan, megatron_mlp_plan, mse_train_step, train_step
@@ -156,3 +157,79 @@ def test_fold_point_validates_its_op():
         FoldPoint("c", "w", "all_reduce", "min", "0", 2, (), (), torch.float32)
     with pytest.raises(ValueError, match="or an all_gather with op ''"):
         FoldPoint("c", "w", "all_gather", "sum", "0", 2, (1,), (2,), torch.float32)
+
+
+# ---------------------------------------------------------------- 2-D meshes: one fold per axis
+
+
+def _axes(gm: fx.GraphModule, mesh) -> tuple:
+    """(group name, size) per mesh axis, as the runtime passes them (runtime/compiled.py)."""
+    names = {n.meta["spmd_comm"]["axis"]: n.args[-1] for n in gm.graph.nodes if "spmd_comm" in n.meta and "axis" in n.meta["spmd_comm"]}
+    return tuple((names[a], mesh.size(a)) for a in range(mesh.ndim))
+
+
+@pytest.mark.parametrize("kind", ["gpt", "mlp"])
+def test_2d_check_rides_on_the_first_collective_of_each_axis(mesh2x2, kind):
+    """No collective spans the 4 ranks; the first one of each axis group carries a flag
+    (tp's forward all_reduce, then dp's: the target count, or the MLP's gradient bucket),
+    so the step makes exactly the program's collectives."""
+    plan = None if kind == "gpt" else megatron_mlp_plan(ndim=2, axis=1)
+    if kind == "gpt":
+        from spmd_compiler.testing.models import gpt_2d_plan
+        plan = gpt_2d_plan()
+    gm = _program(mesh2x2, kind, plan=plan)
+    axes = _axes(gm, mesh2x2)
+    assert find_fold(gm, world_size=4) is None  # no axes given: the standalone check, as before
+    chain = find_fold(gm, world_size=4, axes=axes)
+    assert isinstance(chain, FoldChain) and [p.group for p in chain.points] == [axes[1][0], axes[0][0]]  # tp first, then dp
+    assert all(p.kind == "all_reduce" and p.op == "sum" and p.world_size == 2 for p in chain.points)
+    folded = fold_guard_pass(gm, point=chain)
+    assert _collectives(folded) == _collectives(gm)
+    nodes = list(folded.graph.nodes)
+    checks = [n for n in nodes if n.target is resync_if_flagged]
+    assert len(checks) == 2
+    # the first check raises the flag in the second fold when it reads one (its fields, literals)
+    assert checks[0].args[2] == (dataclasses.astuple(chain.points[1]),) and len(checks[1].args) in (2, 4)
+    if len(checks[1].args) == 4:
+        assert checks[1].args[2] == ()
+    # between the first folded collective and the last check: only collectives of a folded axis and their waits
+    first = next(n for n in nodes if getattr(n.target, "namespace", None) == "_c10d_functional")
+    between = nodes[nodes.index(first): nodes.index(checks[-1])]
+    assert all(n.args[-1] in {p.group for p in chain.points} for n in between
+               if _is_effect(n) and n.target is not c10d.wait_tensor.default), [n.name for n in between if _is_effect(n)]
+    a, b = example_inputs(gm), example_inputs(gm)
+    with torch.no_grad():
+        want, got = compile_runner(gm)(*a), compile_runner(folded)(*b)
+    assert len(want) == len(got) > 0
+    for x, y in zip([*want, *a], [*got, *b]):
+        assert (x == y) if not isinstance(x, torch.Tensor) else torch.equal(x, y)
+
+
+def test_2d_chain_needs_a_collective_on_every_axis(mesh2x2):
+    """A 2-D program whose collectives all run on one axis: no fold reaches the other
+    axis's groups, so the standalone check stays."""
+    gm = _program(mesh2x2, "mlp", plan=megatron_mlp_plan(ndim=2, axis=1))
+    axes = _axes(gm, mesh2x2)
+    # drop the dp axis's collectives from view: pretend they run on a third group
+    assert find_fold(gm, world_size=4, axes=axes) is not None
+    assert find_fold(gm, world_size=4, axes=(axes[1], ("no_such_group", 2))) is None
+    assert find_fold(gm, world_size=8, axes=axes) is None  # the axes do not cover the world
+
+
+def test_2d_chain_stops_at_a_write_before_the_last_fold(mesh2x2):
+    """A write between the first and the last folded collective could not be undone by a
+    Resync at the last: the standalone check stays."""
+    gm = _program(mesh2x2, "mlp", plan=megatron_mlp_plan(ndim=2, axis=1))
+    axes = _axes(gm, mesh2x2)
+    chain = find_fold(gm, world_size=4, axes=axes)
+    g = gm.graph
+    nodes = list(g.nodes)
+    last = next(n for n in nodes if n.name == chain.points[-1].collective)
+    x = next(n for n in nodes if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].is_floating_point())
+    with g.inserting_before(last):
+        w = g.call_function(torch.ops.aten.mul_.Tensor, (x, 1.0))
+    try:
+        assert find_fold(gm, world_size=4, axes=axes) is None
+    finally:
+        g.erase_node(w)
+    assert find_fold(gm, world_size=4, axes=axes) == chain

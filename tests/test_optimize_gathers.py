@@ -54,15 +54,17 @@ def test_one_gather_per_unit(mesh4):
     with pytest.raises(ValueError, match="by must be"):
         bucket_parameter_gathers_pass(gm, by="layer")
 
-    # Plan(reshard_after_forward=...), fully_shard's option: True gathers every unit again
-    # for backward (and takes the views autograd saved, t(weight), from that gather), so
-    # no forward gather lives into backward; False (above) keeps the forward's for backward
+    # Plan(reshard_after_forward=...), fully_shard's option: True gathers every block unit
+    # again for backward (and takes the views autograd saved, t(weight), from that gather),
+    # so no block's forward gather lives into backward; the root unit (head, final norm)
+    # keeps its forward gather, as fully_shard keeps its root; False (above) keeps every
+    # forward gather for backward
     gms = {True: run_passes(_fsdp_step(mesh4).gm, default_passes())[0], False: run_passes(gm, default_passes())[0]}
     counts = {r: {ph: sum(1 for n in _gathers(g) if n.meta["spmd_phase"] == ph) for ph in ("forward", "backward")}
               for r, g in gms.items()}
-    assert counts == {True: {"forward": 3, "backward": 3}, False: {"forward": 3, "backward": 0}}
-    assert _reads_forward_gather(gms[True]) == []
-    assert len(_reads_forward_gather(gms[False])) >= 4  # each block's t(weight)s, at least
+    assert counts == {True: {"forward": 3, "backward": 2}, False: {"forward": 3, "backward": 0}}
+    assert _reads_forward_gather(gms[True], "") != [] and _reads_forward_gather(gms[True], "blocks.") == []
+    assert len(_reads_forward_gather(gms[False], "blocks.")) >= 4  # each block's t(weight)s, at least
     regathered = [n for n in gms[True].graph.nodes if "spmd_regathered" in n.meta]
     assert regathered and all(n.meta["spmd_phase"] == "backward" for n in regathered)
     # liveness: the static peak (in backward) is lower, by the gathered parameters
@@ -72,11 +74,32 @@ def test_one_gather_per_unit(mesh4):
     assert gathered[True] < gathered[False]
 
 
-def _reads_forward_gather(gm) -> list[str]:
-    """Backward nodes that read a forward parameter gather (directly or through views)."""
-    forward = {next(u for u in n.users if is_wait(u)) for n in _gathers(gm) if n.meta["spmd_phase"] == "forward"}
+def _reads_forward_gather(gm, unit: str) -> list[str]:
+    """Backward nodes that read a forward parameter gather of a unit whose name starts
+    with ``unit`` (directly or through views)."""
+    forward = {next(u for u in n.users if is_wait(u)) for n in _gathers(gm)
+               if n.meta["spmd_phase"] == "forward" and n.meta["spmd_param_gather"].startswith(unit)}
     return [n.name for n in gm.graph.nodes if n.meta.get("spmd_phase") == "backward"
             and any(alias_root(a) in forward for a in n.all_input_nodes)]
+
+
+def test_reshard_after_forward_gathers_the_minimum_bytes(mesh4):
+    """reshard_after_forward=True: forward gathers every parameter once; backward gathers
+    again only what backward reads of the blocks, their weights (and the LayerNorms'
+    biases, which native_layer_norm_backward takes for its gradient's shape), never a
+    bias of a Linear, never a root parameter (tok, pos, ln, head: kept from forward, as
+    fully_shard keeps its root). Reduce-scatters move every gradient once."""
+    model = GPT(vocab=32, seq=8, dim=16, heads=2, layers=2)
+    full = {n: p.numel() * 4 for n, p in model.named_parameters()}
+    gm = run_passes(_fsdp_step(mesh4).gm, default_passes())[0]
+    got = {ph: sum(n.meta["spmd_comm"]["bytes"] for n in _gathers(gm) if n.meta["spmd_phase"] == ph) for ph in ("forward", "backward")}
+    reads = sum(b for n, b in full.items() if n.startswith("blocks.") and n.endswith("weight"))
+    ln_bias = sum(b for n, b in full.items() if n.startswith("blocks.") and ".ln" in n and n.endswith("bias"))
+    assert got == {"forward": sum(full.values()), "backward": reads + ln_bias}, (got, reads, ln_bias)
+    gathered = {m["value"] for n in _gathers(gm) if n.meta["spmd_phase"] == "backward" for m in n.meta["spmd_comm"]["bucket"]}
+    assert gathered and not any(v.startswith(("p_tok", "p_pos", "p_ln", "p_head")) or v.endswith(("attn_q_bias", "fc_bias", "proj_bias")) for v in gathered), gathered
+    scattered = sum(n.meta["spmd_comm"]["bytes"] for n in gm.graph.nodes if is_collective(n) and n.meta.get("spmd_comm", {}).get("kind") == "reduce_scatter")
+    assert sum(full.values()) <= scattered <= sum(full.values()) + 4 * 4  # the loss riding in a bucket: one row per rank
 
 
 def test_units_are_prefetched_in_order_of_need(mesh4):
@@ -88,7 +111,7 @@ def test_units_are_prefetched_in_order_of_need(mesh4):
     # reshard_after_forward: gathered again for backward, in backward's order of need
     assert [(n.meta["spmd_phase"], n.meta["spmd_param_gather"]) for n in gathers] == [
         *(("forward", u) for u in ("", "blocks.0", "blocks.1", "blocks.2")),
-        *(("backward", u) for u in ("", "blocks.2", "blocks.1", "blocks.0")),
+        *(("backward", u) for u in ("blocks.2", "blocks.1", "blocks.0")),  # the root's kept from forward
     ]
     first_backward = min(pos[n] for n in gm.graph.nodes if n.meta.get("spmd_phase") == "backward")
     assert all(pos[n] >= first_backward for n in gathers if n.meta["spmd_phase"] == "backward")  # none issued in forward
@@ -120,8 +143,8 @@ def test_fused_gathers_keep_training_numerics(mesh4, vocab, reshard):
     assert_distributed(res, sharded=["tok.weight", "blocks.0.fc.weight", "batch[0]"])
     gm = next(iter(res.sim.expansions.values())).gm
     units = sorted((n.meta["spmd_phase"], n.meta["spmd_param_gather"]) for n in _gathers(gm))
-    phases = ("backward", "forward") if reshard else ("forward",)
-    assert units == [(phase, u) for phase in phases for u in ("", "blocks.0", "blocks.1")]
+    backward = [("backward", u) for u in ("blocks.0", "blocks.1")] if reshard else []  # the root unit kept from forward
+    assert units == backward + [("forward", u) for u in ("", "blocks.0", "blocks.1")]
 
 
 def test_gathers_of_views_made_late_are_left_alone(mesh2x2):

@@ -1,5 +1,5 @@
 """Every rank runs the same program every step, or every rank stops with the reason
-(real gloo processes, 2 ranks; each case must end within a minute).
+(real gloo processes, 2 ranks, and 4 on a 2 x 2 mesh; each case must end within a minute).
 
 Tolerance: float64, 1e-10 on losses and parameters against one device.
 """
@@ -18,7 +18,7 @@ import torch.distributed as dist
 import spmd_compiler as sc
 from spmd_compiler.runtime.launch import WorkerError, run_processes
 from spmd_compiler.testing import assert_distributed
-from spmd_compiler.testing.models import MLP
+from spmd_compiler.testing.models import MLP, megatron_mlp_plan
 from spmd_compiler.testing.models import mse_train_step as mse_step
 
 pytestmark = pytest.mark.gloo
@@ -237,3 +237,77 @@ def test_killed_peer_is_named_on_the_survivor(tmp_path, rows):
         assert "in all_reduce on mesh axis 'axis0' of bucket[" in text and "riding along" in text, text
     else:
         assert "the program's first all_reduce" in text and "carries the per-step check" in text, text
+
+
+# ---------------------------------------------------------------- a 2 x 2 mesh: the check folded per axis
+
+
+def _mesh2x2(rank: int, world: int) -> dict:
+    """dp x tp = 2 x 2 (rank = 2 * dp + tp), the MLP split over tp, the batch over dp: no
+    collective spans the 4 ranks, so the check rides on the first collective of each
+    axis group (driver/fold.py, FoldChain). Steps whose dp groups get (4, 4) or (4, 3)
+    rows (ranks 2 and 3 change shape, ranks 0 and 1 learn it in the dp fold), then a step
+    where rank 3 alone gets 3 rows (its tp partner 4: a replicated input that differs)."""
+    torch.manual_seed(0)
+    model = MLP().double()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    step = sc.compile(mse_step, mesh={"dp": 2, "tp": 2}, plan=megatron_mlp_plan(ndim=2, axis=1), cache_size=2)
+    flags, real, errs = [], dist.all_reduce, []
+
+    def spy(tensor, *args, **kwargs):  # the standalone check: a one-element int64 all_reduce
+        if tensor.numel() == 1 and tensor.dtype == torch.int64:
+            flags.append(1)
+        return real(tensor, *args, **kwargs)
+
+    dist.all_reduce = spy
+    try:
+        for i, split in enumerate([(4, 4), (4, 4), (4, 3), (4, 4), (4, 4)]):
+            x, y = _rows(i, sum(split))
+            dp = rank // 2
+            mine = slice(sum(split[:dp]), sum(split[: dp + 1]))
+            loss = step(model, opt, x[mine], y[mine])
+            errs.append(abs(loss.item() - mse_step(ref, ref_opt, x, y).item()))
+    finally:
+        dist.all_reduce = real
+    errs.append(max((p.full_tensor() - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters())))
+    points = [getattr(getattr(prog.step, "fold_point", None), "points", ()) for prog in step._programs.values()]
+    chains = sorted(tuple(f"{q.kind} on {q.world_size}" for q in ps) for ps in points)
+    out = {"error": max(errs), "checks": dict(step.checks), "flag_all_reduces": len(flags), "chains": chains}
+    x, y = _rows(9, 8)
+    rows = 3 if rank == 3 else 4
+    lo = 4 * (rank // 2)
+    out["rank3_only"] = _error(lambda: step(model, opt, x[lo: lo + rows], y[lo: lo + rows]))
+    out["checks_after"] = dict(step.checks)
+    return out
+
+
+@pytest.fixture(scope="module")
+def mesh2x2_cases():
+    start = time.monotonic()
+    results = run_processes(_mesh2x2, 4, timeout=120)
+    return results, time.monotonic() - start
+
+
+def test_2d_check_folds_per_axis_and_resyncs_every_rank(mesh2x2_cases):
+    """Every step after the first went through the folded check (no standalone flag
+    all_reduce), the 3 signature changes (optimizer state, then ranks 2 and 3's rows
+    twice) resynced every rank through it, and training matched one device."""
+    results, seconds = mesh2x2_cases
+    assert seconds < 90, f"took {seconds:.0f}s"
+    for r in results:
+        assert r["error"] < 1e-10, r
+        assert r["checks"] == {"folded": 4, "resync (folded)": 3}, r
+        assert r["flag_all_reduces"] == 0, r
+        assert all(len(c) == 2 for c in r["chains"]), r  # each kept program: one fold per axis
+
+
+def test_2d_one_rank_s_different_batch_is_detected_on_every_rank(mesh2x2_cases):
+    """Rank 3 alone changes shape: its tp partner (rank 2) reads the flag in the tp fold,
+    rank 1 in the dp fold, and rank 0 from rank 2, which raised it again in the dp fold.
+    Every rank resyncs (no hang) and refuses the differing replicated rows together."""
+    texts = [r["rank3_only"] for r in mesh2x2_cases[0]]
+    for r, text in zip(mesh2x2_cases[0], texts):
+        assert r["checks_after"]["resync (folded)"] == r["checks"]["resync (folded)"] + 1, r
+        assert text != "no error", texts
+    assert len({t.split(":")[0] for t in texts}) == 1, texts  # the same error type on every rank

@@ -12,8 +12,8 @@ runs that same collective. So the check can ride on it:
   every rank, on a CPU tensor of a float or integer dtype;
 * the *guarded variant* (:func:`fold_guard_pass`) sends that collective's payload
   flattened with one more element, 0 (a rank running the program has the agreed
-  signature), waits for it before the program's next effect (moving the wait up if the
-  schedule put it later), checks the extra element(s) (:func:`resync_if_flagged`: above 0
+  signature), waits for it before the program's next collective, write or random op
+  (moving the wait up if the schedule put it later), checks the extra element(s) (:func:`resync_if_flagged`: above 0
   means some rank's signature changed; every rank raises :class:`.guard.Resync` there
   together, nothing having changed), and hands
   the original elements on to the collective's users (a gather: each rank's row without
@@ -22,19 +22,31 @@ runs that same collective. So the check can ride on it:
   joins only that collective, with zeros and the extra element 1
   (:meth:`FoldPoint.join`), and raises Resync.
 
+On a mesh of several axes (dp x tp) no collective spans every rank; there the check
+rides on the first collective of *each* axis group instead (:class:`FoldChain`): a rank
+whose signature changed raises its flag in each of them, and a rank that reads a flag in
+one raises it in the later ones before Resync, so after one fold per axis the flag has
+reached every rank (the axis groups connect the mesh). Until the last fold's check the
+program may only run collectives of axes folded already (their whole group read the same
+flags, so it runs or skips them together): a write, or a collective of another group,
+before it keeps the standalone check.
+
 The steady step then makes exactly the collectives of the program, one element longer
-per rank. Only for gloo: on NCCL reading the flag would synchronize the host with the GPU
-stream, so there the standalone check on a gloo side group stays
-(:class:`.guard.StepGuard`), as it does for pipelines, for the fake backend and for
-programs whose first effect is a write or a collective over part of the mesh, and for
-programs that draw random numbers: their standalone exchange also carries a fingerprint
-of every rank's generators (:mod:`.rng`, docs/randomness.md), which a float payload
-could not carry exactly.
+per rank (per axis on a mesh of several). Only for gloo: on NCCL reading the flag would
+synchronize the host with the GPU stream, so there the standalone check on a gloo side
+group stays (:class:`.guard.StepGuard`), as it does for pipelines, for the fake backend,
+for programs whose first effect is a write or a collective over part of the mesh (where
+no chain of folds fits), and for programs that draw random numbers: their standalone
+exchange also carries a fingerprint of every rank's generators (:mod:`.rng`,
+docs/randomness.md), which a float payload could not carry exactly.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -45,7 +57,7 @@ from ..optimize.graph_utils import WAIT, new_node
 from ..expand.rules.random import is_random
 from .guard import GuardError, Resync, _is_effect, first_effect
 
-__all__ = ["FoldPoint", "find_fold", "fold_guard_pass", "resync_if_flagged"]
+__all__ = ["FoldChain", "FoldPoint", "find_fold", "fold_guard_pass", "resync_if_flagged"]
 
 log = logging.getLogger(__name__)
 
@@ -96,15 +108,22 @@ class FoldPoint:
             return c10d.all_reduce.default(buf, self.op, self.group)
         return c10d.all_gather_into_tensor.default(buf, self.world_size, self.group)
 
-    def join(self) -> NoReturn:
-        """This rank's signature changed: take part in the agreed program's folded
-        collective (zeros, flag 1; same kind, size, dtype, op and group), then raise Resync."""
+    def raise_flag(self) -> None:
+        """Take part in this folded collective with zeros and the flag 1 (same kind, size,
+        dtype, op and group as the program's), and wait for it."""
         buf = torch.zeros(self.numel + 1, dtype=self.dtype)
         buf[-1] = 1
         try:
             c10d.wait_tensor.default(self.start(buf))
         except RuntimeError as e:
             raise GuardError(str(e), where=self.where()) from e
+
+    def join(self, rest: tuple[FoldPoint, ...] = ()) -> NoReturn:
+        """This rank's signature changed: take part in the agreed program's folded
+        collective (and in the ``rest`` of a :class:`FoldChain`) with the flag raised,
+        then raise Resync."""
+        for p in (self, *rest):
+            p.raise_flag()
         raise Resync()
 
     def where(self) -> str:
@@ -113,11 +132,22 @@ class FoldPoint:
                 f"which carries the per-step check that every rank runs the same program")
 
 
-def resync_if_flagged(packed: torch.Tensor, width: int) -> None:
+def resync_if_flagged(packed: torch.Tensor, width: int, rest: tuple[tuple, ...] = (), pending: tuple = ()) -> None:
     """The folded check: ``packed`` is the collective's result, rows of ``width``
     elements whose last one is a flag (one row for an all_reduce, one per rank for a
-    gather); a flag above 0 means some rank's signature changed: raise Resync."""
+    gather); a flag above 0 means some rank's signature changed: raise Resync.
+
+    In a :class:`FoldChain` (one folded collective per mesh axis) a rank that reads a
+    flag first raises it in the chain's later folded collectives, ``rest`` (each a
+    :class:`FoldPoint` as a tuple of its fields, so the graph holds only literals), so
+    that the ranks of the other axes' groups learn it too; ``pending``: the collectives
+    the program issued before this check and waits after it, waited before Resync (their
+    whole group issued them, so they complete)."""
     if packed.view(-1, width)[:, -1].max().item() > 0:
+        for t in pending:
+            c10d.wait_tensor.default(t)
+        for fields in rest:
+            FoldPoint(*fields).raise_flag()
         raise Resync()
 
 
@@ -146,11 +176,40 @@ def _why_not(node: fx.Node, world_size: int) -> str | None:
     return None
 
 
-def find_fold(gm: fx.GraphModule, *, world_size: int) -> FoldPoint | None:
+@dataclass(frozen=True)
+class FoldChain:
+    """The step check folded into the first collective of each mesh axis's group (a
+    mesh of several axes, where no collective spans every rank), in program order.
+
+    Every rank runs the chain's collectives in the same order: a rank whose signature
+    changed joins each with its flag raised (:meth:`join`); a rank that reads a flag in
+    one raises it in the later ones before Resync (:func:`resync_if_flagged`). After the
+    fold on axis ``a``, a flag has reached every rank of its ``a`` group; after one fold
+    per axis, every rank of the mesh (the axis groups of a mesh connect its ranks: from
+    any rank, a step along each axis reaches any other). A group's ranks read the same
+    flags, so the collectives of an already folded axis between two folds are run or
+    skipped by the whole group together; nothing else may run between them
+    (:func:`find_fold`)."""
+
+    points: tuple[FoldPoint, ...]
+
+    def join(self) -> NoReturn:
+        """This rank's signature changed: raise the flag in every folded collective."""
+        self.points[0].join(rest=self.points[1:])
+
+    def where(self) -> str:
+        return "; ".join(p.where() for p in self.points)
+
+
+def find_fold(gm: fx.GraphModule, *, world_size: int, axes: Sequence[tuple[str, int]] = ()) -> FoldPoint | FoldChain | None:
     """The collective of ``gm`` the step check can ride on, or None (the reason is
     logged at DEBUG): its first effect, an all_reduce or all_gather_into_tensor over all
-    ``world_size`` ranks. A program that draws random numbers keeps the standalone
-    check, which also agrees the ranks' generators (:mod:`.rng`)."""
+    ``world_size`` ranks. Given the mesh's ``axes`` (each axis's group name on this rank
+    and its size), a program whose collectives each span one axis gets a
+    :class:`FoldChain` instead: the first collective of each axis of more than one rank,
+    when every effect until the last of them is a collective (or wait) on an axis
+    already folded. A program that draws random numbers keeps the standalone check,
+    which also agrees the ranks' generators (:mod:`.rng`)."""
     if any(is_random(n) for n in gm.graph.nodes):
         log.debug("no folded step check: the program draws random numbers")
         return None
@@ -159,13 +218,50 @@ def find_fold(gm: fx.GraphModule, *, world_size: int) -> FoldPoint | None:
         log.debug("no folded step check: the program makes no collective")
         return None
     why = _why_not(n, world_size)
-    if why is not None:
-        log.debug("no folded step check: %s", why)
-        return None
+    if why is None:
+        return _point(n, world_size)
+    if sum(1 for _, size in axes if size > 1) > 1:
+        return _chain(gm, axes, world_size)
+    log.debug("no folded step check: %s", why)
+    return None
+
+
+def _point(n: fx.Node, size: int) -> FoldPoint:
     val, wait = n.args[0].meta["val"], next(iter(n.users))
     kind = _KINDS[n.target]
-    return FoldPoint(n.name, wait.name, kind, n.args[1] if kind == "all_reduce" else "", n.args[2], world_size,
+    return FoldPoint(n.name, wait.name, kind, n.args[1] if kind == "all_reduce" else "", n.args[-1], size,
                      tuple(val.shape), tuple(wait.meta["val"].shape), val.dtype)
+
+
+def _chain(gm: fx.GraphModule, axes: Sequence[tuple[str, int]], world_size: int) -> FoldChain | None:
+    """One fold per mesh axis of more than one rank (:class:`FoldChain`), or None."""
+    sizes = dict(axes)
+    if len(sizes) != len(axes) or math.prod(sizes.values()) != world_size:
+        log.debug("no folded step check: mesh axes %s do not cover a world of %d", list(axes), world_size)
+        return None
+    todo = {name for name, size in axes if size > 1}
+    points: list[FoldPoint] = []
+    for n in gm.graph.nodes:
+        if not todo:
+            return FoldChain(tuple(points))
+        if not _is_effect(n) or n.target is WAIT:
+            continue  # a wait: of a collective issued on an axis folded already
+        group = n.args[-1] if getattr(n.target, "namespace", None) == "_c10d_functional" else None
+        if group not in sizes:
+            log.debug("no folded step check: %s runs before a collective of every mesh axis", n.name)
+            return None
+        if group in todo:
+            why = _why_not(n, sizes[group])
+            if why is not None:
+                log.debug("no folded step check: the first collective of axis group %s cannot carry it: %s", group, why)
+                return None
+            todo.discard(group)
+            points.append(_point(n, sizes[group]))
+        # else: an axis folded already (its group read the same flags), or a group of one rank
+    if todo:
+        log.debug("no folded step check: no collective on the mesh axis groups %s", sorted(todo))
+        return None
+    return FoldChain(tuple(points))
 
 
 def _copy(gm: fx.GraphModule) -> fx.GraphModule:
@@ -177,16 +273,26 @@ def _copy(gm: fx.GraphModule) -> fx.GraphModule:
     return fx.GraphModule(gm, g)
 
 
-def fold_guard_pass(gm: fx.GraphModule, *, point: FoldPoint) -> fx.GraphModule:
-    """A copy of ``gm`` whose ``point`` collective carries the step check (see the module
-    docstring); ``gm`` itself is left as it is. Same collectives, same results."""
+def fold_guard_pass(gm: fx.GraphModule, *, point: FoldPoint | FoldChain) -> fx.GraphModule:
+    """A copy of ``gm`` whose ``point`` collective (each collective of a
+    :class:`FoldChain`) carries the step check (see the module docstring); ``gm`` itself
+    is left as it is. Same collectives, same results."""
     new = _copy(gm)
-    g = new.graph
+    points = point.points if isinstance(point, FoldChain) else (point,)
+    for i, p in enumerate(points):
+        _fold_into(new.graph, p, points[i + 1:])
+    new.graph.lint()
+    new.recompile()
+    log.debug("step check folded into %s", point.where())
+    return new
+
+
+def _fold_into(g: fx.Graph, point: FoldPoint, rest: tuple[FoldPoint, ...]) -> None:
     nodes = list(g.nodes)
     by_name = {n.name: n for n in nodes}
     coll, wait = by_name[point.collective], by_name[point.wait]
     pos = {n: i for i, n in enumerate(nodes)}
-    nxt = next((n for n in nodes[pos[coll] + 1:] if n is not wait and _is_effect(n)), None)
+    nxt = next((n for n in nodes[pos[coll] + 1:] if n.target is not WAIT and _is_effect(n)), None)
     anchor = wait.next if nxt is None or pos[wait] < pos[nxt] else nxt  # the check runs before the next effect
     payload = coll.args[0]
     width = point.numel + 1
@@ -198,9 +304,14 @@ def fold_guard_pass(gm: fx.GraphModule, *, point: FoldPoint) -> fx.GraphModule:
     comm = coll.meta.get("spmd_comm")
     if comm is not None:
         folded.meta["spmd_comm"] = {**comm, "history": [*comm.get("history", []), "carries the per-step check (one element more)"]}
+    # collectives issued before the check and waited after it (a chain's earlier axes)
+    before = nodes[: pos[anchor]]
+    pending = tuple(n for n in before if n is not coll and getattr(n.target, "namespace", None) == "_c10d_functional"
+                    and n.target is not WAIT and not any(u.target is WAIT and u in pos and pos[u] < pos[anchor] for u in n.users))
     with g.inserting_before(anchor):
         done = new_node(g, WAIT, (folded,))
-        g.call_function(resync_if_flagged, (done, width))
+        extra = (tuple(dataclasses.astuple(p) for p in rest), pending) if rest or pending else ()
+        g.call_function(resync_if_flagged, (done, width, *extra))
         if point.kind == "all_reduce":
             part = new_node(g, aten.slice.Tensor, (done, 0, 0, point.numel))
             value = new_node(g, aten.view.default, (part, list(point.out_shape)))
@@ -211,7 +322,3 @@ def fold_guard_pass(gm: fx.GraphModule, *, point: FoldPoint) -> fx.GraphModule:
     wait.replace_all_uses_with(value)
     g.erase_node(wait)
     g.erase_node(coll)
-    g.lint()
-    new.recompile()
-    log.debug("step check folded into %s", point.where())
-    return new

@@ -16,8 +16,9 @@ there, nothing having changed, and they agree on a program anew
 cached program). A rank whose signature changed raises the flag and goes straight there.
 
 On gloo, a program whose first collective is a suitable ``all_reduce`` carries the flag
-in that collective instead, with no extra round trip (:mod:`.fold`); :meth:`StepGuard.start`
-is then given its :class:`~.fold.FoldPoint`.
+in that collective instead, with no extra round trip (:mod:`.fold`); on a mesh of several
+axes the first collective of each axis group does; :meth:`StepGuard.start` is then given
+its :class:`~.fold.FoldPoint` or :class:`~.fold.FoldChain`.
 """
 
 from __future__ import annotations
@@ -152,8 +153,9 @@ class StepGuard:
         """Start the flag exchange; returns the check to call before the first effect
         (and whose ``finish()`` to call after the step).
 
-        With ``fold`` (the agreed program's :class:`~.fold.FoldPoint`) the program checks
-        itself: a changed rank joins that one collective and raises Resync, the others
+        With ``fold`` (the agreed program's :class:`~.fold.FoldPoint`, or
+        :class:`~.fold.FoldChain` on a mesh of several axes) the program checks
+        itself: a changed rank joins that one collective (each of the chain's) and raises Resync, the others
         get a check that does nothing. For a program that ``draws`` random numbers the
         exchange carries the generators' fingerprint too (:mod:`.rng`); such programs
         are never given a ``fold``. ``sizes``: this rank's size slots (:mod:`.sizes`,

@@ -10,9 +10,18 @@ as ``fully_shard``'s) gathers it once per phase and marks each gather's nodes
 forward's gather that autograd saved (``t(weight)``) reads the same view of the backward
 gather instead (:func:`regathered_view`), so the full parameter is not resident between
 its forward and its backward. With ``False`` one gather serves both phases.
+
+The root unit (parameters outside any numbered block, :func:`unit_of`: embeddings, the
+final norm, the output head) is kept from forward to backward under ``True`` too, as
+``fully_shard`` does for its root module: its parameters are read last in forward and
+first in backward, so a backward gather would be all-gathered right after the forward's
+was freed, bytes for no memory (the GPT benchmark's head and final norm: 263,168 bytes
+per step, docs/architecture.md).
 """
 
 from __future__ import annotations
+
+import re
 
 from typing import Any
 
@@ -24,7 +33,24 @@ from .splice import FSDP_GATHER, redistribute_value
 from .tree import tree_map
 from .values import DValue
 
-__all__ = ["fsdp_gathered", "regathered_view", "is_view_op", "nodes_after"]
+__all__ = ["fsdp_gathered", "regathered_view", "is_view_op", "nodes_after", "unit_of", "kept_for_backward"]
+
+
+def unit_of(fqn: str) -> str:
+    """``blocks.3.attn.q.weight`` -> ``blocks.3``; names without a number -> ``""`` (the
+    root unit), as torchtitan wraps every block of a ModuleList and the root."""
+    parts = fqn.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if re.fullmatch(r"\d+", part):
+            return ".".join(parts[: i + 1])
+    return ""
+
+
+def kept_for_backward(ex: Any, value: DValue) -> bool:
+    """Whether backward reuses the forward's gather of the FSDP parameter ``value``:
+    always without ``reshard_after_forward``, and for the root unit's parameters with it
+    (``fully_shard`` does not reshard its root after forward either)."""
+    return not ex.reshard_after_forward or unit_of(value.extra["fsdp"]) == ""
 
 
 def nodes_after(graph: fx.Graph, last: fx.Node) -> list[fx.Node]:
@@ -46,8 +72,10 @@ def fsdp_gathered(ex: Any, value: DValue, node: fx.Node, phase: str) -> DValue:
     """FSDP: the parameter gathered (Replicate on the FSDP axes) for forward or
     backward compute, the shard stays stored. With ``reshard_after_forward`` one gather
     per parameter and phase, its nodes marked (``FSDP_GATHER``) so that no pass merges
-    the two; without, one gather per parameter that backward reuses."""
-    key = (value.node, phase if ex.reshard_after_forward else "step")
+    the two; without, and for the root unit's parameters, one gather per parameter that
+    backward reuses (:func:`kept_for_backward`)."""
+    kept = kept_for_backward(ex, value)
+    key = (value.node, "step" if kept else phase)
     got = ex._gathered.get(key)
     if got is None:
         pl = tuple(pt.Replicate() if a in ex.fsdp_axes else p for a, p in enumerate(value.spec.placements))
@@ -81,6 +109,8 @@ def regathered_view(ex: Any, x: fx.Node, node: fx.Node) -> DValue | None:
     shard = ex.env.get(root)
     if not chain or root.op != "placeholder" or not (isinstance(shard, DValue) and "fsdp" in shard.extra):
         return None
+    if kept_for_backward(ex, shard):
+        return None  # the root unit: the view autograd saved reads the forward's gather, kept
     cur = fsdp_gathered(ex, shard, node, "backward")
     for c in reversed(chain):
         prev = c.args[0]

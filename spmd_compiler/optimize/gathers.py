@@ -13,19 +13,20 @@ name: ``blocks.3.attn.q.weight`` is in unit ``blocks.3``, ``tok.weight`` in the 
 unit ``""`` (as torchtitan wraps every block of a ModuleList and the root). The fused
 gather stays a parameter gather for :mod:`.overlap`, which issues it one unit ahead of
 its first use. Forward and backward gathers of a unit (``Plan(reshard_after_forward=True)``)
-are fused apart: one collective per unit and phase.
+are fused apart: one collective per unit and phase (the root unit, kept for backward as
+``fully_shard`` keeps its root, has only the forward's: expand/fsdp.py).
 """
 
 from __future__ import annotations
 
 import operator
-import re
 from collections import defaultdict
 from typing import Any
 
 import torch
 import torch.fx as fx
 
+from ..expand.fsdp import unit_of
 from ..expand.splice import FSDP_GATHER
 from .graph_utils import WAIT, alias_root, fused_comm, is_collective, is_wait, new_node, positions, prep_chain, written_inputs
 
@@ -33,15 +34,6 @@ __all__ = ["bucket_parameter_gathers_pass", "unit_of"]
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
-
-
-def unit_of(fqn: str) -> str:
-    """``blocks.3.attn.q.weight`` -> ``blocks.3``; names without a number -> ``""``."""
-    parts = fqn.split(".")
-    for i, part in enumerate(parts[:-1]):
-        if re.fullmatch(r"\d+", part):
-            return ".".join(parts[: i + 1])
-    return ""
 
 
 def _param_of(n: fx.Node) -> str | None:

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from .. import _private_torch as pt
 from ..driver import StepDriver, build_program, exchange, global_batch, is_host_scalar, program_inputs, store_outputs
 from ..driver.failure import collective_failure, failed_node, is_collective_node
-from ..driver.fold import FoldPoint, find_fold, fold_guard_pass
+from ..driver.fold import FoldChain, FoldPoint, find_fold, fold_guard_pass
 from ..driver.guard import GuardError, Resync, first_effect
 from ..driver.token_ids import explain_index_error
 from ..expand.symbolic import concrete_shape
@@ -120,7 +120,7 @@ class CompiledStep(StepDriver):
 
         return store_outputs(step, outs, state, optimizer, wrap)
 
-    def _fold_point(self, step: Any) -> FoldPoint | None:
+    def _fold_point(self, step: Any) -> FoldPoint | FoldChain | None:
         """The program's first collective over every rank, if the check can ride on it (gloo;
         under inductor the program is cut after that collective's wait, runtime/segments.py)."""
         if step.size_symbols:
@@ -128,7 +128,8 @@ class CompiledStep(StepDriver):
         if not self.fold_guard or self.explain or self._guard is None or not self._guard.can_fold:
             return None
         if not hasattr(step, "fold_point"):
-            step.fold_point = find_fold(step.gm, world_size=dist.get_world_size())
+            mctx = step.mctx  # a 2-D mesh: one fold per axis group (a FoldChain)
+            step.fold_point = find_fold(step.gm, world_size=dist.get_world_size(), axes=tuple(zip(mctx.group_names, mctx.shape)))
         return step.fold_point
 
 
