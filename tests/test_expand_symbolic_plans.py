@@ -15,7 +15,7 @@ from torch.distributed.tensor import Shard
 
 import spmd_compiler as sc
 from spmd_compiler.testing import SimulatedTraining, fake_mesh
-from spmd_compiler.testing.models import GPT, MLP, gpt_2d_plan, gpt_fsdp_plan, mse_train_step, train_step
+from spmd_compiler.testing.models import GPT, MLP, _tp_params, gpt_2d_plan, gpt_fsdp_plan, mse_train_step, train_step
 
 SIZES = [5, 1, 2, 4, 7, 33]  # uneven, smaller than the mesh, even, one row
 
@@ -158,6 +158,47 @@ def test_2d_dp_by_tp_mlp_one_program_for_every_batch_size():
     assert sim.compiles == 1, sim.reasons
     static = _static_even(mse_train_step, model, (torch.randn(4, 8, dtype=torch.float64),) * 2, mesh, plan)
     assert _comms(sim.expansions[(0, 0)]) == _comms(static), (_comms(sim.expansions[(0, 0)]), _comms(static))
+
+
+def _seq_batches(seq: int, sizes=SIZES):
+    torch.manual_seed(0)
+    model = GPT(vocab=16, seq=seq, dim=8, heads=2, layers=1).double()
+    return model, [(torch.randint(0, 16, (b, seq)), torch.randint(0, 16, (b, seq))) for b in sizes]
+
+
+SEQ_TP = sc.Plan(params=_tp_params(1, 0), default_input=[Shard(1)])  # Megatron TP, ids split along T
+
+
+def _gathers(step) -> Counter:
+    return Counter(c["reason"].split(" (")[0] for n in step.gm.graph.nodes
+                   if (c := n.meta.get("spmd_comm")) and c["kind"] == "all_gather")
+
+
+@pytest.mark.parametrize("ranks,seq,extra", [(2, 4, 4), (4, 8, 0)])
+def test_sequence_sharded_tp_gpt_one_program_for_every_batch_size(ranks, seq, extra):
+    """Megatron TP with the batch split along the sequence (``Shard(1)``): the batch
+    size, dim 0, is a size symbol too (unsharded, the same on every rank), so one
+    program serves every B. The flatten ``(B, T, D) -> (B*T, D)`` of a T-sharded value
+    is DTensor's ``_StridedShard(0, split_factor=B)``, which DTensor refuses for a
+    symbolic B: each such view gathers its input (replicate fallback) where the
+    per-shape program keeps the strided layout and gathers before the (add)mm. The
+    Linears' flattens trade one gather for another (as many); attention's flattens of
+    (B, heads) are the ``extra`` gathers on 2 ranks (on 4, the 2 heads are not split and
+    attention gathers in both programs) (docs/dynamic_shapes.md, "Left")."""
+    mesh = fake_mesh((ranks,), ("tp",))
+    model, batches = _seq_batches(seq)
+    sim = _train(train_step, model, batches, mesh, SEQ_TP, dynamic=True)
+    assert sim.compiles == 1, sim.reasons
+    prog = sim.expansions[(0,)]
+    assert {(s.label, s.dim) for s in prog.size_symbols} >= {("batch[0]", 0), ("batch[0]", 1)}
+    static = _static_even(train_step, model, tuple(torch.randint(0, 16, (4, seq)) for _ in range(2)), mesh, SEQ_TP)
+    dyn, per_shape = _comms(prog), _comms(static)
+    assert dyn["reduce_scatter"] == per_shape["reduce_scatter"] == 2, (dyn, per_shape)
+    g_dyn, g_static = _gathers(prog), _gathers(static)
+    assert set(g_dyn) <= {"input 0 of view.default", "input 0 of _unsafe_view.default"}, g_dyn
+    assert g_dyn["input 0 of _unsafe_view.default"] == extra, g_dyn  # q @ k^T and probs @ v: 2 operands each
+    assert sum(g_dyn.values()) == sum(g_static.values()) + extra, (g_dyn, g_static)
+    assert dyn["all_reduce"] <= per_shape["all_reduce"], (dyn, per_shape)
 
 
 def test_2d_gpt_one_program_for_every_batch_size():
