@@ -55,7 +55,7 @@ __all__ = [
     "writes_first_arg", "Partial", "Placement", "Replicate", "Shard", "Placements", "world_info",
     "rename_node", "preserve_node_meta", "link_backward_to_forward", "pipeline_order",
     "mark_optimizer_stepped", "clear_dtensor_caches", "localized_shape_arg", "raw_operator", "set_group_timeout", "default_store",
-    "shape_env_of", "num_guards", "example_values", "replaced_symbols", "false_unless_proven_true",
+    "shape_env_of", "num_guards", "example_values", "replaced_symbols", "false_unless_proven_true", "definitely_contiguous",
     "true_unless_proven_false", "size_oblivious", "new_size_symint", "is_pinned", "register_symbolic_mode",
     "fake_mode_of", "sym_expr", "shape_env_guards", "symbol_range", "is_symbolic", "sym_free_symbols",
     "symbol_of", "unbacked_symbols", "branch_atom", "sympy_as_python", "set_real_value",
