@@ -1,7 +1,8 @@
 """dynamic=True beyond data parallel: one program per mesh serves every batch size for
-FSDP plans and for the GPT's flatten of a sharded batch (docs/dynamic_shapes.md),
-equal to one device after every step; the collectives are those of the per-shape
-program of an even size."""
+FSDP plans, the GPT's flatten of a sharded batch, the GPT on DP x TP and the GPT with
+its batch split along the sequence (docs/dynamic_shapes.md), equal to one device after
+every step; the collectives are those of the per-shape program of an even size, or
+differ by the all_gathers each test names."""
 
 from __future__ import annotations
 
@@ -233,3 +234,14 @@ def test_2d_gpt_uneven_batch_per_shape_equals_one_device():
     model, batches = _gpt()
     sim = _train(train_step, model, batches[:1] * 2, mesh, gpt_2d_plan())
     assert batches[0][0].shape[0] == 5 and sim.compiles == 1, sim.reasons
+
+
+@pytest.mark.slow  # ~25 s per plan: 33 steps on the simulated ranks and on one device
+@pytest.mark.parametrize("plan", ["2d", "seq"])
+def test_gpt_every_batch_size_from_1_to_33(plan):
+    """Every size 1..33 (odd and even, below and above the mesh size) from the one
+    program of the first call, equal to one device after every step."""
+    mesh, the_plan = (fake_mesh((2, 2), ("dp", "tp")), gpt_2d_plan()) if plan == "2d" else (fake_mesh((2,), ("tp",)), SEQ_TP)
+    model, batches = _seq_batches(4, range(1, 34))
+    sim = _train(train_step, model, batches, mesh, the_plan, dynamic=True)
+    assert sim.compiles == 1, sim.reasons
