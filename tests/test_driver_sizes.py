@@ -51,6 +51,18 @@ def test_sharded_dims_follow_the_plan():
     assert [(d.leaf, d.dim, d.axis, d.path) for d in dims] == [(0, 0, 0, "batch[0]"), (1, 0, 0, "batch[1]")]
 
 
+def test_the_batch_size_of_a_sequence_sharded_leaf_is_a_dim_of_no_axis():
+    """``Shard(1)``: dim 0 (the batch size) rides in the exchange too, unsplit; every
+    rank must hold the same size of it."""
+    ids = torch.zeros(5, 4, dtype=torch.long)
+    dims = sharded_dims(sc.Plan(default_input=[sc.Shard(1)]), (ids, ids), {}, 1)
+    assert [(d.leaf, d.dim, d.axis) for d in dims] == [(0, 0, None), (0, 1, 0), (1, 0, None), (1, 1, 0)]
+    whole = ShardedDim(leaf=0, dim=0, axis=None, path="batch[0]")
+    assert global_sizes([whole, DIM], [((0,), [5, 2]), ((1,), [5, 2])], (2,)) == [5, 4]
+    with pytest.raises(ValueError, match=r"sizes \[3, 5\] in dim 0.*fix:"):
+        global_sizes([whole], [((0,), [5]), ((1,), [3])], (2,))
+
+
 # ----------------------------------------------------------------------------- gloo
 
 def mse_step(model, optimizer, x, y):

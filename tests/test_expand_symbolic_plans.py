@@ -1,7 +1,8 @@
 """dynamic=True beyond data parallel: one program per mesh serves every batch size for
-FSDP plans and for the GPT's flatten of a sharded batch (docs/dynamic_shapes.md),
-equal to one device after every step; the collectives are those of the per-shape
-program of an even size."""
+FSDP plans, the GPT's flatten of a sharded batch, the GPT on DP x TP and the GPT with
+its batch split along the sequence (docs/dynamic_shapes.md), equal to one device after
+every step; the collectives are those of the per-shape program of an even size, or
+differ by the all_gathers each test names."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from torch.distributed.tensor import Shard
 
 import spmd_compiler as sc
 from spmd_compiler.testing import SimulatedTraining, fake_mesh
-from spmd_compiler.testing.models import GPT, MLP, gpt_2d_plan, gpt_fsdp_plan, mse_train_step, train_step
+from spmd_compiler.testing.models import GPT, MLP, _tp_params, gpt_2d_plan, gpt_fsdp_plan, mse_train_step, train_step
 
 SIZES = [5, 1, 2, 4, 7, 33]  # uneven, smaller than the mesh, even, one row
 
@@ -160,18 +161,87 @@ def test_2d_dp_by_tp_mlp_one_program_for_every_batch_size():
     assert _comms(sim.expansions[(0, 0)]) == _comms(static), (_comms(sim.expansions[(0, 0)]), _comms(static))
 
 
-def test_2d_gpt_falls_back_per_shape_equal_to_one_device(caplog):
-    """The GPT on DP x TP still needs concrete sizes (attention's views make
-    ``_StridedShard`` layouts, which have no symbolic local shape): each size compiles its
-    own program after an INFO line naming the op, never an error, equal to one device."""
-    import logging
-
-    mesh = fake_mesh((2, 2), ("dp", "tp"))
+def _seq_batches(seq: int, sizes=SIZES):
     torch.manual_seed(0)
-    model = GPT(vocab=16, seq=4, dim=8, heads=2, layers=1).double()
-    batches = [(torch.randint(0, 16, (b, 4)), torch.randint(0, 16, (b, 4))) for b in (5, 2)]
-    with caplog.at_level(logging.INFO, logger="spmd_compiler.driver.dynamic"):
-        sim = _train(train_step, model, batches, mesh, gpt_2d_plan(), dynamic=True)
-    logs = [r.getMessage() for r in caplog.records if r.name == "spmd_compiler.driver.dynamic"]
-    assert logs and all("compiling one program per batch shape" in m and "models.py" in m for m in logs), logs
-    assert sim.compiles == 2, sim.reasons
+    model = GPT(vocab=16, seq=seq, dim=8, heads=2, layers=1).double()
+    return model, [(torch.randint(0, 16, (b, seq)), torch.randint(0, 16, (b, seq))) for b in sizes]
+
+
+SEQ_TP = sc.Plan(params=_tp_params(1, 0), default_input=[Shard(1)])  # Megatron TP, ids split along T
+
+
+def _gathers(step) -> Counter:
+    return Counter(c["reason"].split(" (")[0] for n in step.gm.graph.nodes
+                   if (c := n.meta.get("spmd_comm")) and c["kind"] == "all_gather")
+
+
+@pytest.mark.parametrize("ranks,seq,extra", [(2, 4, 4), (4, 8, 0)])
+def test_sequence_sharded_tp_gpt_one_program_for_every_batch_size(ranks, seq, extra):
+    """Megatron TP with the batch split along the sequence (``Shard(1)``): the batch
+    size, dim 0, is a size symbol too (unsharded, the same on every rank), so one
+    program serves every B. The flatten ``(B, T, D) -> (B*T, D)`` of a T-sharded value
+    is DTensor's ``_StridedShard(0, split_factor=B)``, which DTensor refuses for a
+    symbolic B: each such view gathers its input (replicate fallback) where the
+    per-shape program keeps the strided layout and gathers before the (add)mm. The
+    Linears' flattens trade one gather for another (as many); attention's flattens of
+    (B, heads) are the ``extra`` gathers on 2 ranks (on 4, the 2 heads are not split and
+    attention gathers in both programs) (docs/dynamic_shapes.md, "Left")."""
+    mesh = fake_mesh((ranks,), ("tp",))
+    model, batches = _seq_batches(seq)
+    sim = _train(train_step, model, batches, mesh, SEQ_TP, dynamic=True)
+    assert sim.compiles == 1, sim.reasons
+    prog = sim.expansions[(0,)]
+    assert {(s.label, s.dim) for s in prog.size_symbols} >= {("batch[0]", 0), ("batch[0]", 1)}
+    static = _static_even(train_step, model, tuple(torch.randint(0, 16, (4, seq)) for _ in range(2)), mesh, SEQ_TP)
+    dyn, per_shape = _comms(prog), _comms(static)
+    assert dyn["reduce_scatter"] == per_shape["reduce_scatter"] == 2, (dyn, per_shape)
+    g_dyn, g_static = _gathers(prog), _gathers(static)
+    assert set(g_dyn) <= {"input 0 of view.default", "input 0 of _unsafe_view.default"}, g_dyn
+    assert g_dyn["input 0 of _unsafe_view.default"] == extra, g_dyn  # q @ k^T and probs @ v: 2 operands each
+    assert sum(g_dyn.values()) == sum(g_static.values()) + extra, (g_dyn, g_static)
+    assert dyn["all_reduce"] <= per_shape["all_reduce"], (dyn, per_shape)
+
+
+def test_2d_gpt_one_program_for_every_batch_size():
+    """The GPT on DP x TP (2 x 2) keeps one program for every batch size, uneven and
+    one-row first batches included. Two guards pinned the batch before: the replicate
+    fallback compared a size's example value with its SymInt (``Eq(2*s3, 10)`` for B=5:
+    every later size concrete, a gather of the even-looking 20 rows left unnarrowed, a
+    backward ``mm`` of [8, 20] x [24, 8]), and ``contiguous()`` of a gathered, moved dim
+    asked ``Eq(16*s3, 16)`` for B=1.
+
+    Collectives: the per-shape program's all_reduces, plus all_gathers for attention's
+    flatten of (batch, heads), batch split on 'dp' and heads on 'tp': a dim split by two
+    axes whose inner split has the symbolic local batch as its ``_StridedShard`` split
+    factor, which DTensor refuses ("Cannot flatten unevenly sharded tensor"), so the view
+    gathers (docs/dynamic_shapes.md, "Left")."""
+    mesh = fake_mesh((2, 2), ("dp", "tp"))
+    model, batches = _gpt()
+    sim = _train(train_step, model, batches, mesh, gpt_2d_plan(), dynamic=True)
+    assert sim.compiles == 1, sim.reasons
+    prog = sim.expansions[(0, 0)]
+    static = _static_even(train_step, model, tuple(torch.randint(0, 16, (4, 4)) for _ in range(2)), mesh, gpt_2d_plan())
+    assert _comms(static) == Counter(all_reduce=6), _comms(static)
+    assert _comms(prog)["all_reduce"] == _comms(static)["all_reduce"], (_comms(prog), _comms(static))
+    extra = [c for n in prog.gm.graph.nodes if (c := n.meta.get("spmd_comm")) and c["kind"] != "all_reduce"]
+    assert extra and all(c["kind"] == "all_gather" and "_unsafe_view" in c["reason"] for c in extra), extra
+
+
+def test_2d_gpt_uneven_batch_per_shape_equals_one_device():
+    """dynamic=False, B=5 on 2 x 2 (rows 3 and 2 per 'dp' rank): the per-shape program
+    gathers the uneven flattens and equals one device."""
+    mesh = fake_mesh((2, 2), ("dp", "tp"))
+    model, batches = _gpt()
+    sim = _train(train_step, model, batches[:1] * 2, mesh, gpt_2d_plan())
+    assert batches[0][0].shape[0] == 5 and sim.compiles == 1, sim.reasons
+
+
+@pytest.mark.slow  # ~25 s per plan: 33 steps on the simulated ranks and on one device
+@pytest.mark.parametrize("plan", ["2d", "seq"])
+def test_gpt_every_batch_size_from_1_to_33(plan):
+    """Every size 1..33 (odd and even, below and above the mesh size) from the one
+    program of the first call, equal to one device after every step."""
+    mesh, the_plan = (fake_mesh((2, 2), ("dp", "tp")), gpt_2d_plan()) if plan == "2d" else (fake_mesh((2,), ("tp",)), SEQ_TP)
+    model, batches = _seq_batches(4, range(1, 34))
+    sim = _train(train_step, model, batches, mesh, the_plan, dynamic=True)
+    assert sim.compiles == 1, sim.reasons

@@ -33,7 +33,7 @@ from .shapes import (
     FakeTensor, FakeTensorMode, symbolic_fake_mode, to_symbolic_fake, size_hint, fake_mode_of, sym_expr, is_symbolic, sym_free_symbols,
     symbol_of, unbacked_symbols, shape_env_of, shape_env_guards, num_guards, symbol_range, example_values,
     replaced_symbols, is_pinned, new_size_symint, size_oblivious, true_unless_proven_false,
-    false_unless_proven_true, branch_atom, sympy_as_python, set_real_value, propagating_real_values,
+    false_unless_proven_true, definitely_contiguous, branch_atom, sympy_as_python, set_real_value, propagating_real_values,
     real_value_branches, is_real_value_log,
 )
 from .tracing import (
@@ -55,7 +55,7 @@ __all__ = [
     "writes_first_arg", "Partial", "Placement", "Replicate", "Shard", "Placements", "world_info",
     "rename_node", "preserve_node_meta", "link_backward_to_forward", "pipeline_order",
     "mark_optimizer_stepped", "clear_dtensor_caches", "localized_shape_arg", "raw_operator", "set_group_timeout", "default_store",
-    "shape_env_of", "num_guards", "example_values", "replaced_symbols", "false_unless_proven_true",
+    "shape_env_of", "num_guards", "example_values", "replaced_symbols", "false_unless_proven_true", "definitely_contiguous",
     "true_unless_proven_false", "size_oblivious", "new_size_symint", "is_pinned", "register_symbolic_mode",
     "fake_mode_of", "sym_expr", "shape_env_guards", "symbol_range", "is_symbolic", "sym_free_symbols",
     "symbol_of", "unbacked_symbols", "branch_atom", "sympy_as_python", "set_real_value",

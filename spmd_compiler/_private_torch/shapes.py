@@ -26,7 +26,7 @@ __all__ = [
     "FakeTensor", "FakeTensorMode", "symbolic_fake_mode", "to_symbolic_fake", "size_hint", "fake_mode_of", "sym_expr", "is_symbolic", "sym_free_symbols",
     "symbol_of", "unbacked_symbols", "shape_env_of", "shape_env_guards", "num_guards", "symbol_range", "example_values",
     "replaced_symbols", "is_pinned", "new_size_symint", "size_oblivious", "true_unless_proven_false",
-    "false_unless_proven_true", "branch_atom", "sympy_as_python", "set_real_value", "propagating_real_values",
+    "false_unless_proven_true", "definitely_contiguous", "branch_atom", "sympy_as_python", "set_real_value", "propagating_real_values",
     "real_value_branches", "is_real_value_log",
 ]
 
@@ -227,6 +227,16 @@ def false_unless_proven_true(cond: Any) -> bool:
 
         return guard_or_false(cond)
     return bool(cond)
+
+
+
+def definitely_contiguous(t: torch.Tensor) -> bool:
+    """Whether a (fake) tensor is contiguous for every value of its symbolic sizes; False
+    when torch cannot prove it, never a guard (``x.contiguous()`` itself asks
+    ``Eq(16*s3, 16)`` of a moved dim, which pins the size)."""
+    from torch._prims_common import is_contiguous_or_false
+
+    return bool(is_contiguous_or_false(t))
 
 
 

@@ -28,12 +28,24 @@ def batch_placements(plan: Plan, paths: list[str], leaves: list[Any], ndim: int)
     return [next(resolved)[0] if isinstance(leaf, torch.Tensor) else None for leaf in leaves]
 
 
-def sharded_batch_dims(plan: Plan, args: tuple, kwargs: dict, ndim: int) -> dict[int, tuple[int, ...]]:
+def sharded_batch_dims(plan: Plan, args: tuple, kwargs: dict, ndim: int, *, dynamic: bool = False) -> dict[int, tuple[int, ...]]:
     """Per batch leaf, the dims the plan shards: only those are traced as symbols
-    (an unsharded dim has the same size on every rank, and symbols slow the trace)."""
+    (an unsharded dim has the same size on every rank, and symbols slow the trace).
+
+    ``dynamic`` (``dynamic=True``'s symbolic sizes): also dim 0, the batch size, of a leaf
+    the plan shards along another dim only (``Shard(1)``, a sequence-sharded batch): it
+    varies from call to call like a sharded batch dim, with the same size on every rank."""
     leaves, _, paths = flatten_batch(args, kwargs)
     placements = batch_placements(plan, paths, leaves, ndim)
-    return {i: tuple(sorted({p.dim for p in pl if isinstance(p, pt.Shard)})) for i, pl in enumerate(placements) if pl is not None}
+    out = {}
+    for i, pl in enumerate(placements):
+        if pl is None:
+            continue
+        dims = {p.dim for p in pl if isinstance(p, pt.Shard)}
+        if dynamic and dims and leaves[i].dim() > 0:
+            dims.add(0)
+        out[i] = tuple(sorted(dims))
+    return out
 
 
 def global_batch(batch: tuple, kwargs: dict, mesh: Any, plan: Plan, exchange: Any) -> tuple[tuple, dict]:

@@ -247,7 +247,8 @@ def build_program(
         with gc_paused():
             traced = trace(
                 fn, model, optimizer, *args, symbolic=options.symbolic,
-                symbolic_dims=sharded_batch_dims(plan, args, kwargs, len(tuple(mesh.shape))), dynamic=options.dynamic, **kwargs,
+                symbolic_dims=sharded_batch_dims(plan, args, kwargs, len(tuple(mesh.shape)), dynamic=options.dynamic),
+                dynamic=options.dynamic, **kwargs,
             )
     with gc_paused():
         if options.dynamic:

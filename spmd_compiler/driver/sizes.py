@@ -43,11 +43,12 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ShardedDim:
-    """Dim ``dim`` of batch leaf ``leaf`` (path ``path``), split over mesh axis ``axis``."""
+    """Dim ``dim`` of batch leaf ``leaf`` (path ``path``), split over mesh axis ``axis``
+    (None: the batch size of a leaf sharded along another dim, the same on every rank)."""
 
     leaf: int
     dim: int
-    axis: int
+    axis: int | None
     path: str
 
 
@@ -59,7 +60,10 @@ def sharded_dims(plan: Any, batch: tuple, kwargs: dict, ndim: int) -> list[Shard
     for i, pl in enumerate(batch_placements(plan, paths, leaves, ndim)):
         if pl is None:
             continue
-        for d in sorted({p.dim for p in pl if isinstance(p, pt.Shard)}):
+        split = {p.dim for p in pl if isinstance(p, pt.Shard)}
+        if split and 0 not in split and leaves[i].dim() > 0:  # as sharded_batch_dims(dynamic=True)
+            out.append(ShardedDim(i, 0, None, paths[i]))
+        for d in sorted(split):
             axes = [a for a, p in enumerate(pl) if isinstance(p, pt.Shard) and p.dim == d]
             if len(axes) != 1 or isinstance(pl[axes[0]], pt.StridedShard):
                 return None
@@ -76,6 +80,15 @@ def global_sizes(dims: list[ShardedDim], everyone: list[tuple[tuple[int, ...], l
     holds the same global size. The same on every rank (it reads only ``everyone``)."""
     out = []
     for j, sd in enumerate(dims):
+        if sd.axis is None:  # not split: every rank holds the whole dim
+            held = {int(local[j]) for _, local in everyone}
+            if len(held) > 1:
+                raise ValueError(
+                    f"dynamic=True: {sd.path} has sizes {sorted(held)} in dim {sd.dim} on different ranks; the plan does not "
+                    f"split that dim, so every rank must hold all of it. fix: give every rank the same batch size"
+                )
+            out.append(held.pop())
+            continue
         n = mesh_shape[sd.axis]
         groups: dict[tuple, dict[int, tuple[int, int]]] = {}
         for rank, (coord, local) in enumerate(everyone):

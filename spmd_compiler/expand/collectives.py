@@ -70,7 +70,14 @@ def _collective(b: SubgraphBuilder, op: Any, kind: str, x: fx.Node, axis: int, a
 
 def _contiguous(b: SubgraphBuilder, x: fx.Node) -> fx.Node:
     """``x.contiguous()``: a no-op at run time when it already is. Always emitted, so the
-    graph has the same nodes on every rank (contiguity of size-0/1 dims varies)."""
+    graph has the same nodes on every rank (contiguity of size-0/1 dims varies).
+
+    A symbolic shape (dynamic=True) that torch cannot prove contiguous for every size is
+    copied with ``clone``: ``contiguous()`` would ask whether it already is (``Eq(16*s3,
+    16)`` for a moved dim of a batch of one row), a guard that pins the batch size."""
+    val = x.meta["val"]
+    if any(pt.is_symbolic(s) for s in val.shape) and not pt.definitely_contiguous(val):
+        return b.call(aten.clone.default, x, memory_format=torch.contiguous_format)
     return b.call(aten.contiguous.default, x)
 
 

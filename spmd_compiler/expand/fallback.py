@@ -55,7 +55,7 @@ def _replicated_result(ctx: ExpandContext, b: SubgraphBuilder, node: fx.Node, tr
     traced node's value, when known) was, so later ops see the traced layouts."""
 
     def out(n: fx.Node, t: Any) -> OutTensor:
-        if isinstance(t, torch.Tensor) and [pt.size_hint(s) for s in t.shape] == list(n.meta["val"].shape):
+        if isinstance(t, torch.Tensor) and _same_shape(t.shape, n.meta["val"].shape):
             n = restride_like(b, n, t.shape, t.stride())
         v = n.meta["val"]
         return _out_tensor(b, n, pt.make_spec(ctx.mctx.mesh, [pt.Replicate()] * ctx.mctx.ndim, v.shape, v.stride(), v.dtype), {})
@@ -71,6 +71,20 @@ def _replicated_result(ctx: ExpandContext, b: SubgraphBuilder, node: fx.Node, tr
             res.append(out(item, t) if isinstance(v, torch.Tensor) else v)
         return type(val)(res) if isinstance(val, tuple) else res
     return val
+
+
+def _same_shape(a: Any, b: Any) -> bool:
+    """Whether two shapes are the same, without a guard on symbolic sizes: comparing a
+    size's example value with a SymInt (``10 == 2*s3``) records ``Eq(2*s3, 10)``, which
+    pins the batch size (dynamic=True); the sizes must be the same expressions."""
+    if len(a) != len(b):
+        return False
+    def same(x: Any, y: Any) -> bool:
+        if pt.is_symbolic(x) and pt.is_symbolic(y):
+            return bool(pt.sym_expr(x) == pt.sym_expr(y))
+        return not pt.is_symbolic(x) and not pt.is_symbolic(y) and int(x) == int(y)
+
+    return all(same(x, y) for x, y in zip(a, b))
 
 
 def replicate_axes(ctx: ExpandContext, b: SubgraphBuilder, args: Any, kwargs: Any, axes: set[int], why: str) -> tuple[Any, Any]:

@@ -97,7 +97,7 @@ class SimulatedTraining:
         """The call signature; a symbolic program's (dynamic=True) leaves out the sizes of
         the sharded batch dims, which its size guards check instead."""
         first = self.expansions.get(self.coords[0])
-        free = sharded_batch_dims(self.plan, batch, {}, len(self.mesh_shape)) if first is not None and first.size_symbols else None
+        free = sharded_batch_dims(self.plan, batch, {}, len(self.mesh_shape), dynamic=True) if first is not None and first.size_symbols else None
         return signature(state, batch, {}, free_dims=free)
 
     def _globals(self, first: Any, state: Any, batch: tuple) -> list[Any]:
@@ -107,7 +107,7 @@ class SimulatedTraining:
     def _pick(self, state: Any, batch: tuple) -> bool:
         """Switch to the first kept symbolic program (most recently used first) for this
         call's free signature whose every rank's size guards hold; False if none does."""
-        free = signature(state, batch, {}, free_dims=sharded_batch_dims(self.plan, batch, {}, len(self.mesh_shape)))
+        free = signature(state, batch, {}, free_dims=sharded_batch_dims(self.plan, batch, {}, len(self.mesh_shape), dynamic=True))
         for i, (key, expansions) in enumerate(self._kept):
             first = expansions[self.coords[0]]
             if key != free:
