@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-import sympy
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
