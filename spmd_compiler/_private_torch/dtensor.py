@@ -237,12 +237,26 @@ def _symbolic_mode_of(args: Any, kwargs: Any) -> Any:
     from torch._guards import detect_fake_mode
 
     if detect_fake_mode() is None:
-        for spec in _spec_leaves(args, kwargs):
-            if spec.tensor_meta is not None and any(is_symbolic(s) for s in spec.shape):
-                mode = _MODES_BY_ENV.get(id(next(s for s in spec.shape if is_symbolic(s)).node.shape_env))
-                if mode is not None:
-                    return _symbolic_propagation(mode)
+        for size in _symbolic_sizes(args, kwargs):
+            mode = _MODES_BY_ENV.get(id(size.node.shape_env))
+            if mode is not None:
+                return _symbolic_propagation(mode)
     return contextlib.nullcontext()
+
+
+def _symbolic_sizes(args: Any, kwargs: Any) -> Iterator[Any]:
+    """The symbolic sizes of the specs' shapes, then those among the other arguments: an
+    ``expand`` of a static ``[1, d]`` to ``[s3, d]`` (a mean's gradient over the batch)
+    has its symbol in the size argument only. Without its mode DTensor's fake run of the
+    op asks ``s3 != 1`` (a guard: a second program for one row)."""
+    from torch.utils import _pytree as pytree
+
+    for spec in _spec_leaves(args, kwargs):
+        if spec.tensor_meta is not None:
+            yield from (s for s in spec.shape if is_symbolic(s))
+    for leaf in pytree.tree_leaves((args, kwargs)):
+        if isinstance(leaf, (torch.SymInt, torch.SymFloat)) and is_symbolic(leaf):
+            yield leaf
 
 
 
