@@ -171,6 +171,31 @@ def _gloo_accumulation(rank: int, world: int) -> dict:
         for p, q in zip(model.parameters(), ref.parameters()):
             errs.append((p.full_tensor() - q).abs().max().item())
         out[defer] = {"err": max(errs), "launches": launches[2 * WINDOW:], "static": static[2 * WINDOW:], "grads": grads}
+    # a step compiled without the option refuses the unreduced gradient, naming it
+    x, y = (t.chunk(world)[rank] for t in _batch(0)[:2])
+    step(model, opt, x, y, False)  # leaves Partial gradients
+    try:
+        sc.compile(accumulating_step, mesh=(world,))(model, opt, x, y, False)
+        out["refused"] = None
+    except ValueError as e:
+        out["refused"] = str(e)
+    # FSDP: the kept gradient is full size on every rank (the parameter a shard)
+    torch.manual_seed(0)
+    model = MLP().double()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
+    step = sc.compile(accumulating_step, mesh=(world,), plan=sc.Plan(params={"*": [Shard(0)]}, fsdp_axes=(0,), defer_grad_sync=True))
+    errs, kept = [], set()
+    for i in range(WINDOW + 2):
+        x, y, do_step = _batch(i)
+        errs.append(abs(step(model, opt, x.chunk(world)[rank], y.chunk(world)[rank], do_step).item()
+                        - accumulating_step(ref, ref_opt, x, y, do_step).item()))
+        for p, q in zip(model.parameters(), ref.parameters()):
+            errs.append((p.full_tensor() - q).abs().max().item())
+            if p.grad is not None:
+                errs.append((p.grad.full_tensor() - q.grad).abs().max().item())
+                kept.add((str(p.placements), str(p.grad.placements), tuple(p.grad.to_local().shape) == tuple(q.shape)))
+    out["fsdp"] = {"err": max(errs), "kept": kept}
     return out
 
 
@@ -194,6 +219,9 @@ def test_gloo_deferred_sync_launches_and_grads():
         assert deferred["launches"][2:4] == [1, 1], deferred["launches"]
         window = [sum(r["launches"]) for r in (default, deferred)]
         assert window[0] - window[1] == (WINDOW - 1) * (default["static"][0] - 1), window
+        assert "compile this step with the same option" in (res["refused"] or ""), res["refused"]
+        assert res["fsdp"]["err"] < 1e-10, res["fsdp"]
+        assert res["fsdp"]["kept"] == {("(Shard(dim=0),)", "(Partial(sum),)", True)}, res["fsdp"]["kept"]
     # the rank's own part: ranks hold different local gradients that sum to the global one
     a, b = (torch.tensor(r[True]["grads"][0][1]) for r in results)
     assert (a - b).abs().max() > 1e-3
