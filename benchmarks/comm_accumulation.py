@@ -119,7 +119,7 @@ def run(args: Any) -> None:
     lines = ["| side | launches / window (run) | program launches per call | bytes / window | max abs param diff vs DDP no_sync |",
              "|---|---|---|---|---|"]
     for side in SIDES:
-        if side in got["static"]:
+        if got["static"].get(side):
             per_call = ", ".join(str(c) for c, _ in got["static"][side])
             nbytes = f"{sum(b for _, b in got['static'][side]):,} (programs)"
         else:
