@@ -22,8 +22,10 @@ Absolute times are noise on a shared machine (the profiler adds its own cost to 
 sides); launch counts are exact, and the shares are what to compare. Usage:
 
     python benchmarks/comm_profile.py [--kinds dp fsdp tp 2d] [--rounds 5] [--steps 3]
+    python benchmarks/comm_profile.py --accumulate 5   # launches per accumulation window
 
-Writes benchmarks/results/comm_profile.md.
+Writes benchmarks/results/comm_profile.md (``--accumulate``: comm_profile_accumulation.md,
+see ``comm_accumulation.py``).
 """
 
 from __future__ import annotations
@@ -258,7 +260,17 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--accumulate", type=int, default=0, metavar="N",
+                   help="instead: launches per gradient-accumulation window of N calls (dp: compiled with and without "
+                        "Plan(defer_grad_sync=True), DDP with and without no_sync), in comm_profile_accumulation.md")
     args = p.parse_args()
+    if args.accumulate:
+        if args.accumulate < 2:
+            p.error(f"--accumulate {args.accumulate}: expected a window of at least 2 calls")
+        import comm_accumulation
+
+        comm_accumulation.run(args)
+        return
 
     rows = []
     for kind in args.kinds:

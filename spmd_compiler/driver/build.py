@@ -175,7 +175,7 @@ def expand(
         reshard_after_forward=plan.reshard_after_forward,
     )
     t1 = time.perf_counter()
-    step = finalize(expansion, reduce_partial_outputs=reduce_partial_outputs)
+    step = finalize(expansion, reduce_partial_outputs=reduce_partial_outputs, grad_placements=resolved.grads)
     if expansion.dynamic:
         sources = {**expansion.size_nodes, **dict(zip(expansion.local_sizes.symbols, expansion.coords))}
         emit_sizes_pass(step.gm, sources=sources, definitions=expansion.local_sizes.definitions)

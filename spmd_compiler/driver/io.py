@@ -47,11 +47,21 @@ def _check_grad(name: str, param: Any, grad: Any, spec: Any) -> None:
     if isinstance(grad, DTensor) and tuple(grad.placements) == want and grad.device_mesh == param.device_mesh:
         return
     got = f"a DTensor with placements {list(grad.placements)}" if isinstance(grad, DTensor) else f"a {type(grad).__name__} (not a DTensor)"
+    partial = any(p.is_partial() for p in want)
+    if partial:  # Plan(defer_grad_sync=True)
+        expected = f"an unreduced DTensor, placements {list(want)} (Plan(defer_grad_sync=True): Partial on the data axes)"
+    else:
+        expected = f"a DTensor laid out like the parameter, placements {list(want)}"
+    if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements) and not partial:
+        hint = ("the gradient was kept unreduced by a step compiled with Plan(defer_grad_sync=True): compile this "
+                "step with the same option, or ")
+    else:
+        hint = ""
     raise ValueError(
-        f"the gradient of parameter {name!r} (its .grad, kept from before this call) is {got}; expected a DTensor laid "
-        f"out like the parameter, placements {list(want)}, as the compiled step stores gradients. fix: let the compiled "
-        f"step compute the gradients it accumulates, call optimizer.zero_grad() (set_to_none=True) before the call, or "
-        f"assign p.grad = g.redistribute(p.device_mesh, p.placements)"
+        f"the gradient of parameter {name!r} (its .grad, kept from before this call) is {got}; expected {expected}, "
+        f"as the compiled step stores gradients. fix: {hint}let the compiled step compute the gradients it accumulates, "
+        f"call optimizer.zero_grad() (set_to_none=True) before the call, or assign "
+        f"p.grad = g.redistribute(p.device_mesh, {list(want)})"
     )
 
 

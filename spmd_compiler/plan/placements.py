@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
@@ -47,10 +47,13 @@ def normalize_placements(value: PlacementsLike, ndim: int, what: str) -> tuple[P
 
 @dataclass(frozen=True)
 class ResolvedPlan:
-    """One placements tuple per graph input, plus where each came from."""
+    """One placements tuple per graph input, plus where each came from; ``grads``: the
+    placements of every parameter's gradient kept for the next call (that of its
+    parameter, or ``Partial`` on the data axes under ``Plan(defer_grad_sync=True)``)."""
 
     placements: tuple[tuple[Placement, ...], ...]
     sources: tuple[str, ...]
+    grads: dict = field(default_factory=dict, compare=False)
 
     def __iter__(self):
         return iter(self.placements)

@@ -9,7 +9,7 @@ import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from torch.distributed.tensor import Placement, Replicate, Shard
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from .. import _private_torch as pt
 from .placements import ResolvedPlan, _check_dims, normalize_placements
@@ -185,7 +185,35 @@ def _resolve(plan: Plan, traced: Any, mesh: Any) -> ResolvedPlan:
         sources.append(src)
     if fitted:
         log.debug("plan patterns left %d tensors Replicate where they have no dim to split: %s", len(fitted), "; ".join(fitted))
-    return ResolvedPlan(tuple(placements), tuple(sources))
+    grads = {inp.name: tuple(pl) for inp, pl in zip(traced.inputs, placements) if inp.kind == "param"}
+    if plan.defer_grad_sync:
+        axes = _data_axes(traced.inputs, placements, fsdp)
+        grads = {name: _deferred(pl, axes, fsdp) for name, pl in grads.items()}
+        for i, inp in enumerate(traced.inputs):
+            if inp.kind == "grad":
+                placements[i] = grads[inp.name]
+                sources[i] = f"follows param {inp.name!r}, Partial on data axes {list(axes)} (defer_grad_sync=True)"
+    return ResolvedPlan(tuple(placements), tuple(sources), grads)
+
+
+def _data_axes(inputs: Any, placements: list[tuple[Placement, ...]], fsdp: tuple[int, ...]) -> tuple[int, ...]:
+    """The mesh axes on which the plan splits a batch input, and the FSDP axes: those over
+    which a gradient is a sum of per-rank terms."""
+    axes = set(fsdp)
+    for inp, pl in zip(inputs, placements):
+        if inp.kind == "batch":
+            axes.update(a for a, p in enumerate(pl) if not p.is_replicate())
+    return tuple(sorted(axes))
+
+
+def _deferred(placements: tuple[Placement, ...], axes: tuple[int, ...], fsdp: tuple[int, ...]) -> tuple[Placement, ...]:
+    """A kept gradient under ``defer_grad_sync``: unreduced (``Partial``) on the data axes
+    where its parameter is whole on every rank, or a shard on an FSDP axis (the gradient
+    is then full size on every rank, as FSDP2's without gradient sync); elsewhere laid out
+    like its parameter."""
+    return tuple(
+        Partial() if a in axes and (p.is_replicate() or (a in fsdp and p.is_shard())) else p for a, p in enumerate(placements)
+    )
 
 
 def _has_dim(inp: Any, p: Placement) -> bool:

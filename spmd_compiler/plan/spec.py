@@ -67,6 +67,19 @@ class Plan:
             Megatron plan then communicates exactly as Megatron does, in backward too).
             ``"greedy"``: DTensor's cheapest strategy for each op on its own, which may
             start new shards (sequence-parallel-like splits) that later ops pay to undo.
+        defer_grad_sync: gradient accumulation over calls without a reduction per call,
+            as DDP's ``no_sync()`` and FSDP2's ``set_requires_gradient_sync(False)``. A
+            call that leaves gradients set (no ``zero_grad()``) stores them unreduced:
+            ``p.grad`` is a DTensor ``Partial`` on the data axes (the mesh axes on which
+            the plan splits a batch input, and ``fsdp_axes``), the parameter's
+            placements on the others; its value is still the global sum
+            (``p.grad.full_tensor()`` reduces), its local tensor the rank's own part
+            (full size under FSDP, where the parameter is a shard). The next call adds
+            into it locally, and the call that runs ``optimizer.step()`` reduces it
+            there, in buckets: one reduction per accumulation window instead of one per
+            call. The sum is reassociated (per rank over calls, then over ranks): equal
+            to one device within rounding, not bit for bit. Default False: every call
+            reduces its gradients and ``p.grad`` holds what one device holds.
     """
 
     params: Mapping[str, Any] = field(default_factory=dict)
@@ -78,8 +91,15 @@ class Plan:
     fsdp_axes: Sequence[str | int] = ()
     activation_sharding: str = "follow"
     reshard_after_forward: bool = True
+    defer_grad_sync: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.defer_grad_sync, bool):
+            raise TypeError(
+                f"Plan(defer_grad_sync={self.defer_grad_sync!r}): expected True (gradients kept across calls stay "
+                f"unreduced, Partial on the data axes, until the call that steps) or False (reduced at every call), "
+                f"got a {type(self.defer_grad_sync).__name__}. fix: pass a bool"
+            )
         if not isinstance(self.reshard_after_forward, bool):
             raise TypeError(
                 f"Plan(reshard_after_forward={self.reshard_after_forward!r}): expected True (gather FSDP parameters "

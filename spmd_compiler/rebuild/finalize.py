@@ -8,7 +8,8 @@
 * Gradients the step leaves set (no ``zero_grad()`` at its end) are state too: written
   back into their ``grad`` input when the call started with one, else graph outputs, in
   both cases laid out like their parameter (a Partial gradient is reduced: all_reduce to
-  Replicate, reduce_scatter to a shard).
+  Replicate, reduce_scatter to a shard), or as ``grad_placements`` says
+  (``Plan(defer_grad_sync=True)``: Partial on the data axes, not reduced).
 * Dead code is eliminated and the GraphModule recompiled.
 """
 
@@ -95,8 +96,12 @@ def _storage_root(node: fx.Node) -> fx.Node:
     return node
 
 
-def finalize(ex: Any, *, reduce_partial_outputs: bool = True) -> ExpandedStep:
-    """Turn a finished expander run into an :class:`ExpandedStep`."""
+def finalize(ex: Any, *, reduce_partial_outputs: bool = True, grad_placements: dict | None = None) -> ExpandedStep:
+    """Turn a finished expander run into an :class:`ExpandedStep`.
+
+    ``grad_placements``: parameter FQN to the placements of its gradient kept for the
+    next call when the call started without one (default: the parameter's); a kept
+    gradient the call started with is written back as its input was planned."""
     traced = ex.traced
     g: fx.Graph = ex.graph
     output_node = next(n for n in traced.gm.graph.nodes if n.op == "output")
@@ -109,7 +114,7 @@ def finalize(ex: Any, *, reduce_partial_outputs: bool = True) -> ExpandedStep:
     assert len(out_args) == len(traced.outputs), (len(out_args), len(traced.outputs))
     for desc, traced_out in zip(traced.outputs, out_args):
         try:
-            _finish_output(ex, desc, traced_out, output_node, out_nodes, slots, new_keys, reduce_partial_outputs)
+            _finish_output(ex, desc, traced_out, output_node, out_nodes, slots, new_keys, reduce_partial_outputs, grad_placements or {})
         except (SpmdError, ValueError, TypeError) as e:
             value = ex.env.get(traced_out) if isinstance(traced_out, fx.Node) else None
             what = f"step output {desc.index}" if desc.kind == "user" else f"{desc.kind} {desc.name}" + (f"[{desc.key!r}]" if desc.key else "")
@@ -138,7 +143,8 @@ def finalize(ex: Any, *, reduce_partial_outputs: bool = True) -> ExpandedStep:
 
 
 def _finish_output(
-    ex: Any, desc: Any, traced_out: Any, output_node: fx.Node, out_nodes: list, slots: list, new_keys: set, reduce_partial: bool
+    ex: Any, desc: Any, traced_out: Any, output_node: fx.Node, out_nodes: list, slots: list, new_keys: set, reduce_partial: bool,
+    grad_placements: dict,
 ) -> None:
     """One output of the traced step: a user output (Partial reduced), new optimizer
     state (an output of the graph), or updated state written back into its input."""
@@ -175,8 +181,8 @@ def _finish_output(
         slots.append(OutputSlot("optim", value.spec, name=desc.name, key=desc.key))
         return
     if desc.kind == "grad" and not _has_input(ex, "grad", desc.name):  # p.grad was None when the call started
-        pspec = ex.input_value("param", desc.name).spec
-        dst = pt.DTensorSpec(value.spec.mesh, tuple(pspec.placements), tensor_meta=value.spec.tensor_meta)
+        placements = grad_placements.get(desc.name) or ex.input_value("param", desc.name).spec.placements
+        dst = pt.DTensorSpec(value.spec.mesh, tuple(placements), tensor_meta=value.spec.tensor_meta)
         value = redistribute_value(ex, value, dst, f"gradient of {desc.name} kept for the next call", output_node, tname)
         out_nodes.append(value.node)
         slots.append(OutputSlot("grad", value.spec, name=desc.name))
