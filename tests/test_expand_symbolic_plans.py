@@ -202,6 +202,17 @@ def test_sequence_sharded_tp_gpt_one_program_for_every_batch_size(ranks, seq, ex
     assert dyn["all_reduce"] <= per_shape["all_reduce"], (dyn, per_shape)
 
 
+def test_sequence_sharded_tp_gpt_on_3_ranks_one_program_for_every_batch_size():
+    """Three ranks, three heads, the sequence (6) split in 3: one program, equal to one
+    device for every B. (Heads that do not divide over the ranks, 2 over 3, still
+    compile per shape: the uneven head split's view; docs/dynamic_shapes.md, "Left".)"""
+    torch.manual_seed(0)
+    model = GPT(vocab=16, seq=6, dim=12, heads=3, layers=1).double()
+    batches = [(torch.randint(0, 16, (b, 6)), torch.randint(0, 16, (b, 6))) for b in SIZES]
+    sim = _train(train_step, model, batches, fake_mesh((3,), ("tp",)), SEQ_TP, dynamic=True)
+    assert sim.compiles == 1, sim.reasons
+
+
 def test_2d_gpt_one_program_for_every_batch_size():
     """The GPT on DP x TP (2 x 2) keeps one program for every batch size, uneven and
     one-row first batches included. Two guards pinned the batch before: the replicate
