@@ -4,9 +4,9 @@
 whole per-rank GraphModule, functional collectives and in-place optimizer updates
 included, goes through AOTAutograd (which functionalizes it and writes mutated inputs,
 the parameters and optimizer state, back in place) and inductor (C++/OpenMP kernels on
-CPU, Triton on GPU). Collectives stay where the schedule pass put them: inductor keeps a
-``wait_tensor`` where the graph has it unless ``reorder_for_compute_comm_overlap`` is set
-(off by default), and runs ``_c10d_functional`` ops as extern kernels.
+CPU, Triton on GPU). Inductor runs ``_c10d_functional`` ops as extern kernels, but its
+scheduler does not keep the schedule pass's overlap: a backward ``all_reduce_`` is followed
+at once by its ``wait_tensor`` in the generated code (docs/architecture.md, "inductor").
 
 **Host scalars.** The traced optimizer reads its hyperparameters (lr, betas, the step
 count) with ``.item()`` and does scalar arithmetic on the Python floats. Inductor passes
