@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 import spmd_compiler as sc
-from spmd_compiler.testing import SimulatedTraining, assert_distributed, assert_training_matches
+from spmd_compiler.testing import assert_distributed, assert_training_matches
 
 
 class RenormModel(nn.Module):

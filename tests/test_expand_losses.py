@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import Replicate, Shard
 
 from spmd_compiler.testing import assert_distributed, assert_spmd_matches, assert_training_matches, distribution_of
-from spmd_compiler.testing.models import GPT, gpt_2d_plan, train_step
+from spmd_compiler.testing.models import GPT, gpt_2d_plan
 
 
 def _collectives(run):

@@ -26,7 +26,6 @@ records why in ``meta["spmd_schedule"]``.
 
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
 
 from ..expand.rules.random import is_random

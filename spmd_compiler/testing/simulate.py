@@ -26,7 +26,6 @@ nodes in the same order; that is how expansion builds them.
 from __future__ import annotations
 
 import itertools
-import operator
 from collections.abc import Sequence
 from typing import Any
 
