@@ -117,7 +117,7 @@ def test_pipeline_plan_keeps_every_field_of_the_users_plan():
 
     user = sc.Plan(params={"blocks.*": [Shard(0)]}, inputs=[[Shard(0)]], default_param=[Replicate()],
                    default_input=[Shard(0)], style_axis="dp", strict=False, fsdp_axes=("dp",),
-                   activation_sharding="greedy", reshard_after_forward=False)
+                   activation_sharding="greedy", reshard_after_forward=False, defer_grad_sync=True)
     defaults = sc.Plan()
     widened = {"params", "inputs", "default_param", "default_input", "fsdp_axes"}
     for f in dataclasses.fields(sc.Plan):
