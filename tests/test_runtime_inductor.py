@@ -13,6 +13,7 @@ import copy
 import logging
 import os
 import pathlib
+import re
 import time
 
 import pytest
@@ -91,6 +92,52 @@ def test_uncompilable_program_falls_back_with_one_warning(caplog):
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "inductor could not compile the per-rank program" in warnings[0].getMessage()
     assert runner.failed and "eager runner" in warnings[0].getMessage()
+
+
+_LAUNCH = re.compile(r"_c10d_functional\.all_reduce_\.default\((.*), '\w+', '[^']*'\)$")
+_WAIT = re.compile(r"_c10d_functional\.wait_tensor\.default\((.*)\)$")
+_MATMUL = re.compile(r"extern_kernels\.(mm|addmm|bmm)\(")
+
+
+def _overlapped_matmuls(code: str) -> list[int]:
+    """For each all_reduce launch of inductor's generated ``code``, how many matmuls run
+    between it and its wait (matched by buffer)."""
+    lines = [line.strip() for line in code.split("def call(self, args):", 1)[1].splitlines()]
+    lines = [line for line in lines if not line.startswith("#")]
+    counts = []
+    for i, line in enumerate(lines):
+        if (launch := _LAUNCH.search(line)) is None:
+            continue
+        end = next(j for j in range(i + 1, len(lines))
+                   if (w := _WAIT.search(lines[j])) is not None and w.group(1) == launch.group(1))
+        counts.append(sum(bool(_MATMUL.search(x)) for x in lines[i + 1:end]))
+    return counts
+
+
+def test_backward_all_reduce_overlaps_matmuls_in_inductor_code(tmp_path, monkeypatch):
+    """The schedule pass launches a backward all_reduce before the weight-gradient matmuls
+    and waits for it late; inductor's generated code keeps that (by default its scheduler
+    put each wait right after its launch and the matmuls before it: no overlap)."""
+    from spmd_compiler.testing import fake_mesh
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # a fresh cache: the code is generated here
+    torch.manual_seed(0)
+    # two Megatron MLPs in a row: the second one's input gradient is all_reduced in backward
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16), torch.nn.ReLU(),
+                                torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16)).double()
+    col, row = [sc.Shard(0)], [sc.Shard(1)]
+    plan = sc.Plan(params={"0.weight": col, "0.bias": col, "2.weight": row,
+                           "4.weight": col, "4.bias": col, "6.weight": row}, default_input=[sc.Replicate()])
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    step = sc.compile(mse_train_step, mesh=fake_mesh((2,)), plan=plan, backend="inductor")
+    step(model, opt, torch.randn(8, 16, dtype=torch.float64), torch.randn(8, 16, dtype=torch.float64))
+    runner = getattr(step.last, "folded_runner", None) or step.last.runner
+    assert isinstance(runner, InductorRunner) and runner.failed is None and runner.compiled
+    codes = [f.read_text() for f in tmp_path.rglob("*.py") if "_c10d_functional.all_reduce_.default(" in f.read_text()]
+    counts = [c for code in codes for c in _overlapped_matmuls(code)]
+    # forward: 2 all_reduces (their results are needed at once), backward: 1 (the second MLP's input gradient)
+    assert len(counts) >= 3, (counts, len(codes))
+    assert max(counts) >= 2, counts  # the dW matmuls of layers 4 and 6 run while it is in flight
 
 
 def _data(step: int, kind: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -179,7 +179,20 @@ def mark_optimizer_stepped(optimizer: Any) -> None:
 
 
 
-def inductor_compile(gm: "torch.fx.GraphModule", example_inputs: Sequence[Any], *, vectorize: bool = True) -> Callable[..., Any]:
+# Inductor's scheduler, left to itself, undoes the schedule pass's overlap: its peak-memory
+# reordering moves the weight-gradient matmuls ahead of a backward all_reduce's launch, and
+# each wait_tensor lands right after its launch. Without that pass and with its "sink_waits"
+# (no runtime estimates, so every rank orders its program the same way), the graph's order
+# stays and each wait moves down to its first consumer.
+_OVERLAP_CONFIG = {
+    "reorder_for_peak_memory": False,
+    "reorder_for_compute_comm_overlap": True,
+    "reorder_for_compute_comm_overlap_passes": ["sink_waits"],
+}
+
+
+def inductor_compile(gm: "torch.fx.GraphModule", example_inputs: Sequence[Any], *, vectorize: bool = True,
+                     overlap: bool = False) -> Callable[..., Any]:
     """``gm`` compiled by inductor (through AOTAutograd, which functionalizes its in-place
     ops and writes mutated inputs back), specialized to the shapes of ``example_inputs``
     (real tensors and ints; nothing is run). The result is called with the inputs unboxed.
@@ -188,13 +201,17 @@ def inductor_compile(gm: "torch.fx.GraphModule", example_inputs: Sequence[Any], 
     an ``.item()`` left in the graph becomes an unbacked symbol rather than an error.
     Compiled graphs go through inductor's FX graph cache (on disk, shared across processes).
     ``vectorize=False`` makes the C++ backend emit scalar loops (no SIMD ISA), a way
-    around its vectorizer's failures.
+    around its vectorizer's failures. ``overlap=True`` keeps the graph's collective/compute
+    overlap in the generated code (``_OVERLAP_CONFIG``): launches where the graph has
+    them, each wait just before its first consumer.
     """
     from torch._inductor.compile_fx import compile_fx
 
     mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=False)
     fakes = [mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x for x in example_inputs]
-    patch = {} if vectorize else {"cpp.simdlen": 1}  # no ISA is 1 bit wide: scalar kernels
+    patch: dict[str, Any] = {} if vectorize else {"cpp.simdlen": 1}  # no ISA is 1 bit wide: scalar kernels
+    if overlap:
+        patch.update(_OVERLAP_CONFIG)
     with torch._dynamo.config.patch(capture_scalar_outputs=True), torch._inductor.config.patch(patch), torch.no_grad():
         return compile_fx(gm, fakes)
 

@@ -4,9 +4,15 @@
 whole per-rank GraphModule, functional collectives and in-place optimizer updates
 included, goes through AOTAutograd (which functionalizes it and writes mutated inputs,
 the parameters and optimizer state, back in place) and inductor (C++/OpenMP kernels on
-CPU, Triton on GPU). Inductor runs ``_c10d_functional`` ops as extern kernels, but its
-scheduler does not keep the schedule pass's overlap: a backward ``all_reduce_`` is followed
-at once by its ``wait_tensor`` in the generated code (docs/architecture.md, "inductor").
+CPU, Triton on GPU). Inductor runs ``_c10d_functional`` ops as extern kernels.
+
+**Overlap.** Left to its defaults, inductor's scheduler undoes the schedule pass's
+overlap: its peak-memory reordering puts the weight-gradient matmuls ahead of a backward
+``all_reduce_`` and each ``wait_tensor`` right after its launch, so no collective
+overlaps compute. A segment with collectives is therefore compiled without that pass and
+with inductor's ``sink_waits`` (``reorder_for_compute_comm_overlap``; no runtime
+estimates, so every rank orders the same way): launches stay where the graph has them and
+each wait moves down to its first consumer (docs/architecture.md, "inductor").
 
 **Host scalars.** The traced optimizer reads its hyperparameters (lr, betas, the step
 count) with ``.item()`` and does scalar arithmetic on the Python floats. Inductor passes
@@ -257,12 +263,13 @@ class InductorRunner:
         t0 = time.perf_counter()
         hits, misses = pt.inductor_cache_counts()
         fn, reason = None, ""
+        overlap = any(is_collective(n) for n in gm.graph.nodes)  # keep the schedule pass's overlap
         for vectorize in (True, False):  # the C++ vectorizer fails on some graphs: retry with scalar kernels
             try:
                 copy = fx.GraphModule(gm, gm.graph.__deepcopy__())  # the reference graph stays as it is
                 scalars_as_tensors(copy)
                 bool_collectives_as_uint8(copy)
-                fn = pt.inductor_compile(copy, inputs, vectorize=vectorize)
+                fn = pt.inductor_compile(copy, inputs, vectorize=vectorize, overlap=overlap)
                 break
             except Exception as e:  # noqa: BLE001 -- any compile failure falls back, by contract
                 reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
@@ -287,8 +294,10 @@ class InductorRunner:
         """The collective (or wait) node of ``gm`` whose call raised ``error`` (a dead peer,
         a timeout), for :func:`~spmd_compiler.driver.failure.collective_failure`; None if it
         was not one. In inductor's generated code: inductor keeps a segment's collectives
-        and waits in order (extern kernels, no reordering), so the i-th wait of the code is
-        the segment's i-th wait; if the counts differ, None rather than a wrong name. In a
+        in order, and its waits too as long as ``sink_waits`` moves no wait past another
+        (two collectives in flight at once whose waits the graph orders differently: not
+        seen in the TP programs), so the i-th wait of the code is the segment's i-th wait;
+        if the counts differ, None rather than a wrong name. In a
         segment on the eager runner: the line of its generated code."""
         if self._running is None:
             return None
