@@ -174,16 +174,17 @@ def test_gpt2_with_dropout_equals_one_device(attn, plan):
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
-def test_llama_rotary_buffer_named_sharded_under_fsdp_is_gathered_once_per_phase(ranks):
+def test_llama_rotary_buffer_named_sharded_under_fsdp_is_gathered_with_its_unit(ranks):
     """A buffer the FSDP plan names sharded (``"model.rotary_emb.inv_freq": [Shard(0)]``)
-    is stored sharded and gathered for use like a parameter: once per phase, in its
-    unit's gather, equal to one device; not the rotary cos/sin activations gathered at
-    each of their uses (what it cost before: two activation gathers per step)."""
+    is stored sharded and gathered for use like a parameter, in its unit's gather, equal
+    to one device; not the rotary cos/sin activations gathered at each of their uses (what
+    it cost before: two activation gathers per step). Its unit is the root, whose forward
+    gather is kept for backward (as fully_shard keeps its root): one gather per step."""
     model = llama("sdpa").double()
     plan = sc.Plan(params={"*": [Shard(0)], "model.rotary_emb.inv_freq": [Shard(0)]}, default_input=[Shard(0)], fsdp_axes=("dp",))
     res = assert_training_matches(lm_step, model, adamw, batches(), fake_mesh((ranks,), ("dp",)), plan)
     dist = assert_distributed(res, sharded=["model.rotary_emb.inv_freq", "batch[0]"])
     assert gathered(res, but="FSDP: gather") == [], dist.describe()  # no activation is gathered
     root = [r for r in gathered(res) if r.endswith("unit <root> in one collective")]
-    # forward: embedding, final norm, lm head and inv_freq; backward: the three parameters
-    assert len(root) == 2 * ranks and any("3 parameters and 1 buffer" in r for r in root), root
+    # forward only: embedding, final norm, lm head and inv_freq, kept for backward
+    assert len(root) == ranks and all("3 parameters and 1 buffer" in r for r in root), root
