@@ -176,17 +176,17 @@ def _gathers(step) -> Counter:
                    if (c := n.meta.get("spmd_comm")) and c["kind"] == "all_gather")
 
 
-@pytest.mark.parametrize("ranks,seq,extra", [(2, 4, 4), (4, 8, 0)])
-def test_sequence_sharded_tp_gpt_one_program_for_every_batch_size(ranks, seq, extra):
+@pytest.mark.parametrize("ranks,seq", [(2, 4), (4, 8)])
+def test_sequence_sharded_tp_gpt_one_program_for_every_batch_size(ranks, seq):
     """Megatron TP with the batch split along the sequence (``Shard(1)``): the batch
     size, dim 0, is a size symbol too (unsharded, the same on every rank), so one
-    program serves every B. The flatten ``(B, T, D) -> (B*T, D)`` of a T-sharded value
-    is DTensor's ``_StridedShard(0, split_factor=B)``, which DTensor refuses for a
-    symbolic B: each such view gathers its input (replicate fallback) where the
-    per-shape program keeps the strided layout and gathers before the (add)mm. The
-    Linears' flattens trade one gather for another (as many); attention's flattens of
-    (B, heads) are the ``extra`` gathers on 2 ranks (on 4, the 2 heads are not split and
-    attention gathers in both programs) (docs/dynamic_shapes.md, "Left")."""
+    program serves every B. Attention's flattens of ``(B, heads)`` with the heads split
+    keep a strided layout of B blocks (``pt.symbolic_split``), as the per-shape program
+    keeps ``_StridedShard(0, B)``: its bmms run sharded, no gather (on 4 ranks the 2 heads
+    are not split and attention gathers in both programs). The Linears' flatten ``(B, T,
+    D) -> (B*T, D)`` of the T-sharded value (T symbolic too: a symbolic period) gathers
+    at the view where the per-shape program gathers at the (add)mm: as many gathers
+    (docs/dynamic_shapes.md, "Strided layouts")."""
     mesh = fake_mesh((ranks,), ("tp",))
     model, batches = _seq_batches(seq)
     sim = _train(train_step, model, batches, mesh, SEQ_TP, dynamic=True)
@@ -198,9 +198,12 @@ def test_sequence_sharded_tp_gpt_one_program_for_every_batch_size(ranks, seq, ex
     assert dyn["reduce_scatter"] == per_shape["reduce_scatter"] == 2, (dyn, per_shape)
     g_dyn, g_static = _gathers(prog), _gathers(static)
     assert set(g_dyn) <= {"input 0 of view.default", "input 0 of _unsafe_view.default"}, g_dyn
-    assert g_dyn["input 0 of _unsafe_view.default"] == extra, g_dyn  # q @ k^T and probs @ v: 2 operands each
-    assert sum(g_dyn.values()) == sum(g_static.values()) + extra, (g_dyn, g_static)
+    assert g_dyn["input 0 of _unsafe_view.default"] == 0, g_dyn  # attention's flattens stay sharded
+    assert sum(g_dyn.values()) == sum(g_static.values()), (g_dyn, g_static)
     assert dyn["all_reduce"] <= per_shape["all_reduce"], (dyn, per_shape)
+    bmms = [n for n in prog.gm.graph.nodes if n.target is torch.ops.aten.bmm.default]
+    split = [n for n in bmms if sc_pt.split_period(n.meta["spmd_spec"].placements[0]) == 2]
+    assert len(split) == (6 if ranks == 2 else 0), [n.meta["spmd_spec"].placements for n in bmms]
 
 
 def test_sequence_sharded_tp_gpt_on_3_ranks_one_program_for_every_batch_size():

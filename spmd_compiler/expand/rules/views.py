@@ -228,7 +228,14 @@ def _strided_flatten_placements(in_shape: list[Any], out: list[Any], placements:
     if len(long) != len(short) + 1:
         return None
     d = next((i for i, (a, c) in enumerate(zip(long, short)) if not _same(a, c)), len(short))
-    if d >= len(short) or not all(_same(a, c) for a, c in zip(long[d + 2:], short[d + 1:])):
+    if d >= len(short):
+        return None
+    # the dims behind: each rank views whole rows of them, so they need only be unsharded
+    # where their expressions differ (``Min(4, T)`` against ``T``: equal whenever the traced
+    # view is valid)
+    loose = {i for i, (x, y) in enumerate(zip(long[d + 2:], short[d + 1:])) if not _same(x, y)}
+    behind = {k - (d + 2 if merge else d + 1) for k in (p.dim for p in placements if isinstance(p, pt.Shard))}
+    if loose & behind:
         return None
     a, h = long[d], long[d + 1]
     if not pt.is_symbolic(a) or pt.is_symbolic(h) or not _same(short[d], a * int(h)):
