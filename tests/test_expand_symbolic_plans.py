@@ -225,11 +225,10 @@ def test_2d_gpt_one_program_for_every_batch_size():
     backward ``mm`` of [8, 20] x [24, 8]), and ``contiguous()`` of a gathered, moved dim
     asked ``Eq(16*s3, 16)`` for B=1.
 
-    Collectives: the per-shape program's all_reduces, plus all_gathers for attention's
-    flatten of (batch, heads), batch split on 'dp' and heads on 'tp': a dim split by two
-    axes whose inner split has the symbolic local batch as its ``_StridedShard`` split
-    factor, which DTensor refuses ("Cannot flatten unevenly sharded tensor"), so the view
-    gathers (docs/dynamic_shapes.md, "Left")."""
+    Collectives: the per-shape program's. Attention's flatten of (batch, heads), batch
+    split on 'dp' and heads on 'tp', is a ``_StridedShard`` whose split factor is the
+    symbolic local batch: kept as ``pt.symbolic_split`` (its static period, the heads),
+    so the bmms run sharded on both axes (docs/dynamic_shapes.md, "Strided layouts")."""
     mesh = fake_mesh((2, 2), ("dp", "tp"))
     model, batches = _gpt()
     sim = _train(train_step, model, batches, mesh, gpt_2d_plan(), dynamic=True)
