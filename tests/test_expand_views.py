@@ -98,3 +98,57 @@ def test_pointwise_op_narrows_a_replicated_operand_to_a_strided_one():
                               symbolic="none")
     assert_distributed(run, collectives={"all_gather": 0, "all_reduce": 0, "all_to_all": 0})
     assert placements_text(run.steps[(0,)].outputs[0].spec.placements) == "SS(1,2)"
+
+
+class _HeadsCumsum(torch.nn.Module):
+    """A column-parallel Linear's output viewed as (B, 2 heads, 4) and flattened to
+    (B*2, 4): the heads split over 'tp', a strided layout of B blocks, B symbolic; the
+    product with a replicated one narrows that one to the layout, and the cumsum over
+    the flattened dim gathers it (rank-major pieces put back in block order)."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1 = torch.nn.Linear(6, 8)
+        self.l2 = torch.nn.Linear(6, 8)  # replicated on 'tp': its flatten is narrowed to the strided layout
+
+    def forward(self, x):
+        b = x.shape[0]
+        h = self.l1(x).view(b, 2, 4).flatten(0, 1) * self.l2(x).view(b, 2, 4).flatten(0, 1)
+        return h.cumsum(0).view(b, 8)
+
+
+def _heads_step(model, optimizer, x, y):
+    loss = ((model(x) - y) ** 2).mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def test_symbolic_block_count_layout_gathers_exactly():
+    """dynamic=True, 2 x 2: the flatten keeps ``pt.symbolic_split`` on 'tp' (no gather at
+    the view) and the cumsum's gather reorders the blocks, uneven batches included (empty
+    'dp' shards for B=1); equal to one device for every batch size."""
+    import copy
+
+    import spmd_compiler as sc
+    from spmd_compiler.testing import SimulatedTraining
+
+    torch.manual_seed(0)
+    model = _HeadsCumsum().double()
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    plan = sc.Plan(params={"l1.weight": [Replicate(), Shard(0)], "l1.bias": [Replicate(), Shard(0)]},
+                   default_input=[Shard(0), Replicate()])  # batch on 'dp', heads on 'tp'
+    sim = SimulatedTraining(_heads_step, model, torch.optim.SGD(model.parameters(), lr=0.1),
+                            fake_mesh((2, 2), ("dp", "tp")), plan, dynamic=True)
+    for b in [5, 1, 2, 4, 7, 33]:
+        x, y = torch.randn(b, 6, dtype=torch.float64), torch.randn(b, 8, dtype=torch.float64)
+        torch.testing.assert_close(sim.step(x, y), _heads_step(ref, ref_opt, x, y), atol=1e-10, rtol=0)
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.detach(), q.detach(), atol=1e-10, rtol=0)
+    assert sim.compiles == 1, sim.reasons
+    comms = [c for n in sim.expansions[(0, 0)].gm.graph.nodes if (c := n.meta.get("spmd_comm"))]
+    gathers = [c["reason"] for c in comms if c["kind"] == "all_gather"]
+    assert any("cumsum" in r and "SS(0,blocks of 2)" in r for r in gathers), gathers
+    assert not any("view" in r and "on 'tp'" in r for r in gathers), gathers  # the heads' flatten: none

@@ -27,7 +27,7 @@ from .dtensor import (
     DTensorSpec, TensorMeta, OpSchema, OutputSharding, MaskPartial, NormPartial, StridedShard, Partial,
     Placement, Replicate, Shard, Placements, TransformStep, StrategyCandidate, make_spec, propagate_sharding,
     transform_steps, local_shape_and_offset, custom_handled_ops, random_ops, register_symbolic_mode,
-    clear_dtensor_caches, localized_shape_arg,
+    clear_dtensor_caches, localized_shape_arg, symbolic_split, split_period,
 )
 from .shapes import (
     FakeTensor, FakeTensorMode, symbolic_fake_mode, to_symbolic_fake, size_hint, fake_mode_of, sym_expr, is_symbolic, sym_free_symbols,
@@ -47,7 +47,7 @@ from .distributed import (
 )
 
 __all__ = [
-    "DTensorSpec", "TensorMeta", "OpSchema", "OutputSharding", "MaskPartial", "NormPartial", "StridedShard",
+    "DTensorSpec", "TensorMeta", "OpSchema", "OutputSharding", "MaskPartial", "NormPartial", "StridedShard", "symbolic_split", "split_period",
     "FakeTensor", "FakeTensorMode", "TransformStep", "StrategyCandidate", "make_spec", "propagate_sharding",
     "transform_steps", "local_shape_and_offset", "reparametrize_module", "symbolic_fake_mode",
     "to_symbolic_fake", "static_fake_mode", "size_hint", "example_tensor", "local_tensor",

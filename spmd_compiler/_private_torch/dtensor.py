@@ -48,7 +48,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from .shapes import is_symbolic
 
 __all__ = [
-    "DTensorSpec", "TensorMeta", "OpSchema", "OutputSharding", "MaskPartial", "NormPartial", "StridedShard",
+    "DTensorSpec", "TensorMeta", "OpSchema", "OutputSharding", "MaskPartial", "NormPartial", "StridedShard", "symbolic_split", "split_period", "SYMBOLIC_SPLIT_BASE",
     "Partial", "Placement", "Replicate", "Shard", "Placements", "TransformStep", "StrategyCandidate", "make_spec",
     "propagate_sharding", "transform_steps", "local_shape_and_offset", "custom_handled_ops", "random_ops",
     "register_symbolic_mode", "clear_dtensor_caches", "localized_shape_arg",
@@ -56,6 +56,26 @@ __all__ = [
 
 
 StridedShard = _StridedShard
+
+# dynamic=True: a ``_StridedShard`` whose split factor is a symbolic size (a flattened
+# ``(B, H)`` with H split: B blocks of H rows, each split n ways) carries, instead of that
+# factor, this marker plus the static period H (rows per block). DTensor's placements are
+# C++ objects that keep a plain int (no SymInt: they hash it), so the period rides in the
+# int; DTensor's strategies only compare it (both bmm operands alike). Our local shapes and
+# collectives read the period (expand/layout.py); DTensor's shardability check sees a Shard.
+SYMBOLIC_SPLIT_BASE = 1 << 24
+
+
+def symbolic_split(dim: int, period: int) -> Any:
+    """``_StridedShard(dim)`` of blocks of ``period`` rows whose count is symbolic."""
+    return _StridedShard(dim, split_factor=SYMBOLIC_SPLIT_BASE + int(period))
+
+
+def split_period(p: Any) -> int | None:
+    """The period of a :func:`symbolic_split` placement, else None."""
+    if isinstance(p, _StridedShard) and int(p.split_factor) > SYMBOLIC_SPLIT_BASE:
+        return int(p.split_factor) - SYMBOLIC_SPLIT_BASE
+    return None
 
 Placements = tuple[Placement, ...]
 
@@ -285,6 +305,9 @@ def _symbolic_propagation(mode: FakeTensorMode) -> Iterator[None]:
     shardable, even_on_dim, even = ou.is_tensor_shardable, ou.is_tensor_evenly_shardable_on_dim, ou.is_tensor_evenly_shardable
 
     def is_tensor_shardable(shape: Any, spec: Any, *args: Any, **kwargs: Any) -> bool:
+        if any(split_period(p) is not None for p in spec.placements):  # a symbolic block count: rows of whole blocks
+            spec = DTensorSpec(spec.mesh, tuple(Shard(p.dim) if split_period(p) is not None else p for p in spec.placements),
+                               tensor_meta=spec.tensor_meta)
         return shardable([optimization_hint(s) for s in shape], spec, *args, **kwargs)
 
     def is_tensor_evenly_shardable_on_dim(shape: Any, spec: Any, dim: int) -> bool:
@@ -300,7 +323,7 @@ def _symbolic_propagation(mode: FakeTensorMode) -> Iterator[None]:
         # several mesh axes: DTensor plans the steps through a cache that hashes shapes
         if any(_has_symint(s) for s in (current, target)):
             current, target = _with_example_sizes(current), _with_example_sizes(target)
-        return cost(current, target)
+        return cost(_example_split(current), _example_split(target))
 
     with _patched({"spec_to_bytes": (cu.spec_to_bytes, spec_to_bytes), "is_tensor_shardable": (shardable, is_tensor_shardable),
                    "redistribute_cost": (cost, redistribute_cost),
@@ -355,6 +378,21 @@ def transform_steps(src: DTensorSpec, dst: DTensorSpec) -> list[TransformStep]:
     infos = _gen_transform_infos_non_cached(src, dst)
     return [TransformStep(i.mesh_dim, i.src_dst_placements[0], i.src_dst_placements[1]) for i in infos]
 
+
+
+def _example_split(spec: DTensorSpec) -> DTensorSpec:
+    """``spec`` with every :func:`symbolic_split` given its example block count (costs
+    only: DTensor's cost model walks the blocks)."""
+    if not any(split_period(p) is not None for p in spec.placements):
+        return spec
+    placements = []
+    for p in spec.placements:
+        period = split_period(p)
+        if period is not None:
+            p = _StridedShard(p.dim, split_factor=max(2, int(spec.shape[p.dim]) // period))
+        placements.append(p)
+    return DTensorSpec(spec.mesh, tuple(placements), tensor_meta=spec.tensor_meta,
+                       use_strided_shard_as_shard_order=False)
 
 
 def _has_symint(spec: DTensorSpec) -> bool:

@@ -130,7 +130,7 @@ class SubgraphBuilder:
         """Local shape of a tensor with ``placements`` on this rank (shards left to right)."""
         from .. import _private_torch as pt
 
-        if any(isinstance(p, pt.StridedShard) for p in placements):
+        if any(isinstance(p, pt.StridedShard) and pt.split_period(p) is None for p in placements):
             if any(pt.is_symbolic(s) for s in global_shape):  # DTensor's layout would pin the sizes (int())
                 from ..errors import UnsupportedPlacementError
 
@@ -147,7 +147,9 @@ class SubgraphBuilder:
         shape = list(global_shape)
         for axis, p in enumerate(placements):
             dim = getattr(p, "dim", None)
-            if dim is not None and p.is_shard():
+            if pt.split_period(p) is not None:  # pt.symbolic_split: its piece of every block
+                shape[dim] = shape[dim] // pt.split_period(p) * (pt.split_period(p) // self.mctx.shape[axis])
+            elif dim is not None and p.is_shard():
                 shape[dim] = self.local_chunk(shape[dim], axis)
         return tuple(shape)
 

@@ -177,7 +177,40 @@ def _even_strided(size: int, sf: int, n: int) -> bool:
     return size % (sf * n) == 0
 
 
+def _symbolic_split_to_replicate(b: SubgraphBuilder, x: fx.Node, axis: int, d: int, period: int, why: str) -> fx.Node:
+    """Gather a ``pt.symbolic_split``: every rank holds ``c = period / n`` rows of each of
+    the same symbolic number of blocks; the gather is rank-major, ``[n][blocks][c]``."""
+    n = b.mctx.shape[axis]
+    c = period // n
+    rows = x.meta["val"].shape[d]
+    blocks = rows // c if c > 1 else rows
+    if d != 0:
+        x = b.call(aten.movedim.int, x, d, 0)
+    g = _collective(b, c10d.all_gather_into_tensor.default, "all_gather", _contiguous(b, x), axis, (n,), why)
+    rest = list(g.meta["val"].shape[1:])
+    g = b.call(aten.reshape.default, g, [n, blocks, c] + rest)
+    g = b.call(aten.transpose.int, g, 0, 1)
+    g = b.call(aten.reshape.default, g, [blocks * period] + rest)
+    if d != 0:
+        g = b.call(aten.movedim.int, g, 0, d)
+    return _contiguous(b, g)
+
+
+def _replicate_to_symbolic_split(b: SubgraphBuilder, x: fx.Node, axis: int, d: int, period: int) -> fx.Node:
+    """This rank's ``period / n`` rows of every block of ``period`` rows."""
+    n = b.mctx.shape[axis]
+    c = period // n
+    shape = list(x.meta["val"].shape)
+    blocks = shape[d] // period
+    y = b.call(aten.reshape.default, x, shape[:d] + [blocks, n, c] + shape[d + 1:])
+    y = b.call(aten.narrow.default, y, d + 1, b.coords[axis], 1)
+    y = b.call(aten.reshape.default, y, shape[:d] + [blocks * c] + shape[d + 1:])
+    return b.call(aten.clone.default, y, memory_format=torch.contiguous_format)
+
+
 def _strided_to_replicate(b: SubgraphBuilder, x: fx.Node, axis: int, s: Any, size: int, why: str) -> fx.Node:
+    if pt.split_period(s) is not None:
+        return _symbolic_split_to_replicate(b, x, axis, s.dim, pt.split_period(s), why)
     n, sf, d = b.mctx.shape[axis], int(s.split_factor), s.dim
     if _even_strided(size, sf, n):
         c = size // (sf * n)
@@ -207,6 +240,8 @@ def _strided_to_replicate(b: SubgraphBuilder, x: fx.Node, axis: int, s: Any, siz
 
 
 def _replicate_to_strided(b: SubgraphBuilder, x: fx.Node, axis: int, t: Any, size: int, why: str) -> fx.Node:
+    if pt.split_period(t) is not None:
+        return _replicate_to_symbolic_split(b, x, axis, t.dim, pt.split_period(t))
     n, sf, d = b.mctx.shape[axis], int(t.split_factor), t.dim
     shape = list(x.meta["val"].shape)
     if _even_strided(size, sf, n):

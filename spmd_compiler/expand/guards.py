@@ -80,8 +80,10 @@ def _guard_empty_shards(b: SubgraphBuilder, op: Any, args: Any, kwargs: Any, out
             continue
         if any(s == 0 for s in spec.shape):
             continue
+        # a pt.symbolic_split leaves every rank H/n rows of each block: never empties a shard
+        placements = [pt.Replicate() if pt.split_period(p) is not None else p for p in spec.placements]
         for coord in itertools.product(*(range(n) for n in b.mctx.shape)):  # the same verdict on every rank
-            local, _ = pt.local_shape_and_offset(tuple(spec.shape), b.mctx.shape, coord, spec.placements)
+            local, _ = pt.local_shape_and_offset(tuple(spec.shape), b.mctx.shape, coord, placements)
             if 0 in local:
                 raise NoStrategy(f"{_op_name(op)} has no identity element and rank {coord} would hold an empty shard "
                                  f"of its input {list(spec.shape)} ({placements_text(spec.placements)})")

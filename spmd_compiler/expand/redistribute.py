@@ -47,7 +47,9 @@ def logical_shape(b: SubgraphBuilder, global_shape: tuple[int, ...], placements:
     shape = list(global_shape)
     for i in range(axis):
         p = placements[i]
-        if isinstance(p, pt.StridedShard):
+        if pt.split_period(p) is not None:  # blocks of a static period, each split n ways
+            shape[p.dim] = shape[p.dim] // pt.split_period(p) * (pt.split_period(p) // b.mctx.shape[i])
+        elif isinstance(p, pt.StridedShard):
             shape[p.dim] = b.local_strided(shape[p.dim], int(p.split_factor), i)
         elif isinstance(p, pt.Shard):
             shape[p.dim] = b.local_chunk(shape[p.dim], i)

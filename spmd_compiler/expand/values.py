@@ -34,7 +34,8 @@ def placements_text(placements: Any) -> str:
         elif isinstance(p, pt.NormPartial):
             out.append(f"P(norm{p.norm_type:g})")
         elif isinstance(p, pt.StridedShard):
-            out.append(f"SS({p.dim},{p.split_factor})")
+            period = pt.split_period(p)
+            out.append(f"SS({p.dim},blocks of {period})" if period is not None else f"SS({p.dim},{p.split_factor})")
         elif isinstance(p, pt.Shard):
             out.append(f"S({p.dim})")
         elif isinstance(p, pt.Partial):

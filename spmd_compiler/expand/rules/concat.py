@@ -86,7 +86,7 @@ def _split(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs:
         return generic_expand(ctx, b, op, args, kwargs)
     dim = dim % len(x.spec.shape)
     axis = _only_axis(x.spec.placements, dim, pt.StridedShard)
-    if axis is None:
+    if axis is None or pt.split_period(x.spec.placements[axis]) is not None:  # a symbolic block count
         return generic_expand(ctx, b, op, args, kwargs)
     sf, size = int(x.spec.placements[axis].split_factor), x.spec.shape[dim]
     pieces = list(sizes) if isinstance(sizes, (list, tuple)) else [sizes] * -(-size // sizes)

@@ -217,6 +217,83 @@ def _symbolic_view(ctx: ExpandContext, b: SubgraphBuilder, op: Any, x: TensorArg
     return _out_tensor(b, node, spec, {})
 
 
+def _strided_flatten_placements(in_shape: list[Any], out: list[Any], placements: Any, mesh_shape: Any, merge: bool) -> tuple[int, list[Any]] | None:
+    """(dim, output placements) of ``(..., A, H, ...) <-> (..., A*H, ...)`` (``merge``: the
+    flatten; else its inverse) with A symbolic and H static split by one mesh axis ``t``
+    (attention's ``(B, heads)``), or None. Flattened, each rank holds its piece of every
+    block of H rows: ``_StridedShard`` with a symbolic block count, carried as its static
+    period H (``pt.symbolic_split``); an axis splitting A (before ``t``) keeps ``Shard`` in
+    units of H. Needs H even over ``t``'s ranks."""
+    long, short = (in_shape, out) if merge else (out, in_shape)
+    if len(long) != len(short) + 1:
+        return None
+    d = next((i for i, (a, c) in enumerate(zip(long, short)) if not _same(a, c)), len(short))
+    if d >= len(short):
+        return None
+    # the dims behind: each rank views whole rows of them, so they need only be unsharded
+    # where their expressions differ (``Min(4, T)`` against ``T``: equal whenever the traced
+    # view is valid)
+    loose = {i for i, (x, y) in enumerate(zip(long[d + 2:], short[d + 1:])) if not _same(x, y)}
+    behind = {k - (d + 2 if merge else d + 1) for k in (p.dim for p in placements if isinstance(p, pt.Shard))}
+    if loose & behind:
+        return None
+    a, h = long[d], long[d + 1]
+    if not pt.is_symbolic(a) or pt.is_symbolic(h) or not _same(short[d], a * int(h)):
+        return None
+    from ..symbolic import size_unit
+
+    h = int(h)
+    new, split_axis, a_axes = [], None, []
+    for axis, p in enumerate(placements):
+        period = pt.split_period(p)
+        if merge and type(p) is pt.Shard and p.dim == d + 1:
+            split_axis, p = axis, pt.symbolic_split(d, h)
+        elif not merge and period is not None and p.dim == d:
+            if period != h:
+                return None
+            split_axis, p = axis, pt.Shard(d + 1)
+        elif isinstance(p, pt.StridedShard):
+            return None
+        elif isinstance(p, pt.Shard) and p.dim == d:
+            a_axes.append(axis)
+        elif isinstance(p, pt.Shard) and p.dim > d:
+            p = pt.Shard(p.dim - 1 if merge else p.dim + 1)
+        new.append(p)
+    if split_axis is None or any(ax > split_axis for ax in a_axes) or h % mesh_shape[split_axis]:
+        return None
+    if a_axes and size_unit(short[d]) != size_unit(a) * h:
+        return None
+    return d, new
+
+
+def _symbolic_strided_view(ctx: ExpandContext, b: SubgraphBuilder, op: Any, x: TensorArg, sizes: Any) -> Any:
+    """A flatten of a symbolic dim with a split static dim behind it, or its inverse, kept
+    sharded (:func:`_strided_flatten_placements`), or None."""
+    out = [s.global_value if isinstance(s, DSymInt) else s for s in sizes]
+    if any(not pt.is_symbolic(s) and int(s) == -1 for s in out):
+        return None
+    in_shape = list(x.spec.shape)
+    merge = len(in_shape) == len(out) + 1
+    found = _strided_flatten_placements(in_shape, out, x.spec.placements, b.mctx.shape, merge)
+    if found is None:
+        return None
+    d, placements = found
+    contiguous = _contiguous_strides(in_shape)
+    if not all(_same(s, c) for s, c, n in zip(x.spec.stride, contiguous, in_shape) if not (not pt.is_symbolic(n) and int(n) == 1)):
+        return None
+    loc = list(x.node.meta["val"].shape)
+    if merge:  # this rank's rows: its A rows times its piece of H
+        local = loc[:d] + [loc[d] * loc[d + 1]] + loc[d + 2:]
+    else:
+        local = list(b.local_shape(out, placements))
+    try:
+        node = b.call(op, x.node, local)
+    except RuntimeError:
+        return None
+    spec = pt.make_spec(ctx.mctx.mesh, placements, out, _contiguous_strides(out), x.spec.tensor_meta.dtype)
+    return _out_tensor(b, node, spec, {})
+
+
 def _contiguous_strides(shape: list[Any]) -> tuple[Any, ...]:
     stride, acc = [], 1
     for s in reversed(shape):
@@ -237,6 +314,9 @@ def _blocked(x: TensorArg) -> bool:
 def _view(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: dict) -> Any:
     x, sizes = args[0], (args[1] if len(args) > 1 else kwargs.get("size"))
     if isinstance(x, TensorArg) and sizes is not None and any(pt.is_symbolic(s) for s in x.spec.shape) and b.sizes is not None:
+        done = _symbolic_strided_view(ctx, b, op, x, sizes)
+        if done is not None:
+            return done
         if _blocked(x) or not dtensor_keeps_inputs(ctx, b, op, args, kwargs):
             done = _symbolic_view(ctx, b, op, x, sizes)
             if done is not None:
