@@ -41,7 +41,7 @@ from .guard import GuardError, Resync, StepGuard
 from .mesh import _LIVE, as_mesh
 from .rng import draws
 from .sizes import BatchSizes
-from .token_ids import embedding_ids_error
+from .token_ids import IdCheck, embedding_ids_error
 
 __all__ = ["StepDriver", "Program", "as_mesh"]
 
@@ -143,16 +143,20 @@ class StepDriver:
         current = self._current
         name = getattr(self.fn, "__name__", "step")
         self._feed = []
+        bad_ids = None
         if current is not None:
             sized = current.sizes is not None
             mine = free if sized else key
+            # a token id out of an embedding's table: every rank must raise, so this rank raises the flag
+            bad_ids = IdCheck.of(current.step.traced)(batch, kwargs)
+            same = current.local_key == mine and bad_ids is None
             fold = None if sized else self._fold_point(current.step)
             path = "folded" if fold is not None else "standalone" if self._guard.group is not None else "unchecked"
             self.checks[path] += 1
             try:
-                slots = self._sizes.slots(current.sizes, batch, kwargs, current.local_key == mine) if sized else None
-                check = self._guard.start(changed=current.local_key != mine, fold=fold, draws=current.draws, sizes=slots)
-                if current.local_key == mine:
+                slots = self._sizes.slots(current.sizes, batch, kwargs, same) if sized else None
+                check = self._guard.start(changed=not same, fold=fold, draws=current.draws, sizes=slots)
+                if same:
                     if sized:  # needs every rank's sizes before it starts; a broken size guard: Resync
                         self._feed, check = self._sizes.wait(current.sizes, check, batch, kwargs)
                     self._last_key, self.last = key, current.step
@@ -165,10 +169,18 @@ class StepDriver:
                 where = e.where or "the per-step check that every rank runs the same program (before the step's first collective)"
                 raise collective_failure(e, where=where, step_name=name, call=self.calls, timeout=self.options.timeout) from e
         try:
-            everyone = tuple(exchange(self._payload(key, free, batch, kwargs)))
+            everyone = tuple(exchange((self._payload(key, free, batch, kwargs), None if bad_ids is None else str(bad_ids))))
         except RuntimeError as e:
             raise collective_failure(e, where="the exchange of call signatures that picks the program", step_name=name,
                                      call=self.calls, timeout=self.options.timeout) from e
+        if bad_ids is not None:
+            raise bad_ids
+        bad_ranks = [(r, text) for r, (_, text) in enumerate(everyone) if text is not None]
+        if bad_ranks:
+            ranks = ", ".join(str(r) for r, _ in bad_ranks)
+            raise ValueError(f"the batch of rank{'s' * (len(bad_ranks) > 1)} {ranks} (every rank stops here, this is rank "
+                             f"{dist.get_rank()}; nothing ran): rank {bad_ranks[0][0]}'s error: {bad_ranks[0][1]}")
+        everyone = tuple(payload for payload, _ in everyone)
         program = self._agree_program(model, optimizer, batch, kwargs, key, everyone, free)
         self._current = program
         self._last_key, self.last = key, program.step

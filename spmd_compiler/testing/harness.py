@@ -20,6 +20,7 @@ import torch
 from .. import _private_torch as pt
 from ..driver import Options, build_program, compare_fingerprints, fingerprint, program_inputs, signature, store_outputs, why_recompile
 from ..driver.batch import sharded_batch_dims
+from ..driver.token_ids import embedding_ids_error
 from ..expand import ExpansionCache
 from ..expand.symbolic import concrete_shape
 from ..plan import Plan
@@ -142,6 +143,9 @@ class SimulatedTraining:
             self._key = self._signature(state, batch)
             if self.expansions[self.coords[0]].size_symbols:
                 self._kept = [(self._key, self.expansions), *self._kept][: self.options.cache_size]
+        bad_ids = embedding_ids_error(self.traced, batch, {})  # as the driver checks every call, before the program runs
+        if bad_ids is not None:
+            raise bad_ids
         first = self.expansions[self.coords[0]]
         globals_ = self._globals(first, state, batch)
         sizes = list(first.size_guards.values_of(globals_).values()) if first.size_symbols else []
