@@ -178,7 +178,7 @@ def _message(traced: Any, node: fx.Node, table: str, rows: int, lo: int, hi: int
     bad = int(ids[tuple(where)])
     at = f"{source}[{', '.join(map(str, where))}]"
     if not _is_batch_leaf(node.args[1]):
-        at = f"index [{', '.join(map(str, where))}] of the ids the embedding reads, computed from it"
+        at = f"index [{', '.join(map(str, where))}] of the ids the embedding reads"
     return (
         f"token ids out of range for {what} (table {table} with {rows} rows): {source} holds ids from {lo} to {hi} "
         f"(e.g. {bad} at {at}); expected every id in [0, {rows}){describe_node(node)}\n"
