@@ -97,3 +97,54 @@ def test_a_difference_past_the_shown_text_is_shown_in_full(steps, monkeypatch):
         agreement.check_agreement(gm_a, _groups(step), with_sizes=True, error=None)
     text = str(info.value)
     assert "rank-a-only" in text and "rank-b-only" in text and "past the part shown" in text, text
+
+
+# ---------------------------------------------------------------- which ranks the message names
+
+_A = [("%x = add(a, b)", "d-add"), ("%y = mul(x, 2)", "d-mul2")]
+_B = [("%x = add(a, b)", "d-add"), ("%y = mul(x, 3)", "d-mul3")]
+_SHORT = [("%x = add(a, b)", "d-add")]
+
+
+@pytest.mark.parametrize("everyone,named,reference,holds", [
+    ([_A, _A, _A, _B], "rank 3 compiled a different graph", "than ranks 0, 1, 2", "ranks 0, 1, 2 have %y = mul(x, 2), rank 3 has %y = mul(x, 3)"),
+    ([_B, _A, _A, _A], "rank 0 compiled a different graph", "than ranks 1, 2, 3", "ranks 1, 2, 3 have %y = mul(x, 2), rank 0 has %y = mul(x, 3)"),
+    ([_A, _B, _A, _B], "ranks 1, 3 compiled a different graph", "than ranks 0, 2", "ranks 0, 2 have %y = mul(x, 2), ranks 1, 3 have %y = mul(x, 3)"),
+    ([_A, _A, _SHORT, _B], "ranks 2, 3 compiled different graphs", "than ranks 0, 1",
+     "ranks 0, 1 have %y = mul(x, 2), rank 2 has no node 1 (a graph of 1 nodes), rank 3 has %y = mul(x, 3)"),
+    ([_A, _B], "rank 1 compiled a different graph", "than rank 0", "rank 0 has %y = mul(x, 2), rank 1 has %y = mul(x, 3)"),
+], ids=["rank3", "rank0", "half", "three-graphs", "two-ranks"])
+def test_the_message_names_the_ranks_that_differ_from_the_others(everyone, named, reference, holds):
+    """Gathered fingerprints of 4 ranks: the ranks named are those outside the most
+    common graph (never the first rank after rank 0), with what each group holds."""
+    with pytest.raises(RankMismatchError) as info:
+        compare_fingerprints(everyone, rank=2)
+    msg = str(info.value)
+    assert msg.startswith(f"{named} {reference} (this is rank 2); first difference at node 1: {holds}. fix:"), msg
+
+
+def test_a_difference_past_the_cut_on_4_ranks_names_rank_3(monkeypatch):
+    """The whole node's text, exchanged, is shown per group of ranks."""
+    from spmd_compiler.driver import agreement
+
+    fps = [[("%y = f(x, ...)", "d-same")] for _ in range(3)] + [[("%y = f(x, ...)", "d-other")]]
+    texts = ["%y = (x, 'long-a')"] * 3 + ["%y = (x, 'long-b')"]
+    calls = iter([[("ok", fp) for fp in fps], texts])
+    monkeypatch.setattr(agreement, "exchange", lambda payload, group=None: next(calls))
+    monkeypatch.setattr(agreement, "fingerprint", lambda gm, groups, with_sizes: fps[0])
+    monkeypatch.setattr(agreement, "_node_text", lambda gm, i, groups, with_sizes: texts[0])
+    with pytest.raises(RankMismatchError) as info:
+        agreement.check_agreement(object(), {}, with_sizes=True, error=None)
+    msg = str(info.value)
+    assert msg.startswith("rank 3 compiled a different graph than ranks 0, 1, 2"), msg
+    assert msg.endswith("node 0 in full: ranks 0, 1, 2 have %y = (x, 'long-a'), rank 3 has %y = (x, 'long-b')"), msg
+
+
+def test_every_rank_that_failed_to_compile_is_named(monkeypatch):
+    from spmd_compiler.driver import agreement
+
+    ok = ("ok", _A)
+    monkeypatch.setattr(agreement, "exchange", lambda payload, group=None: [ok, ("error", "ValueError: bad\nmore"), ok, ("error", "TypeError: x")])
+    monkeypatch.setattr(agreement, "fingerprint", lambda gm, groups, with_sizes: _A)
+    with pytest.raises(RankMismatchError, match=r"^ranks 1, 3 failed to compile the step \(rank 1: ValueError: bad\)"):
+        agreement.check_agreement(object(), {}, with_sizes=True, error=None)

@@ -4,7 +4,8 @@ Each rank fingerprints its per-rank graph (one short digest per node; collective
 their mesh axis instead of the process group, which differs per rank) and the
 fingerprints are exchanged once per compile. If a rank failed to compile, or two ranks
 compiled different graphs, every rank raises :class:`~spmd_compiler.RankMismatchError`
-naming the first differing node, instead of some ranks waiting in a collective forever.
+naming the ranks that differ from the others and the first differing node, instead of
+some ranks waiting in a collective forever.
 Graphs of unevenly sharded programs legitimately differ in sizes between ranks, so only
 their structure is compared.
 """
@@ -23,7 +24,7 @@ import torch.fx as fx
 
 from ..errors import RankMismatchError
 
-__all__ = ["fingerprint", "exchange", "check_agreement", "compare_fingerprints", "comm_device"]
+__all__ = ["fingerprint", "exchange", "check_agreement", "compare_fingerprints", "rank_groups", "comm_device"]
 
 log = logging.getLogger(__name__)
 
@@ -128,8 +129,8 @@ def check_agreement(gm: fx.GraphModule | None, group_axes: dict[str, str], *, wi
         r, msg = failed[0]
         first_line = msg.splitlines()[0] if msg else msg
         raise RankMismatchError(
-            f"rank {r} failed to compile the step ({first_line}); every rank stops here instead of waiting "
-            f"for it in a collective. See rank {r}'s log for the full error."
+            f"{_ranks([r for r, _ in failed])} failed to compile the step (rank {r}: {first_line}); every rank stops here "
+            f"instead of waiting for it in a collective. See rank {r}'s log for the full error."
         )
     try:
         compare_fingerprints([p[1] for p in everyone], rank)
@@ -139,33 +140,62 @@ def check_agreement(gm: fx.GraphModule | None, group_axes: dict[str, str], *, wi
             raise
         # the short texts agree (the difference is past their cut): every rank is here, exchange the whole node
         texts = exchange(_node_text(gm, node, group_axes, with_sizes))
-        differing = [r for r, t in enumerate(texts) if t != texts[0]]
-        raise RankMismatchError(
-            f"{e}\n  node {node} in full: rank 0 has {texts[0]}\n  rank {differing[0] if differing else '?'} has "
-            f"{texts[differing[0]] if differing else '?'}"
-        ) from None
+        raise RankMismatchError(f"{e}\n  node {node} in full: {_holds(e.rank_groups, texts)}") from None
     log.debug("rank agreement: %d ranks compiled the same %d-node graph", len(everyone), len(everyone[0][1]))
 
 
+def _ranks(ranks: list[int]) -> str:
+    """``rank 3`` or ``ranks 0, 1, 2``."""
+    return f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))}"
+
+
+def _holds(groups: list[list[int]], texts: list[str]) -> str:
+    """``ranks 0, 1, 2 have A, rank 3 has B``: what each group of ranks holds."""
+    return ", ".join(f"{_ranks(g)} {'have' if len(g) > 1 else 'has'} {texts[g[0]]}" for g in groups)
+
+
+def rank_groups(everyone: list[Any]) -> list[list[int]]:
+    """The ranks grouped by equal values, the largest group first (the reference the
+    others differ from; on a tie, the group of the lowest rank), then by lowest rank."""
+    groups: list[list[int]] = []
+    for r, v in enumerate(everyone):
+        g = next((g for g in groups if everyone[g[0]] == v), None)
+        if g is None:
+            groups.append([r])
+        else:
+            g.append(r)
+    return sorted(groups, key=lambda g: (-len(g), g[0]))
+
+
 def compare_fingerprints(everyone: list[list[tuple[str, str]]], rank: int = 0) -> None:
-    """Raise RankMismatchError naming the first node where a rank's graph differs from rank 0's."""
-    ref = everyone[0]
-    for r, fp in enumerate(everyone):
-        if fp == ref:
-            continue
-        for i, (a, b) in enumerate(zip(ref, fp)):
-            if a[1] != b[1]:
-                if a[0] == b[0]:  # same short text: check_agreement adds the whole node
-                    err = RankMismatchError(
-                        f"rank {r} compiled a different graph than rank 0 (this is rank {rank}); first difference at "
-                        f"node {i} ({a[0]}), past the part shown. fix: make the model, plan, batch shapes and Python "
-                        f"scalars the step uses identical on every rank (uneven batch sizes are fine only along the sharded dim)."
-                    )
-                    err.node_index = i  # type: ignore[attr-defined]
-                    raise err
-                raise RankMismatchError(
-                    f"rank {r} compiled a different graph than rank 0 (this is rank {rank}); first difference at "
-                    f"node {i}: rank 0 has {a[0]}, rank {r} has {b[0]}. fix: make the model, plan and batch shapes "
-                    f"identical on every rank (uneven batch sizes are fine only along the sharded dim)."
-                )
-        raise RankMismatchError(f"rank {r} compiled a graph with {len(fp)} nodes, rank 0 one with {len(ref)} nodes")
+    """Raise RankMismatchError when the ranks' graphs differ, naming the ranks that differ
+    from the most common graph (the others), the first differing node and what each
+    group of ranks has there. ``rank`` is this process's rank (named in the message)."""
+    groups = rank_groups(everyone)
+    if len(groups) == 1:
+        return
+    ref = everyone[groups[0][0]]
+    first = []
+    for g in groups[1:]:
+        fp = everyone[g[0]]
+        first.append(next((i for i, (a, b) in enumerate(zip(ref, fp)) if a[1] != b[1]), min(len(ref), len(fp))))
+    node = min(first)
+    odd = sorted(r for g in groups[1:] for r in g)
+    head = (f"{_ranks(odd)} compiled {'a different graph' if len(groups) == 2 else 'different graphs'} than "
+            f"{_ranks(groups[0])} (this is rank {rank}); first difference at node {node}")
+    texts = [fp[node][0] if node < len(fp) else f"no node {node} (a graph of {len(fp)} nodes)" for fp in everyone]
+    shown = [everyone[g[0]][node][0] for g in groups if node < len(everyone[g[0]])]
+    if len(shown) == len(groups) and len(set(shown)) == 1:  # same short text: check_agreement adds the whole node
+        err = RankMismatchError(
+            f"{head} ({shown[0]}), past the part shown. fix: make the model, plan, batch shapes and Python "
+            f"scalars the step uses identical on every rank (uneven batch sizes are fine only along the sharded dim)."
+        )
+        err.node_index = node  # type: ignore[attr-defined]
+        err.rank_groups = groups  # type: ignore[attr-defined]
+        raise err
+    here = [groups[0]] + [g for g, i in zip(groups[1:], first) if i == node]
+    later = "".join(f"; {_ranks(g)} first differ{'s' * (len(g) == 1)} at node {i}" for g, i in zip(groups[1:], first) if i != node)
+    raise RankMismatchError(
+        f"{head}: {_holds(here, texts)}{later}. fix: make the model, plan and batch shapes "
+        f"identical on every rank (uneven batch sizes are fine only along the sharded dim)."
+    )
