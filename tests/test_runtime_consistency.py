@@ -6,6 +6,7 @@ Tolerance: float64, 1e-10 on losses and parameters against one device.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import pathlib
@@ -51,34 +52,47 @@ def _error(fn) -> str:
     return "no error"
 
 
-def _uneven(rank: int, world: int, fold: bool) -> dict:
-    """Partial last batch and per-rank divergent shapes: (rows on rank 0, rows on rank 1)
-    per step, then steady steps; the per-step check folded into the program's first
-    all_reduce (``fold``) or standalone. Counts the standalone check's all_reduces."""
-    splits = [(4, 4), (4, 3), (4, 4), (4, 3), (4, 4), (4, 4), (4, 4)]
+def _mlp_pair() -> tuple:
+    """A float64 MLP and its one-device copy (same seed), each with SGD with momentum."""
     torch.manual_seed(0)
     model = MLP().double()
     ref = copy.deepcopy(model)
-    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    step = sc.compile(mse_step, mesh=(world,), cache_size=2)
-    step.fold_guard = fold
-    errs, flags, real = [], [], dist.all_reduce
+    return model, ref, *(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
 
-    def spy(tensor, *args, **kwargs):  # the standalone check: a one-element int64 all_reduce
+
+@contextlib.contextmanager
+def _counted_flags():
+    """The standalone step checks run inside (one-element int64 all_reduces), counted."""
+    flags, real = [], dist.all_reduce
+
+    def spy(tensor, *args, **kwargs):
         if tensor.numel() == 1 and tensor.dtype == torch.int64:
             flags.append(1)
         return real(tensor, *args, **kwargs)
 
     dist.all_reduce = spy
     try:
+        yield flags
+    finally:
+        dist.all_reduce = real
+
+
+def _uneven(rank: int, world: int, fold: bool) -> dict:
+    """Partial last batch and per-rank divergent shapes: (rows on rank 0, rows on rank 1)
+    per step, then steady steps; the per-step check folded into the program's first
+    all_reduce (``fold``) or standalone. Counts the standalone check's all_reduces."""
+    splits = [(4, 4), (4, 3), (4, 4), (4, 3), (4, 4), (4, 4), (4, 4)]
+    model, ref, opt, ref_opt = _mlp_pair()
+    step = sc.compile(mse_step, mesh=(world,), cache_size=2)
+    step.fold_guard = fold
+    errs = []
+    with _counted_flags() as flags:
         for i, split in enumerate(splits):
             x, y = _rows(i, sum(split))
             mine = slice(sum(split[:rank]), sum(split[: rank + 1]))
             loss = step(model, opt, x[mine], y[mine])
             assert_distributed(step, sharded=["batch[0]", "batch[1]"], collectives=1)
             errs.append(abs(loss.item() - mse_step(ref, ref_opt, x, y).item()))
-    finally:
-        dist.all_reduce = real
     errs.append(max((p.full_tensor() - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters())))
     folded = getattr(step.last, "folded_gm", None)
     count = lambda gm: sum(1 for n in gm.graph.nodes if getattr(n.target, "namespace", None) == "_c10d_functional")  # noqa: E731
@@ -248,28 +262,16 @@ def _mesh2x2(rank: int, world: int) -> dict:
     axis group (driver/fold.py, FoldChain). Steps whose dp groups get (4, 4) or (4, 3)
     rows (ranks 2 and 3 change shape, ranks 0 and 1 learn it in the dp fold), then a step
     where rank 3 alone gets 3 rows (its tp partner 4: a replicated input that differs)."""
-    torch.manual_seed(0)
-    model = MLP().double()
-    ref = copy.deepcopy(model)
-    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    model, ref, opt, ref_opt = _mlp_pair()
     step = sc.compile(mse_step, mesh={"dp": 2, "tp": 2}, plan=megatron_mlp_plan(ndim=2, axis=1), cache_size=2)
-    flags, real, errs = [], dist.all_reduce, []
-
-    def spy(tensor, *args, **kwargs):  # the standalone check: a one-element int64 all_reduce
-        if tensor.numel() == 1 and tensor.dtype == torch.int64:
-            flags.append(1)
-        return real(tensor, *args, **kwargs)
-
-    dist.all_reduce = spy
-    try:
+    errs = []
+    with _counted_flags() as flags:
         for i, split in enumerate([(4, 4), (4, 4), (4, 3), (4, 4), (4, 4)]):
             x, y = _rows(i, sum(split))
             dp = rank // 2
             mine = slice(sum(split[:dp]), sum(split[: dp + 1]))
             loss = step(model, opt, x[mine], y[mine])
             errs.append(abs(loss.item() - mse_step(ref, ref_opt, x, y).item()))
-    finally:
-        dist.all_reduce = real
     errs.append(max((p.full_tensor() - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters())))
     points = [getattr(getattr(prog.step, "fold_point", None), "points", ()) for prog in step._programs.values()]
     chains = sorted(tuple(f"{q.kind} on {q.world_size}" for q in ps) for ps in points)
