@@ -97,15 +97,16 @@ def test_simulated_training_refuses_a_later_bad_id_and_matches_one_device(bad):
         torch.testing.assert_close(p, q, atol=1e-12, rtol=0)
 
 
-def _one_rank_bad(rank: int, world: int) -> dict:
+def _one_rank_bad(rank: int, world: int, dynamic: bool) -> dict:
     """Data parallel on 2 gloo ranks (the table whole on each): rank 1's shard of the
     third batch holds id 10. Both ranks must raise (rank 1 alone raising would leave
-    rank 0 waiting in the step's first collective), then train on."""
+    rank 0 waiting in the step's first collective), then train on. ``dynamic``: the
+    sizes ride in the step check (driver/sizes.py)."""
     torch.manual_seed(0)
     model = LM().double()
     ref = copy.deepcopy(model)
     opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
-    step = sc.compile(lm_step, mesh=(world,), timeout=60)
+    step = sc.compile(lm_step, mesh=(world,), timeout=60, dynamic=dynamic)
     out: dict = {"errors": []}
     for seed in range(4):
         ids = _ids(seed)
@@ -122,11 +123,13 @@ def _one_rank_bad(rank: int, world: int) -> dict:
     return out
 
 
-def test_a_bad_id_on_one_gloo_rank_stops_every_rank():
-    results = run_processes(_one_rank_bad, 2, timeout=240)
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_a_bad_id_on_one_gloo_rank_stops_every_rank(dynamic):
+    results = run_processes(_one_rank_bad, 2, dynamic, timeout=240)
     for rank, res in enumerate(results):
         assert len(res["errors"]) == 1, res
         assert res["diff"] < 1e-12 and res["compiles"] == 1, res
+        assert sum(n for k, n in res["checks"].items() if k.startswith("resync")) == 1, res  # through the step check
     assert "(e.g. 10 at index [1, 2] of the ids the embedding reads" in results[1]["errors"][0], results[1]
     assert results[0]["errors"][0].startswith("the batch of rank 1 (every rank stops here, this is rank 0"), results[0]
     assert "token ids out of range for the Embedding 'emb'" in results[0]["errors"][0], results[0]
