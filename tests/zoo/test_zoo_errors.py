@@ -117,3 +117,21 @@ def test_token_id_out_of_the_vocabulary_names_the_embedding(plan):
     assert f"token ids out of range for the Embedding 'transformer.wte' (table transformer.wte.weight with {VOCAB} rows)" in text, text
     assert "batch[0] holds ids from " in text and f" to {VOCAB + 5} " in text, text
     assert "modeling_gpt2.py" in text and "self.wte(" in text and f"fix: keep the ids below num_embeddings={VOCAB}" in text, text
+
+
+@pytest.mark.parametrize("bad", [VOCAB, -1])
+def test_a_later_out_of_vocabulary_id_on_a_vocab_parallel_wte_is_refused(bad):
+    """GPT-2's ``wte`` vocab-sharded with the batch replicated (a masked embedding: a bad
+    id would be a zero row): a later batch is checked before the cached program runs."""
+    model = gpt2("sdpa")
+    opt = adamw(model.parameters())
+    step = sc.compile(lm_step, mesh=fake_mesh((2,), ("tp",)),
+                      plan=sc.Plan(params={"transformer.wte.weight": [Shard(0)]}, default_input=[Replicate()]))
+    step(model, opt, *batch(4))
+    ids, targets = batch(4)
+    ids[1, 5] = bad
+    with pytest.raises(ValueError) as info:
+        step(model, opt, ids, targets)
+    text = str(info.value)
+    assert f"(table transformer.wte.weight with {VOCAB} rows)" in text and f"(e.g. {bad} at " in text, text
+    assert "[1, 5]" in text and "self.wte(" in text and step.compiles == 1, text
