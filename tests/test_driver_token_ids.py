@@ -133,3 +133,14 @@ def test_a_bad_id_on_one_gloo_rank_stops_every_rank(dynamic):
     assert "(e.g. 10 at index [1, 2] of the ids the embedding reads" in results[1]["errors"][0], results[1]
     assert results[0]["errors"][0].startswith("the batch of rank 1 (every rank stops here, this is rank 0"), results[0]
     assert "token ids out of range for the Embedding 'emb'" in results[0]["errors"][0], results[0]
+
+
+def test_every_rank_names_the_ranks_whose_batch_holds_a_bad_id():
+    """What the ranks without a bad id raise, from every rank's gathered message."""
+    from spmd_compiler.driver.token_ids import ranks_ids_error
+
+    assert ranks_ids_error([None, None, None, None]) is None
+    err = ranks_ids_error([None, "token ids out of range for A", None, "token ids out of range for B"])
+    assert isinstance(err, ValueError)
+    assert str(err) == ("the batch of ranks 1, 3 (every rank stops here, this is rank 0; nothing ran): "
+                        "rank 1's error: token ids out of range for A"), str(err)

@@ -22,13 +22,14 @@ import operator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 
 from .. import _private_torch as pt
 from ..errors import describe_node
 from ..trace.tracer import flatten_batch
 
-__all__ = ["IdCheck", "embedding_ids_error", "explain_index_error"]
+__all__ = ["IdCheck", "embedding_ids_error", "explain_index_error", "ranks_ids_error"]
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +123,18 @@ def embedding_ids_error(traced: Any, batch: tuple, kwargs: dict) -> ValueError |
     from the batch ``(batch, kwargs)``, fall outside its table; None when every id is in
     range or no embedding reads ids computed from the batch alone."""
     return IdCheck.of(traced)(batch, kwargs)
+
+
+def ranks_ids_error(texts: list[str | None]) -> ValueError | None:
+    """The error every rank raises when the ranks' token-id checks, gathered (``texts``:
+    each rank's message or None), found a bad id on some rank; None if on none."""
+    bad = [(r, text) for r, text in enumerate(texts) if text is not None]
+    if not bad:
+        return None
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    ranks = ", ".join(str(r) for r, _ in bad)
+    return ValueError(f"the batch of rank{'s' * (len(bad) > 1)} {ranks} (every rank stops here, this is rank {rank}; "
+                      f"nothing ran): rank {bad[0][0]}'s error: {bad[0][1]}")
 
 
 def explain_index_error(error: BaseException, traced: Any, batch: tuple, kwargs: dict) -> ValueError | None:
