@@ -261,3 +261,33 @@ def test_gpt_every_batch_size_from_1_to_33(plan):
     model, batches = _seq_batches(4, range(1, 34))
     sim = _train(train_step, model, batches, mesh, the_plan, dynamic=True)
     assert sim.compiles == 1, sim.reasons
+
+
+class _Conv1DMLP(torch.nn.Module):
+    """GPT-2's ``Conv1D``: ``addmm(b, x.view(-1, x.size(-1)), w).view(*x.shape[:-1], n)``
+    (an inferred ``-1`` in the flatten of the batch)."""
+
+    def __init__(self, d: int = 8, h: int = 6):
+        super().__init__()
+        self.w1, self.b1 = torch.nn.Parameter(torch.randn(d, h)), torch.nn.Parameter(torch.randn(h))
+        self.w2, self.b2 = torch.nn.Parameter(torch.randn(h, d)), torch.nn.Parameter(torch.randn(d))
+
+    def forward(self, x):
+        h = torch.addmm(self.b1, x.view(-1, x.size(-1)), self.w1).view(*x.shape[:-1], self.w1.shape[1])
+        h = torch.tanh(h)
+        return torch.addmm(self.b2, h.view(-1, h.size(-1)), self.w2).view(*h.shape[:-1], self.w2.shape[1])
+
+
+@pytest.mark.parametrize("mesh_shape", [(3,), (2, 2)], ids=["dp3", "dp2xtp2"])
+def test_inferred_flatten_of_the_batch_stays_sharded(mesh_shape):
+    """``x.view(-1, D)`` of a batch split (unevenly) on dp: the -1 is the batch's rows
+    times the static dims behind, so the view keeps the batch sharded (no gather)."""
+    torch.manual_seed(0)
+    model = _Conv1DMLP().double()
+    batches = [(torch.randn(b, 4, 8, dtype=torch.float64), torch.randn(b, 4, 8, dtype=torch.float64)) for b in SIZES]
+    names = ("dp",) if len(mesh_shape) == 1 else ("dp", "tp")
+    plan = sc.Plan(default_input=[Shard(0)] + [sc.Replicate()] * (len(mesh_shape) - 1))
+    sim = _train(mse_train_step, model, batches, fake_mesh(mesh_shape, names), plan, dynamic=True)
+    assert sim.compiles == 1, sim.reasons
+    step = sim.expansions[(0,) * len(mesh_shape)]
+    assert _comms(step)["all_gather"] == 0, _comms(step)

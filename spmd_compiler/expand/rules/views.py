@@ -195,9 +195,13 @@ def _symbolic_view(ctx: ExpandContext, b: SubgraphBuilder, op: Any, x: TensorArg
     """The view of a symbolic sharded dim kept sharded (:func:`symbolic_view_placements`),
     or None (then DTensor's strategy)."""
     out = [s.global_value if isinstance(s, DSymInt) else s for s in sizes]
-    if any(not pt.is_symbolic(s) and int(s) == -1 for s in out):
-        return None  # an inferred size: DTensor's strategy
     in_shape = list(x.spec.shape)
+    inferred = [i for i, s in enumerate(out) if not pt.is_symbolic(s) and int(s) == -1]
+    if inferred:  # ``x.view(-1, x.size(-1))`` (GPT-2's Conv1D): the size the others leave
+        known = [s for i, s in enumerate(out) if i != inferred[0]]
+        if len(inferred) > 1 or any(not pt.is_symbolic(s) and int(s) == 0 for s in known):
+            return None
+        out[inferred[0]] = math.prod(in_shape) // math.prod(known)
     numel_in = sympy.Mul(*[pt.sym_expr(s) if pt.is_symbolic(s) else sympy.Integer(int(s)) for s in in_shape])
     numel_out = sympy.Mul(*[pt.sym_expr(s) if pt.is_symbolic(s) else sympy.Integer(int(s)) for s in out])
     if sympy.expand(numel_in - numel_out) != 0:
