@@ -17,14 +17,15 @@ writes benchmarks/results/compile_time.md. Usage:
     python benchmarks/compile_time.py [--layers 2 8 32] [--skip-retrace-above 32]
 
 ``--dynamic`` measures symbolic batch sizes instead (issue #17, docs/dynamic_shapes.md;
-the functions live in ``compile_time_dynamic.py``): a data-parallel training loop over
-10 batch sizes in the simulator (``SimulatedTraining``, fake mesh of ``--world`` ranks)
-with ``dynamic=True`` against ``dynamic=False`` (compiles and compile seconds), and the
-step time of the symbolic per-rank program against the concrete one (rank 0's program
-run directly on the fake process group, interleaved repetitions, median ratio); writes
-benchmarks/results/compile_time_dynamic.md:
+the functions live in ``compile_time_dynamic.py``): per plan (``--plans``: mlp, dp,
+fsdp, tp_seq, 2d; default all), a training loop over 10 batch sizes in the simulator
+(``SimulatedTraining``, fake mesh of ``--world`` ranks) with ``dynamic=True`` against
+``dynamic=False`` (compiles and compile seconds), and the step time of the symbolic
+per-rank program against the concrete one at an even and an uneven batch (rank 0's
+program run directly on the fake process group, interleaved repetitions, median ratio;
+the collectives of both); writes benchmarks/results/compile_time_dynamic.md:
 
-    python benchmarks/compile_time.py --dynamic [--world 4] [--reps 31]
+    python benchmarks/compile_time.py --dynamic [--world 4] [--reps 31] [--plans dp,fsdp,tp_seq,2d]
 """
 
 from __future__ import annotations
@@ -153,20 +154,22 @@ def growth(rows: list[dict]) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, nargs="+", default=[2, 8, 32])
-    p.add_argument("--plans", nargs="+", default=["fsdp", "2d"])
+    p.add_argument("--plans", nargs="+", default=None,
+                   help="plans, space or comma separated: fsdp 2d (default); --dynamic: mlp dp fsdp tp_seq 2d (default all)")
     p.add_argument("--skip-retrace-above", type=int, default=32, help="skip the slow re-trace column above this depth")
     p.add_argument("--dynamic", action="store_true", help="measure dynamic=True against per-shape compiles instead")
     p.add_argument("--world", type=int, default=4, help="--dynamic: ranks of the simulated data-parallel mesh")
     p.add_argument("--reps", type=int, default=31, help="--dynamic: interleaved step-time repetitions")
     args = p.parse_args()
     torch.set_num_threads(1)
+    plans = [x for arg in args.plans for x in arg.split(",") if x] if args.plans else None
     if args.dynamic:
         from compile_time_dynamic import run_dynamic
 
-        run_dynamic(args.world, args.reps)
+        run_dynamic(args.world, args.reps, plans)
         return
     rows = []
-    for plan in args.plans:
+    for plan in plans or ["fsdp", "2d"]:
         measure(1, plan, retrace=False)  # warm-up: first-use costs of DTensor's propagation
         for layers in args.layers:
             r = measure(layers, plan, retrace=layers <= args.skip_retrace_above)
