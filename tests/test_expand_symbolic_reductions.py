@@ -117,3 +117,28 @@ def test_amax_on_dp_by_tp_one_program():
     maxes = [n for n in prog.gm.graph.nodes if n.meta.get("spmd_comm", {}).get("kind") == "all_reduce"
              and n.meta["spmd_comm"].get("axis_name") == "dp" and "max" in str(n.args)]
     assert maxes, Counter(str(n.args) for n in prog.gm.graph.nodes if "spmd_comm" in n.meta)
+
+
+def test_dynamic_trace_of_cumsum_records_no_size_guard():
+    """The dynamic trace's cumsum backward is the reversed cumsum (flip, cumsum, flip)
+    for every size, with no guard on the batch size, and its nodes name the user's line;
+    the per-shape trace keeps torch's own backward."""
+    from spmd_compiler import _private_torch as pt
+    from spmd_compiler.errors import user_source_line
+    from spmd_compiler.expand.symbolic import trace_fake_mode
+    from spmd_compiler.trace import trace
+
+    def step(model, optimizer, x):
+        loss = model(x).cumsum(0).pow(2).mean()
+        loss.backward()
+        return loss
+
+    x = torch.randn(5, 8, dtype=torch.float64)
+    traced = trace(step, MLP(8, 6, 8).double(), None, x, dynamic=True)
+    guards = [str(g) for g, _ in pt.shape_env_guards(pt.shape_env_of(trace_fake_mode(traced)))]
+    assert not [g for g in guards if ", 1)" in g], guards
+    flips = [n for n in traced.gm.graph.nodes if n.target is aten.flip.default]
+    assert len(flips) == 2 and all("loss.backward()" in user_source_line(n) for n in flips)
+    (cumsum,) = [n for n in traced.gm.graph.nodes if n.target is aten.cumsum.default and n.meta.get("spmd_phase") != "backward"
+                 and "cumsum(0).pow" in (user_source_line(n) or "")]
+    assert "test_expand_symbolic_reductions.py" in user_source_line(cumsum)
