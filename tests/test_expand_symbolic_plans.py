@@ -206,15 +206,23 @@ def test_sequence_sharded_tp_gpt_one_program_for_every_batch_size(ranks, seq):
     assert len(split) == (6 if ranks == 2 else 0), [n.meta["spmd_spec"].placements for n in bmms]
 
 
-def test_sequence_sharded_tp_gpt_on_3_ranks_one_program_for_every_batch_size():
-    """Three ranks, three heads, the sequence (6) split in 3: one program, equal to one
-    device for every B. (Heads that do not divide over the ranks, 2 over 3, still
-    compile per shape: the uneven head split's view; docs/dynamic_shapes.md, "Left".)"""
+@pytest.mark.parametrize("heads,dim", [(3, 12), (2, 8)])
+def test_sequence_sharded_tp_gpt_on_3_ranks_one_program_for_every_batch_size(heads, dim):
+    """Three ranks, the sequence (6) split in 3: one program, equal to one device for
+    every B, with three heads and with two (features 8 over 3 ranks, uneven: the head
+    split's view gathers them, as per shape). Before, that gather of a static uneven dim
+    padded with ``constant_pad_nd``, whose fake kernel read the (B, T, 8) sizes as ints:
+    B and T became constants and the step compiled per shape (INFO)."""
     torch.manual_seed(0)
-    model = GPT(vocab=16, seq=6, dim=12, heads=3, layers=1).double()
+    model = GPT(vocab=16, seq=6, dim=dim, heads=heads, layers=1).double()
     batches = [(torch.randint(0, 16, (b, 6)), torch.randint(0, 16, (b, 6))) for b in SIZES]
-    sim = _train(train_step, model, batches, fake_mesh((3,), ("tp",)), SEQ_TP, dynamic=True)
+    mesh = fake_mesh((3,), ("tp",))
+    sim = _train(train_step, model, batches, mesh, SEQ_TP, dynamic=True)
     assert sim.compiles == 1, sim.reasons
+    if heads == 2:
+        static = _static_even(train_step, model, tuple(torch.randint(0, 16, (3, 6)) for _ in range(2)), mesh, SEQ_TP)
+        dyn, per_shape = _comms(sim.expansions[(0,)]), _comms(static)
+        assert dyn["all_gather"] == per_shape["all_gather"] and dyn["all_reduce"] <= per_shape["all_reduce"], (dyn, per_shape)
 
 
 def test_2d_gpt_one_program_for_every_batch_size():

@@ -170,6 +170,17 @@ def _cumsum_step(model, optimizer, x, y):
     return loss
 
 
+def _branch_step(model, optimizer, x, y):
+    out = model(x)
+    if x.shape[0] > 1:  # a size guard: the program serves batches of 2 rows or more
+        out = out * 2
+    loss = ((out - y) ** 2).mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
 def _dynamic_sim(fn, ranks=3):
     torch.manual_seed(0)
     model = MLP(8, 6).double()
@@ -197,9 +208,12 @@ def test_symbolic_program_is_checked_at_even_and_uneven_batch_sizes():
     cumsum = _dynamic_sim(_cumsum_step)
     gathers = assert_distributed(cumsum, dynamic=True, collectives={"forward/all_gather": 1})
     assert gathers.count("all_gather") == 2  # forward gather of the cumsum input, backward of its gradient
-    assert gathers.batch_sizes == (2, 3, 4, 7, 12, 15)  # 1 breaks one of the program's size guards: skipped
+    # one row included: the dynamic trace's cumsum backward has no size guard (trace/rewrites.py)
+    assert gathers.batch_sizes == (1, 2, 3, 4, 7, 12, 15)
+    branch = _dynamic_sim(_branch_step)
+    assert assert_distributed(branch, dynamic=True).batch_sizes == (2, 3, 4, 7, 12, 15)  # 1 breaks its size guard: skipped
     with pytest.raises(AssertionError, match=r"does not serve batch size 1: .*expected batch_sizes the program serves"):
-        assert_distributed(cumsum, batch_sizes=[1])
+        assert_distributed(branch, batch_sizes=[1])
     # dynamic=True insists on a symbolic program; a program for one shape fails it
     with pytest.raises(AssertionError, match="dynamic=True: expected a symbolic program"):
         assert_distributed(_expand(fake_mesh((4,), ("dp",))), dynamic=True)
@@ -234,7 +248,9 @@ def test_symbolic_program_with_an_unpadded_gather_fails_at_uneven_sizes_only():
         gather.args = (padded.args[0].args[0][0], *gather.args[1:])
         gm.recompile()
     assert assert_distributed(sim, batch_sizes=[3, 6, 12]).batch_sizes == (3, 6, 12)  # every piece equal: nothing to see
-    with pytest.raises(AssertionError, match=r"coordinate \(2,\), global batch size 2: all_gather_into_tensor\S* .*\(from cumsum, "
+    # the first size fed, one row (rank 1's piece empty; the program serves it since the
+    # cumsum backward has no size guard), catches it
+    with pytest.raises(AssertionError, match=r"coordinate \(1,\), global batch size 1: all_gather_into_tensor\S* .*\(from cumsum, "
                                              r"test_testing_checks.py:\d+: loss = \(model\(x\).cumsum\(0\) \* y\).mean\(\)\) has shape "
                                              r"\[0, 8\], but the program records \[3\*u\d+, 8\] = \[3, 8\] for this size"):
         assert_distributed(sim)

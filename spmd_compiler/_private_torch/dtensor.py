@@ -170,6 +170,9 @@ def propagate_sharding(
     """
     prop = DTensor._op_dispatcher.sharding_propagator
     args_schema, kwargs_schema = _strided_as_layout((args_schema, kwargs_schema))
+    floats = _symbolic_floats(args_schema, kwargs_schema)
+    if floats:  # DTensor's strategy cache hashes the schema: hashing a SymFloat pins it (a guard)
+        args_schema, kwargs_schema = _with_floats(args_schema, kwargs_schema, {i: _float_hint(f) for i, f in floats.items()})
     info = prop.op_to_schema_info.get(op)
     if info is None:
         info = prop.op_to_schema_info_for_single_dim_strategy.get(op)
@@ -181,9 +184,42 @@ def propagate_sharding(
     _selection.keep = keep
     try:
         with _as_coordinate(mesh, coordinate), _symbolic_mode_of(args_schema, kwargs_schema):
-            return prop.propagate_op_sharding_non_cached(schema)
+            out = prop.propagate_op_sharding_non_cached(schema)
     finally:
         _selection.keep = previous
+    rs = out.redistribute_schema
+    if floats and rs is not None:  # the op runs on the symbolic scalars, never their example values
+        if len(_flat(rs.args_schema, rs.kwargs_schema)) != len(_flat(args_schema, kwargs_schema)):
+            raise NotImplementedError(f"{op}: DTensor rewrote arguments around a symbolic scalar")
+        r_args, r_kwargs = _with_floats(tuple(rs.args_schema), dict(rs.kwargs_schema), floats)
+        out.redistribute_schema = OpSchema(rs.op, r_args, r_kwargs, schema_info=rs.schema_info)
+    return out
+
+
+def _flat(args: Any, kwargs: Any) -> list:
+    from torch.utils import _pytree as pytree
+
+    return pytree.tree_leaves((tuple(args), dict(kwargs)))
+
+
+def _symbolic_floats(args: Any, kwargs: Any) -> dict[int, Any]:
+    """The symbolic SymFloat scalars among an op's arguments (``2 / (s3 - 1)`` in var's
+    backward), by position among the leaves."""
+    return {i: x for i, x in enumerate(_flat(args, kwargs)) if isinstance(x, torch.SymFloat) and is_symbolic(x)}
+
+
+def _with_floats(args: Any, kwargs: Any, values: dict[int, Any]) -> tuple[tuple, dict]:
+    from torch.utils import _pytree as pytree
+
+    leaves, tree = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    return pytree.tree_unflatten([values.get(i, x) for i, x in enumerate(leaves)], tree)
+
+
+def _float_hint(x: Any) -> float:
+    """A SymFloat's example value, read without a guard (a scalar argument never changes
+    the strategy DTensor picks: it is only hashed and passed to its fake run)."""
+    hint = x.node.hint
+    return float(hint) if hint is not None else 1.0
 
 
 def localized_shape_arg(op: Any) -> int | None:

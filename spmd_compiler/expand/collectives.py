@@ -105,7 +105,10 @@ def _all_gather(b: SubgraphBuilder, x: fx.Node, axis: int, dim: int, size: int, 
     local = x.meta["val"]
     if uneven:
         pad = full - local.shape[dim]
-        if symbolic:  # constant_pad_nd's fake kernel needs concrete pads: cat with zeros
+        # constant_pad_nd's fake kernel needs concrete pads, and reads every size as an
+        # int (pinning a symbolic batch in another dim: 8 features over 3 ranks of a
+        # (B, T, 8) activation): cat with zeros
+        if symbolic or any(pt.is_symbolic(s) for s in local.shape):
             zeros_shape = [pad if d == dim else s for d, s in enumerate(local.shape)]
             x = b.call(aten.cat.default, [x, b.call(aten.new_zeros.default, x, zeros_shape)], dim)
         else:

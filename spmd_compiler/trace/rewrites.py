@@ -12,6 +12,8 @@ compute the same thing when the compiled step runs:
   that runs Python's ``max`` on the real numbers);
 * ``torch.as_tensor(number)`` of a symbolic number becomes ``torch.scalar_tensor`` with
   the dtype ``as_tensor`` would give it;
+* ``dynamic=True`` only: ``cumsum``'s backward without torch's one-row shortcut
+  (:func:`symbolic_cumsum_backward`);
 * BatchNorm with ``momentum=None`` (a cumulative average of the batch statistics,
   weighted ``1 / float(num_batches_tracked)`` in Python) computes that weight as a tensor
   and updates its running statistics with the same formula its kernel uses.
@@ -34,7 +36,7 @@ import torch.nn.functional as F
 
 from .. import _private_torch as pt
 
-__all__ = ["SYM_BUILTIN_MODULES", "traceable_scalars"]
+__all__ = ["SYM_BUILTIN_MODULES", "traceable_scalars", "symbolic_cumsum_backward"]
 
 SYM_BUILTIN_MODULES = ("torch.optim._adafactor", "torch.optim.asgd", "torch.optim.radam")
 
@@ -119,3 +121,40 @@ def traceable_scalars() -> Iterator[None]:
                 delattr(module, attr)
             else:
                 setattr(module, attr, old)
+
+
+class _CumSum(torch.autograd.Function):
+    """``torch.cumsum`` with torch's backward minus its shortcut: ``cumsum_backward``
+    returns the gradient itself when the dim has one element (``grad.sym_size(dim) == 1``
+    in C++), a guard that fixes a symbolic batch dim to "one row" or "not one row" (a
+    second program at the first one-row batch). The reversed cumsum it computes
+    otherwise (flip, cumsum, flip) is the same numbers for one row, so it serves both."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, dtype: Any) -> torch.Tensor:
+        ctx.dim, ctx.in_dtype = dim, x.dtype
+        return torch.cumsum(x, dim, dtype=dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        g = grad.to(ctx.in_dtype)
+        return g.flip(ctx.dim).cumsum(ctx.dim).flip(ctx.dim), None, None
+
+
+class _CumSumMode(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func in (torch.cumsum, torch.Tensor.cumsum) and "out" not in kwargs and len(args) >= 1:
+            x = args[0]
+            dim = args[1] if len(args) > 1 else kwargs.get("dim")
+            dtype = args[2] if len(args) > 2 else kwargs.get("dtype")
+            if isinstance(x, torch.Tensor) and x.requires_grad and torch.is_grad_enabled() and isinstance(dim, int):
+                return _CumSum.apply(x, dim, dtype)
+        return func(*args, **kwargs)
+
+
+def symbolic_cumsum_backward(on: bool) -> Any:
+    """While tracing with ``dynamic=True``: ``cumsum`` of a tensor that needs a gradient
+    runs through :class:`_CumSum`, whose backward records no size guard. ``on=False``: a
+    null context (the per-shape trace keeps torch's own backward)."""
+    return _CumSumMode() if on else contextlib.nullcontext()

@@ -25,7 +25,7 @@ from .. import _private_torch as pt
 from .decompositions import decomposition_table
 from .host_values import HostSnapshot, as_data_dependent_error, check_data_dependent_shapes, user_outputs, with_batch_sizes_named
 from .markers import phase_markers, split_point_hooks, tag_phases
-from .rewrites import traceable_scalars
+from .rewrites import symbolic_cumsum_backward, traceable_scalars
 from .rng import RngLedger, replay_recomputed_draws, rng_replay
 from .state import collect_state, hparam_tensor, swapped_state
 from .traced import CONSTANT_LEAF_TYPES, GraphInput, GraphOutput, TracedStep, flatten_batch
@@ -222,7 +222,7 @@ def trace(
     try:
         with phase_markers(optimizer), pt.preserve_node_meta(), split_point_hooks(model, split_points), \
                 host_scalar_values(mode, optimizer, bool(scalars)), traceable_scalars(), rng_replay(ledger), \
-                pt.size_oblivious(dynamic):
+                pt.size_oblivious(dynamic), symbolic_cumsum_backward(dynamic):
             gm = make_fx(
                 functional_step,
                 decomposition_table=decomposition_table(),
