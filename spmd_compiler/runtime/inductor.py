@@ -239,7 +239,9 @@ class InductorRunner:
         self._params = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
         self._out = next(n for n in gm.graph.nodes if n.op == "output")
         self._by_name = {n.name: n for n in gm.graph.nodes}
-        self._running: tuple[int, Any] | None = None
+        self._running: tuple[int, Any, dict[str, int | None]] | None = None
+        self.cpp_wrapped: set[Callable[..., Any]] = set()  # compiled with inductor's C++ wrapper
+        self._groups: dict[int, list[str]] = {}  # per segment: the process groups of its collectives
 
     @staticmethod
     def _key(inputs: tuple) -> tuple:
@@ -264,20 +266,25 @@ class InductorRunner:
         hits, misses = pt.inductor_cache_counts()
         fn, reason = None, ""
         overlap = any(is_collective(n) for n in gm.graph.nodes)  # keep the schedule pass's overlap
-        for vectorize in (True, False):  # the C++ vectorizer fails on some graphs: retry with scalar kernels
+        cpu = all(x.device.type == "cpu" for x in inputs if isinstance(x, torch.Tensor))
+        # (vectorized kernels, C++ wrapper): the C++ wrapper on CPU first; each failure falls to the next
+        attempts = [(True, True), (True, False), (False, False)] if cpu else [(True, False)]
+        for vectorize, wrapper in attempts:
             try:
                 copy = fx.GraphModule(gm, gm.graph.__deepcopy__())  # the reference graph stays as it is
                 scalars_as_tensors(copy)
                 bool_collectives_as_uint8(copy)
-                fn = pt.inductor_compile(copy, inputs, vectorize=vectorize, overlap=overlap)
+                fn = pt.inductor_compile(copy, inputs, vectorize=vectorize, overlap=overlap, cpp_wrapper=wrapper)
+                if wrapper:
+                    self.cpp_wrapped.add(fn)
                 break
             except Exception as e:  # noqa: BLE001 -- any compile failure falls back, by contract
                 reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-                log.debug("inductor failed (vectorize=%s)", vectorize, exc_info=True)
-                if vectorize and any(isinstance(x, torch.Tensor) and x.device.type == "cpu" for x in inputs):
+                log.debug("inductor failed (vectorize=%s, cpp_wrapper=%s)", vectorize, wrapper, exc_info=True)
+                if wrapper:
+                    log.info("inductor failed with its C++ wrapper (%s); retrying with the Python one", reason)
+                elif vectorize and cpu:
                     log.info("inductor failed with vectorized C++ kernels (%s); retrying with scalar kernels", reason)
-                    continue
-                break
         if fn is None:
             self.failed = self.failed or reason
             log.warning("inductor could not compile %s (%s); it runs on the eager runner (backend='eager') instead",
@@ -297,11 +304,13 @@ class InductorRunner:
         in order, and its waits too as long as ``sink_waits`` moves no wait past another
         (two collectives in flight at once whose waits the graph orders differently: not
         seen in the TP programs), so the i-th wait of the code is the segment's i-th wait;
-        if the counts differ, None rather than a wrong name. In a
-        segment on the eager runner: the line of its generated code."""
+        if the counts differ, None rather than a wrong name. In code with inductor's C++
+        wrapper (no Python frame): the collective launched last, by the process groups' launch
+        counts (:func:`_last_launched`). In a segment on the eager runner: the line of its
+        generated code."""
         if self._running is None:
             return None
-        index, fn = self._running
+        index, fn, launched = self._running
         seg = self.segments[index]
         node = None
         where = generated_collective(error)
@@ -313,6 +322,8 @@ class InductorRunner:
             else:
                 log.debug("inductor's code has %d %s, the segment %d: cannot name the failed one", count,
                           "waits" if wait else "collectives", len(nodes))
+        if node is None and launched:
+            node = _last_launched(seg.gm, launched)
         lines = getattr(fn, "node_at_line", {})
         for frame, lineno in traceback.walk_tb(error.__traceback__):
             if frame.f_code.co_filename.startswith("<spmd_compiler per-rank step"):
@@ -350,7 +361,10 @@ class InductorRunner:
                 if fn is None:
                     part = self.name if len(segments) == 1 else f"{self.name} (segment {i + 1} of {len(segments)})"
                     fn = fns[i] = self.compile(seg.gm, tuple(args), part) or compile_runner(seg.gm)
-                self._running = (i, fn)
+                groups = self._groups.get(i) if fn in self.cpp_wrapped else ()
+                if groups is None:
+                    groups = self._groups[i] = _groups(seg.gm)
+                self._running = (i, fn, {g: pt.collectives_launched(g) for g in groups})
                 with torch.no_grad():
                     outs = fn(*args)
                 self._running = None
@@ -358,6 +372,37 @@ class InductorRunner:
             for name in seg.free:
                 env.pop(name, None)
         return list(fx.map_arg(self._out.args[0], lambda a: env[a.name]))
+
+
+def _group_of(n: fx.Node) -> str | None:
+    """The ``group_name`` argument of a functional collective node."""
+    names = [a.name for a in n.target._schema.arguments]
+    if "group_name" not in names:
+        return None
+    i = names.index("group_name")
+    return n.kwargs.get("group_name", n.args[i] if i < len(n.args) else None)
+
+
+def _groups(gm: fx.GraphModule) -> list[str]:
+    return sorted({g for n in gm.graph.nodes if is_collective(n) and (g := _group_of(n)) is not None})
+
+
+def _last_launched(gm: fx.GraphModule, before: dict[str, int | None]) -> fx.Node | None:
+    """The collective of ``gm`` launched last, by the process groups' launch counts now
+    against ``before`` (taken when ``gm``'s compiled code started; its collectives launch in
+    the graph's order): the one a failure came from, unless an earlier one still in flight
+    failed first. None if no count moved or a group does not count."""
+    last = None
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for group, start in before.items():
+        now = pt.collectives_launched(group)
+        if start is None or now is None or now <= start:
+            continue
+        nodes = [n for n in gm.graph.nodes if is_collective(n) and _group_of(n) == group]
+        if now - start <= len(nodes):
+            node = nodes[now - start - 1]
+            last = node if last is None or order[node] > order[last] else last
+    return last
 
 
 def _is_host(n: fx.Node) -> bool:
