@@ -250,6 +250,7 @@ def _peer_dies_inside_the_program(rank: int, world: int, report: str) -> None:
     step(model, opt, x, y)
     runner = step.last.runner
     assert isinstance(runner, InductorRunner) and runner.failed is None and runner.compiled
+    assert runner.cpp_wrapped  # C++-wrapped code: the failed collective is named by the group's launch count
     if rank == 1:  # runs the segment before the check (if any), passes the check, dies in the next segment
         checked = [g.check_before for g in runner.segments]
         cut = checked.index(True) if True in checked else 0

@@ -31,15 +31,23 @@ compiled on its own, so the check keeps its overlap and its fold as on the eager
 **Bool collectives** run on uint8 copies (:func:`bool_collectives_as_uint8`): the C++
 vectorizer fails on a gathered bool mask (torch 2.13).
 
-**Fallback.** If inductor's C++ vectorizer fails on a CPU program anyway, the segment is compiled again with scalar C++
-kernels (logged at INFO). If inductor cannot compile it at all, that segment runs on the
+**Less Python per call.** On CPU a segment is compiled with inductor's C++ wrapper (the
+code that calls the kernels, matmuls and collectives is C++) and without inductor's input
+size asserts (a segment is compiled once per input shape and stride): about 1 ms of a
+TP GPT step's Python (benchmarks/results/step_time_inductor.md).
+
+**Fallback.** If the C++ wrapper fails, the segment is compiled again with the Python one;
+if inductor's C++ vectorizer fails on a CPU program, with scalar C++
+kernels (each logged at INFO). If inductor cannot compile it at all, that segment runs on the
 eager runner instead, with one WARNING naming the reason; the step never fails for it.
 
 **A failed collective** (a dead peer, a timeout) inside the compiled program surfaces
 as a CollectiveError naming the collective, as on the eager runner:
 :meth:`InductorRunner.failed_node` finds the ``_c10d_functional`` call of inductor's
-generated code that raised and maps it to the graph's node by order (inductor runs
-collectives as extern kernels in the graph's order).
+generated Python code that raised and maps it to the graph's node by order (inductor runs
+collectives as extern kernels in the graph's order); in C++-wrapped code, which has no
+Python frame, the process groups' launch counts since the segment started name the
+collective launched last.
 
 **Pipelines** (``compile(..., backend="inductor", pipeline=...)``): each stage piece
 (forward, backward, optimizer) of this rank's stages is compiled on its first call
@@ -48,10 +56,8 @@ collectives as extern kernels in the graph's order).
 
 from __future__ import annotations
 
-import linecache
 import logging
 import operator
-import re
 import time
 import traceback
 from collections.abc import Callable
@@ -65,6 +71,7 @@ from ..driver.fold import resync_if_flagged
 from ..driver.guard import first_effect
 from ..optimize.graph_utils import is_collective, is_wait
 from .executor import compile_runner
+from .failed_collective import collective_groups, generated_collective, last_launched
 from .segments import Segment, split_segments
 
 __all__ = ["InductorRunner", "bool_collectives_as_uint8", "piece_runner", "scalars_as_tensors"]
@@ -189,36 +196,6 @@ def bool_collectives_as_uint8(gm: fx.GraphModule) -> int:
     return done
 
 
-_C10D_CALL = re.compile(r"_c10d_functional\.(\w+)\.")
-
-
-def _c10d_call(line: str) -> str | None:
-    """The ``_c10d_functional`` op a line of generated code calls (not a comment), or None."""
-    m = _C10D_CALL.search(line)
-    return m.group(1) if m and not line.lstrip().startswith("#") else None
-
-
-def generated_collective(error: BaseException) -> tuple[bool, int, int] | None:
-    """Where in inductor's generated code ``error`` was raised, if by a functional
-    collective: (a wait?, its index among the code's waits, or among its other collective
-    calls, in code order, and how many of those the code has). None if no generated-code
-    frame was calling one."""
-    root = pt.inductor_cache_dir()
-    hit = None
-    for frame, lineno in traceback.walk_tb(error.__traceback__):
-        filename = frame.f_code.co_filename
-        if filename.startswith(root):
-            op = _c10d_call(linecache.getline(filename, lineno))
-            hit = (filename, lineno, op) if op else hit
-    if hit is None:
-        return None
-    filename, lineno, op = hit
-    wait = op == "wait_tensor"
-    same = [i for i, text in enumerate(linecache.getlines(filename), 1)
-            if (other := _c10d_call(text)) is not None and (other == "wait_tensor") == wait]
-    return wait, same.index(lineno), len(same)
-
-
 class InductorRunner:
     """Runs the per-rank program compiled by inductor, with the same calling convention as
     :func:`compile_runner`'s guarded run (``runner(*inputs, _check=check)``; without
@@ -306,7 +283,7 @@ class InductorRunner:
         seen in the TP programs), so the i-th wait of the code is the segment's i-th wait;
         if the counts differ, None rather than a wrong name. In code with inductor's C++
         wrapper (no Python frame): the collective launched last, by the process groups' launch
-        counts (:func:`_last_launched`). In a segment on the eager runner: the line of its
+        counts (:func:`~.failed_collective.last_launched`). In a segment on the eager runner: the line of its
         generated code."""
         if self._running is None:
             return None
@@ -323,7 +300,7 @@ class InductorRunner:
                 log.debug("inductor's code has %d %s, the segment %d: cannot name the failed one", count,
                           "waits" if wait else "collectives", len(nodes))
         if node is None and launched:
-            node = _last_launched(seg.gm, launched)
+            node = last_launched(seg.gm, launched)
         lines = getattr(fn, "node_at_line", {})
         for frame, lineno in traceback.walk_tb(error.__traceback__):
             if frame.f_code.co_filename.startswith("<spmd_compiler per-rank step"):
@@ -363,7 +340,7 @@ class InductorRunner:
                     fn = fns[i] = self.compile(seg.gm, tuple(args), part) or compile_runner(seg.gm)
                 groups = self._groups.get(i) if fn in self.cpp_wrapped else ()
                 if groups is None:
-                    groups = self._groups[i] = _groups(seg.gm)
+                    groups = self._groups[i] = collective_groups(seg.gm)
                 self._running = (i, fn, {g: pt.collectives_launched(g) for g in groups})
                 with torch.no_grad():
                     outs = fn(*args)
@@ -372,37 +349,6 @@ class InductorRunner:
             for name in seg.free:
                 env.pop(name, None)
         return list(fx.map_arg(self._out.args[0], lambda a: env[a.name]))
-
-
-def _group_of(n: fx.Node) -> str | None:
-    """The ``group_name`` argument of a functional collective node."""
-    names = [a.name for a in n.target._schema.arguments]
-    if "group_name" not in names:
-        return None
-    i = names.index("group_name")
-    return n.kwargs.get("group_name", n.args[i] if i < len(n.args) else None)
-
-
-def _groups(gm: fx.GraphModule) -> list[str]:
-    return sorted({g for n in gm.graph.nodes if is_collective(n) and (g := _group_of(n)) is not None})
-
-
-def _last_launched(gm: fx.GraphModule, before: dict[str, int | None]) -> fx.Node | None:
-    """The collective of ``gm`` launched last, by the process groups' launch counts now
-    against ``before`` (taken when ``gm``'s compiled code started; its collectives launch in
-    the graph's order): the one a failure came from, unless an earlier one still in flight
-    failed first. None if no count moved or a group does not count."""
-    last = None
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    for group, start in before.items():
-        now = pt.collectives_launched(group)
-        if start is None or now is None or now <= start:
-            continue
-        nodes = [n for n in gm.graph.nodes if is_collective(n) and _group_of(n) == group]
-        if now - start <= len(nodes):
-            node = nodes[now - start - 1]
-            last = node if last is None or order[node] > order[last] else last
-    return last
 
 
 def _is_host(n: fx.Node) -> bool:
