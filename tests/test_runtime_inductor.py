@@ -94,22 +94,30 @@ def test_uncompilable_program_falls_back_with_one_warning(caplog):
     assert runner.failed and "eager runner" in warnings[0].getMessage()
 
 
-_LAUNCH = re.compile(r"_c10d_functional\.all_reduce_\.default\((.*), '\w+', '[^']*'\)$")
-_WAIT = re.compile(r"_c10d_functional\.wait_tensor\.default\((.*)\)$")
-_MATMUL = re.compile(r"extern_kernels\.(mm|addmm|bmm)\(")
+# inductor's generated code: Python (``call``) or, with its C++ wrapper, C++ (``aoti_torch_cpu_...``)
+_LAUNCH = re.compile(r"_c10d_functional\.all_reduce_\.default\((.*), '\w+', '[^']*'\)$"
+                     r"|aoti_torch_cpu__c10d_functional_all_reduce_\(\W*(?:\w+\()*(\w+)")
+_WAIT = re.compile(r"_c10d_functional\.wait_tensor\.default\((.*)\)$"
+                   r"|aoti_torch_cpu__c10d_functional_wait_tensor\(\W*(?:\w+\()*(\w+)")
+_MATMUL = re.compile(r"extern_kernels\.(mm|addmm|bmm)\(|aoti_torch_cpu_(mm|addmm|bmm)_out\(")
+
+
+def _buffer(m: re.Match) -> str:
+    return m.group(1) if m.group(1) is not None else m.group(2)
 
 
 def _overlapped_matmuls(code: str) -> list[int]:
     """For each all_reduce launch of inductor's generated ``code``, how many matmuls run
     between it and its wait (matched by buffer)."""
-    lines = [line.strip() for line in code.split("def call(self, args):", 1)[1].splitlines()]
-    lines = [line for line in lines if not line.startswith("#")]
+    code = code.split("def call(self, args):", 1)[1] if "def call(self, args):" in code else code
+    lines = [line.strip() for line in code.splitlines()]
+    lines = [line for line in lines if not line.startswith(("#", "//"))]
     counts = []
     for i, line in enumerate(lines):
         if (launch := _LAUNCH.search(line)) is None:
             continue
         end = next(j for j in range(i + 1, len(lines))
-                   if (w := _WAIT.search(lines[j])) is not None and w.group(1) == launch.group(1))
+                   if (w := _WAIT.search(lines[j])) is not None and _buffer(w) == _buffer(launch))
         counts.append(sum(bool(_MATMUL.search(x)) for x in lines[i + 1:end]))
     return counts
 
@@ -133,7 +141,8 @@ def test_backward_all_reduce_overlaps_matmuls_in_inductor_code(tmp_path, monkeyp
     step(model, opt, torch.randn(8, 16, dtype=torch.float64), torch.randn(8, 16, dtype=torch.float64))
     runner = getattr(step.last, "folded_runner", None) or step.last.runner
     assert isinstance(runner, InductorRunner) and runner.failed is None and runner.compiled
-    codes = [f.read_text() for f in tmp_path.rglob("*.py") if "_c10d_functional.all_reduce_.default(" in f.read_text()]
+    codes = [f.read_text() for f in tmp_path.rglob("*.py")
+             if "_c10d_functional.all_reduce_.default(" in f.read_text() or "_c10d_functional_all_reduce_(" in f.read_text()]
     counts = [c for code in codes for c in _overlapped_matmuls(code)]
     # forward: 2 all_reduces (their results are needed at once), backward: 1 (the second MLP's input gradient)
     assert len(counts) >= 3, (counts, len(codes))
@@ -241,6 +250,7 @@ def _peer_dies_inside_the_program(rank: int, world: int, report: str) -> None:
     step(model, opt, x, y)
     runner = step.last.runner
     assert isinstance(runner, InductorRunner) and runner.failed is None and runner.compiled
+    assert runner.cpp_wrapped  # C++-wrapped code: the failed collective is named by the group's launch count
     if rank == 1:  # runs the segment before the check (if any), passes the check, dies in the next segment
         checked = [g.check_before for g in runner.segments]
         cut = checked.index(True) if True in checked else 0

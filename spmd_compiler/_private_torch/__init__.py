@@ -43,7 +43,7 @@ from .tracing import (
     inductor_compile, inductor_cache_counts, inductor_cache_dir,
 )
 from .distributed import (
-    world_info, group_name, set_group_timeout, default_store, pipeline_order,
+    world_info, group_name, set_group_timeout, default_store, pipeline_order, collectives_launched,
 )
 
 __all__ = [
@@ -60,5 +60,5 @@ __all__ = [
     "fake_mode_of", "sym_expr", "shape_env_guards", "symbol_range", "is_symbolic", "sym_free_symbols",
     "symbol_of", "unbacked_symbols", "branch_atom", "sympy_as_python", "set_real_value",
     "propagating_real_values", "real_value_branches", "is_real_value_log", "record_stack_traces_of",
-    "data_dependent_exceptions", "batchnorm_base", "inductor_compile", "inductor_cache_counts", "inductor_cache_dir",
+    "data_dependent_exceptions", "batchnorm_base", "collectives_launched", "inductor_compile", "inductor_cache_counts", "inductor_cache_dir",
 ]

@@ -15,7 +15,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["world_info", "group_name", "set_group_timeout", "default_store", "pipeline_order"]
+__all__ = ["world_info", "group_name", "set_group_timeout", "default_store", "pipeline_order", "collectives_launched"]
 
 
 def world_info() -> tuple[int, int]:
@@ -39,6 +39,19 @@ def set_group_timeout(group: Any, seconds: float) -> None:
     from torch.distributed.distributed_c10d import _set_pg_timeout
 
     _set_pg_timeout(timedelta(seconds=seconds), group)
+
+
+
+def collectives_launched(name: str) -> int | None:
+    """How many collectives the process group named ``name`` (a functional collective's
+    ``group_name``) has launched so far (its sequence number); None if it does not count
+    them (a fake group) or is not registered."""
+    from torch._C._distributed_c10d import _resolve_process_group
+
+    try:
+        return _resolve_process_group(name)._get_sequence_number_for_group()
+    except (RuntimeError, ValueError, AttributeError):
+        return None
 
 
 

@@ -31,15 +31,23 @@ compiled on its own, so the check keeps its overlap and its fold as on the eager
 **Bool collectives** run on uint8 copies (:func:`bool_collectives_as_uint8`): the C++
 vectorizer fails on a gathered bool mask (torch 2.13).
 
-**Fallback.** If inductor's C++ vectorizer fails on a CPU program anyway, the segment is compiled again with scalar C++
-kernels (logged at INFO). If inductor cannot compile it at all, that segment runs on the
+**Less Python per call.** On CPU a segment is compiled with inductor's C++ wrapper (the
+code that calls the kernels, matmuls and collectives is C++) and without inductor's input
+size asserts (a segment is compiled once per input shape and stride): about 1 ms of a
+TP GPT step's Python (benchmarks/results/step_time_inductor.md).
+
+**Fallback.** If the C++ wrapper fails, the segment is compiled again with the Python one;
+if inductor's C++ vectorizer fails on a CPU program, with scalar C++
+kernels (each logged at INFO). If inductor cannot compile it at all, that segment runs on the
 eager runner instead, with one WARNING naming the reason; the step never fails for it.
 
 **A failed collective** (a dead peer, a timeout) inside the compiled program surfaces
 as a CollectiveError naming the collective, as on the eager runner:
 :meth:`InductorRunner.failed_node` finds the ``_c10d_functional`` call of inductor's
-generated code that raised and maps it to the graph's node by order (inductor runs
-collectives as extern kernels in the graph's order).
+generated Python code that raised and maps it to the graph's node by order (inductor runs
+collectives as extern kernels in the graph's order); in C++-wrapped code, which has no
+Python frame, the process groups' launch counts since the segment started name the
+collective launched last.
 
 **Pipelines** (``compile(..., backend="inductor", pipeline=...)``): each stage piece
 (forward, backward, optimizer) of this rank's stages is compiled on its first call
@@ -48,10 +56,8 @@ collectives as extern kernels in the graph's order).
 
 from __future__ import annotations
 
-import linecache
 import logging
 import operator
-import re
 import time
 import traceback
 from collections.abc import Callable
@@ -65,6 +71,7 @@ from ..driver.fold import resync_if_flagged
 from ..driver.guard import first_effect
 from ..optimize.graph_utils import is_collective, is_wait
 from .executor import compile_runner
+from .failed_collective import collective_groups, generated_collective, last_launched
 from .segments import Segment, split_segments
 
 __all__ = ["InductorRunner", "bool_collectives_as_uint8", "piece_runner", "scalars_as_tensors"]
@@ -189,36 +196,6 @@ def bool_collectives_as_uint8(gm: fx.GraphModule) -> int:
     return done
 
 
-_C10D_CALL = re.compile(r"_c10d_functional\.(\w+)\.")
-
-
-def _c10d_call(line: str) -> str | None:
-    """The ``_c10d_functional`` op a line of generated code calls (not a comment), or None."""
-    m = _C10D_CALL.search(line)
-    return m.group(1) if m and not line.lstrip().startswith("#") else None
-
-
-def generated_collective(error: BaseException) -> tuple[bool, int, int] | None:
-    """Where in inductor's generated code ``error`` was raised, if by a functional
-    collective: (a wait?, its index among the code's waits, or among its other collective
-    calls, in code order, and how many of those the code has). None if no generated-code
-    frame was calling one."""
-    root = pt.inductor_cache_dir()
-    hit = None
-    for frame, lineno in traceback.walk_tb(error.__traceback__):
-        filename = frame.f_code.co_filename
-        if filename.startswith(root):
-            op = _c10d_call(linecache.getline(filename, lineno))
-            hit = (filename, lineno, op) if op else hit
-    if hit is None:
-        return None
-    filename, lineno, op = hit
-    wait = op == "wait_tensor"
-    same = [i for i, text in enumerate(linecache.getlines(filename), 1)
-            if (other := _c10d_call(text)) is not None and (other == "wait_tensor") == wait]
-    return wait, same.index(lineno), len(same)
-
-
 class InductorRunner:
     """Runs the per-rank program compiled by inductor, with the same calling convention as
     :func:`compile_runner`'s guarded run (``runner(*inputs, _check=check)``; without
@@ -239,7 +216,9 @@ class InductorRunner:
         self._params = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
         self._out = next(n for n in gm.graph.nodes if n.op == "output")
         self._by_name = {n.name: n for n in gm.graph.nodes}
-        self._running: tuple[int, Any] | None = None
+        self._running: tuple[int, Any, dict[str, int | None]] | None = None
+        self.cpp_wrapped: set[Callable[..., Any]] = set()  # compiled with inductor's C++ wrapper
+        self._groups: dict[int, list[str]] = {}  # per segment: the process groups of its collectives
 
     @staticmethod
     def _key(inputs: tuple) -> tuple:
@@ -264,20 +243,25 @@ class InductorRunner:
         hits, misses = pt.inductor_cache_counts()
         fn, reason = None, ""
         overlap = any(is_collective(n) for n in gm.graph.nodes)  # keep the schedule pass's overlap
-        for vectorize in (True, False):  # the C++ vectorizer fails on some graphs: retry with scalar kernels
+        cpu = all(x.device.type == "cpu" for x in inputs if isinstance(x, torch.Tensor))
+        # (vectorized kernels, C++ wrapper): the C++ wrapper on CPU first; each failure falls to the next
+        attempts = [(True, True), (True, False), (False, False)] if cpu else [(True, False)]
+        for vectorize, wrapper in attempts:
             try:
                 copy = fx.GraphModule(gm, gm.graph.__deepcopy__())  # the reference graph stays as it is
                 scalars_as_tensors(copy)
                 bool_collectives_as_uint8(copy)
-                fn = pt.inductor_compile(copy, inputs, vectorize=vectorize, overlap=overlap)
+                fn = pt.inductor_compile(copy, inputs, vectorize=vectorize, overlap=overlap, cpp_wrapper=wrapper)
+                if wrapper:
+                    self.cpp_wrapped.add(fn)
                 break
             except Exception as e:  # noqa: BLE001 -- any compile failure falls back, by contract
                 reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-                log.debug("inductor failed (vectorize=%s)", vectorize, exc_info=True)
-                if vectorize and any(isinstance(x, torch.Tensor) and x.device.type == "cpu" for x in inputs):
+                log.debug("inductor failed (vectorize=%s, cpp_wrapper=%s)", vectorize, wrapper, exc_info=True)
+                if wrapper:
+                    log.info("inductor failed with its C++ wrapper (%s); retrying with the Python one", reason)
+                elif vectorize and cpu:
                     log.info("inductor failed with vectorized C++ kernels (%s); retrying with scalar kernels", reason)
-                    continue
-                break
         if fn is None:
             self.failed = self.failed or reason
             log.warning("inductor could not compile %s (%s); it runs on the eager runner (backend='eager') instead",
@@ -297,11 +281,13 @@ class InductorRunner:
         in order, and its waits too as long as ``sink_waits`` moves no wait past another
         (two collectives in flight at once whose waits the graph orders differently: not
         seen in the TP programs), so the i-th wait of the code is the segment's i-th wait;
-        if the counts differ, None rather than a wrong name. In a
-        segment on the eager runner: the line of its generated code."""
+        if the counts differ, None rather than a wrong name. In code with inductor's C++
+        wrapper (no Python frame): the collective launched last, by the process groups' launch
+        counts (:func:`~.failed_collective.last_launched`). In a segment on the eager runner: the line of its
+        generated code."""
         if self._running is None:
             return None
-        index, fn = self._running
+        index, fn, launched = self._running
         seg = self.segments[index]
         node = None
         where = generated_collective(error)
@@ -313,6 +299,8 @@ class InductorRunner:
             else:
                 log.debug("inductor's code has %d %s, the segment %d: cannot name the failed one", count,
                           "waits" if wait else "collectives", len(nodes))
+        if node is None and launched:
+            node = last_launched(seg.gm, launched)
         lines = getattr(fn, "node_at_line", {})
         for frame, lineno in traceback.walk_tb(error.__traceback__):
             if frame.f_code.co_filename.startswith("<spmd_compiler per-rank step"):
@@ -350,7 +338,10 @@ class InductorRunner:
                 if fn is None:
                     part = self.name if len(segments) == 1 else f"{self.name} (segment {i + 1} of {len(segments)})"
                     fn = fns[i] = self.compile(seg.gm, tuple(args), part) or compile_runner(seg.gm)
-                self._running = (i, fn)
+                groups = self._groups.get(i) if fn in self.cpp_wrapped else ()
+                if groups is None:
+                    groups = self._groups[i] = collective_groups(seg.gm)
+                self._running = (i, fn, {g: pt.collectives_launched(g) for g in groups})
                 with torch.no_grad():
                     outs = fn(*args)
                 self._running = None
