@@ -130,7 +130,19 @@ class SubgraphBuilder:
         """Local shape of a tensor with ``placements`` on this rank (shards left to right)."""
         from .. import _private_torch as pt
 
-        if any(isinstance(p, pt.StridedShard) and pt.split_period(p) is None for p in placements):
+        strided = {p.dim for p in placements if isinstance(p, pt.StridedShard) and pt.split_period(p) is None}
+        if strided and any(pt.is_symbolic(s) for s in global_shape) and self._static_strided(global_shape, placements, strided):
+            # a strided split of static dims only (Megatron's fused qkv) beside a symbolic
+            # batch: DTensor's layout of those dims alone, the batch's chunk as below
+            alone = [p if getattr(p, "dim", None) in strided else pt.Replicate() for p in placements]
+            static = [1 if pt.is_symbolic(s) else int(s) for s in global_shape]
+            piece, _ = pt.local_shape_and_offset(static, self.mctx.shape, self.mctx.coordinate, alone)
+            for axis, p in enumerate(alone):
+                if getattr(p, "dim", None) in strided and static[p.dim] % self.mctx.shape[axis]:
+                    self.coord_dependent = True
+            rest = self.local_shape(global_shape, [pt.Replicate() if getattr(p, "dim", None) in strided else p for p in placements])
+            return tuple(piece[d] if d in strided else s for d, s in enumerate(rest))
+        if strided:
             if any(pt.is_symbolic(s) for s in global_shape):  # DTensor's layout would pin the sizes (int())
                 from ..errors import UnsupportedPlacementError
 
@@ -152,6 +164,14 @@ class SubgraphBuilder:
             elif dim is not None and p.is_shard():
                 shape[dim] = self.local_chunk(shape[dim], axis)
         return tuple(shape)
+
+    @staticmethod
+    def _static_strided(global_shape: Any, placements: Any, strided: set[int]) -> bool:
+        """The strided splits are of static dims that no other placement splits."""
+        from .. import _private_torch as pt
+
+        others = [p.dim for p in placements if isinstance(p, (pt.Shard, pt.StridedShard)) and p.dim in strided and not isinstance(p, pt.StridedShard)]
+        return not others and not any(pt.is_symbolic(global_shape[d]) for d in strided)
 
     # ------------------------------------------------------------------ inputs
     def input(self, val: Any, name: str = "x") -> fx.Node:

@@ -12,7 +12,8 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
-from test_zoo_hf import SEQ, VOCAB, bert, gpt2, gpt2_with_dropout, llama
+from test_zoo_hf import SEQ, TOLERANCE, VOCAB, bert, gpt2, gpt2_with_dropout, llama, megatron_params
+from torch.distributed.tensor import Replicate, Shard
 from zoo_common import adamw, lm_step
 
 import spmd_compiler as sc
@@ -107,3 +108,19 @@ def test_dropout_with_partial_last_batch_equals_one_device(caplog):
     draws = [n for n in res.sim.expansions[(0,)].gm.graph.nodes if getattr(n.target, "_nondeterministic_seeded", False)]
     assert len(draws) >= 3
     assert res.sim.compiles == 2 and shape_compiles(res) == [] and not fallbacks(caplog), res.sim.reasons  # one program
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_megatron_2d_partial_last_batch_one_program_without_gathers(name, caplog):
+    """DP x Megatron TP on 2 x 2 with sizes 4, 3, 5, 1: one program, and no gather that
+    the per-shape program would not make (it makes none). GPT-2's ``Conv1D`` flattens the
+    batch with ``x.view(-1, D)``; Llama unflattens a batch whose features are strided over tp."""
+    caplog.set_level(logging.WARNING, logger="spmd_compiler.expand.dispatch")
+    plan = sc.Plan(params=megatron_params(name, 2), default_input=[Shard(0), Replicate()])
+    res = assert_training_matches(lm_step, MODELS[name]().double(), adamw, sized([4, 3, 5, 1]), fake_mesh((2, 2), ("dp", "tp")),
+                                  plan, dynamic=True, **TOLERANCE.get(name, TIGHT))
+    assert res.sim.compiles == 2 and shape_compiles(res) == [], res.sim.reasons
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []  # no fallback gather
+    step = res.sim.expansions[(0, 0)]
+    kinds = [n.meta["spmd_comm"]["kind"] for n in step.gm.graph.nodes if "spmd_comm" in n.meta]
+    assert "all_gather" not in kinds and "all_reduce" in kinds, kinds

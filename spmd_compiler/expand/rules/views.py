@@ -156,8 +156,8 @@ def symbolic_view_placements(in_shape: list[Any], out_shape: list[Any], placemen
     from ..symbolic import size_unit
 
     sharded = [(axis, p) for axis, p in enumerate(placements) if isinstance(p, (pt.Shard, pt.StridedShard))]
-    if any(type(p) is not pt.Shard for _, p in sharded):
-        return None
+    if any(type(p) is not pt.Shard and pt.is_symbolic(in_shape[p.dim]) for _, p in sharded):
+        return None  # a strided split of the symbolic dim (a strided one of a static dim moves like a Shard)
     symbolic = [p.dim for _, p in sharded if pt.is_symbolic(in_shape[p.dim])]
     if len(symbolic) != 1:
         return None  # one mesh axis splits the symbolic dim: nested splits have no unit layout
@@ -181,13 +181,14 @@ def symbolic_view_placements(in_shape: list[Any], out_shape: list[Any], placemen
     i, j = run
     out = []
     for p in placements:
-        if not isinstance(p, pt.Shard) or p.dim <= d:
+        if not isinstance(p, (pt.Shard, pt.StridedShard)) or p.dim <= d:
             out.append(p)  # the symbolic dim, a dim before it (unchanged), Replicate, Partial
             continue
         # another axis splits a dim behind the run: the dims behind must be the same
         if p.dim < i or len(in_shape) - i != len(out_shape) - j or not all(_same(x, y) for x, y in zip(in_shape[i:], out_shape[j:])):
             return None
-        out.append(pt.Shard(p.dim - i + j))
+        moved = p.dim - i + j
+        out.append(pt.Shard(moved) if type(p) is pt.Shard else pt.StridedShard(moved, split_factor=p.split_factor))
     return out
 
 
@@ -343,3 +344,24 @@ def _view(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: 
     stride = meta.reshape(global_out).stride()
     spec = pt.make_spec(ctx.mctx.mesh, placements, global_out, stride, x.spec.tensor_meta.dtype)
     return _out_tensor(b, node, spec, {})
+
+
+@register_rule(aten.slice.Tensor)
+def _slice(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: dict) -> Any:
+    """``x[:, ...]`` over a sharded symbolic dim (Hugging Face's ``logits_to_keep=0`` slices
+    the hidden states ``[:, slice(0, None), :]``): the whole dim, each rank keeps its rows.
+    DTensor's strategy cannot tell a full slice of a symbolic size and gathers; any other
+    slice goes to it."""
+    x = args[0]
+    rest = list(args[1:])
+    dim, start, end, step = rest + [kwargs.get(k, d) for k, d in (("dim", 0), ("start", None), ("end", None), ("step", 1))][len(rest):]
+    if isinstance(x, TensorArg) and b.sizes is not None and isinstance(dim, int):
+        dim %= len(x.spec.shape)
+        size = x.spec.shape[dim]
+        split = any(isinstance(p, (pt.Shard, pt.StridedShard)) and p.dim == dim for p in x.spec.placements)
+        static = [v for v in (start, end, step) if v is not None]
+        if split and pt.is_symbolic(size) and not any(pt.is_symbolic(v) or isinstance(v, DSymInt) for v in static):
+            if start in (0, None) and step in (1, None) and (end is None or int(end) >= 2**62):
+                node = b.call(op, x.node, dim, 0, end if end is not None else 2**63 - 1)
+                return _out_tensor(b, node, x.spec, {})
+    return generic_expand(ctx, b, op, args, kwargs)
