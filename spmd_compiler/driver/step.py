@@ -60,6 +60,7 @@ class Program:
     local_key: Any = None  # this rank's call signature for it
     draws: bool = False  # the program has random ops (the step check agrees the generators too)
     sizes: Any = None  # a symbolic program's (dynamic=True) sizes.SizeProgram: keyed without the sharded sizes
+    slot: int = 1  # its id in the cache, 1 to cache_size, the same on every rank (carried by a folded check)
 
 
 class StepDriver:
@@ -149,14 +150,21 @@ class StepDriver:
             fold = None if sized else self._fold_point(current.step)
             path = "folded" if fold is not None else "standalone" if self._guard.group is not None else "unchecked"
             self.checks[path] += 1
+            # the program this rank runs: the agreed one, or (folded) another whose fold the others meet it in
+            target = current if current.local_key == mine else self._switch_target(mine, fold) if fold is not None else None
             try:
                 slots = self._sizes.slots(current.sizes, batch, kwargs, current.local_key == mine) if sized else None
-                check = self._guard.start(changed=current.local_key != mine, fold=fold, draws=current.draws, sizes=slots)
-                if current.local_key == mine:
+                check = self._guard.start(changed=target is None, fold=fold, draws=current.draws, sizes=slots)
+                if target is not None:
                     if sized:  # needs every rank's sizes before it starts; a broken size guard: Resync
                         self._feed, check = self._sizes.wait(current.sizes, check, batch, kwargs)
-                    self._last_key, self.last = key, current.step
-                    return self._run_checked(current, model, optimizer, batch, kwargs, check)
+                    self._last_key, self.last = key, target.step
+                    out = self._run_checked(target, model, optimizer, batch, kwargs, check)
+                    if target is not current:  # every rank ran it (its fold read every rank's id): agreed
+                        self.checks["switched (folded)"] += 1
+                        self._current = target
+                        self._programs.move_to_end(next(k for k, p in self._programs.items() if p is target))
+                    return out
                 check()  # raises Resync: this rank's signature changed, the others learn it from the flag
             except Resync as e:
                 self.checks[f"resync ({path})"] += 1
@@ -239,11 +247,30 @@ class StepDriver:
             self._feed, broken = self._sizes.agreed_values(program.sizes, [p[2] for p in payloads])
             assert broken is None, broken  # compiled for these sizes
             everyone = self._sizes.new_key(self._programs, tuple(p[1] for p in payloads), reason)
-        self._programs[everyone] = program
-        while len(self._programs) > self.options.cache_size:
+        while everyone not in self._programs and len(self._programs) >= self.options.cache_size:
             _, old = self._programs.popitem(last=False)
             log.info("compile cache full (cache_size=%d): dropped the least recently used program (%s)", self.options.cache_size, old.reason)
+        # its id, carried by a folded check (fold.py): the lowest slot free, the same on every rank (the cache is)
+        used = {p.slot for k, p in self._programs.items() if k != everyone}
+        program.slot = min(set(range(1, self.options.cache_size + 1)) - used)
+        program.step.program_id = program.slot
+        self._programs[everyone] = program
         return program
+
+    def _switch_target(self, mine: Any, fold: Any) -> Program | None:
+        """A cached program for this rank's signature ``mine`` (not the agreed one) whose
+        folded check meets the agreed program's ``fold`` in the same collective (same
+        :attr:`~.fold.FoldPoint.spec`): the rank runs it without an exchange of
+        signatures, and its fold's ids tell every rank whether all ran the same program
+        (then it is the agreed one) or not (then all resync). None: none fits. The most
+        recently used of several (another rank may pick otherwise: then they resync)."""
+        for program in reversed(self._programs.values()):
+            if program.local_key != mine or program.sizes is not None or program.draws:
+                continue
+            other = self._fold_point(program.step)
+            if other is not None and other.spec == fold.spec:
+                return program
+        return None
 
     def _compile(self, model: Any, optimizer: Any, batch: tuple, kwargs: dict, reason: str) -> Program:
         """``_build`` on every rank, then agreement: all ranks return, or all raise."""
