@@ -62,7 +62,6 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NoReturn
 
 import torch
 import torch.fx as fx
@@ -158,23 +157,31 @@ class FoldPoint:
             return c10d.all_reduce.default(buf, self.op, self.group)
         return c10d.all_gather_into_tensor.default(buf, self.world_size, self.group)
 
-    def raise_flag(self) -> None:
-        """Take part in this folded collective with zeros and the program id 0 (same
-        kind, size, dtype, op and group as the program's), and wait for it."""
+    def raise_flag(self, program: int = 0) -> list:
+        """Take part in this folded collective with zeros and the id ``program`` (0: no
+        program, only a mismatch for the others; same kind, size, dtype, op and group as
+        the program's), wait for it, and return the extra elements every rank sent, as
+        :meth:`expected` reads them."""
         buf = torch.zeros(self.numel + self.extra, dtype=self.dtype)
-        buf[self.numel:] = torch.tensor(self.encode(0), dtype=self.dtype)
+        buf[self.numel:] = torch.tensor(self.encode(program), dtype=self.dtype)
         try:
-            c10d.wait_tensor.default(self.start(buf))
+            out = c10d.wait_tensor.default(self.start(buf))
         except RuntimeError as e:
             raise GuardError(str(e), where=self.where()) from e
+        return out.view(-1, self.numel + self.extra)[:, self.numel:].tolist()
 
-    def join(self, rest: tuple[FoldPoint, ...] = ()) -> NoReturn:
-        """This rank runs no program the others may run: take part in the agreed
-        program's folded collective (and in the ``rest`` of a :class:`FoldChain`) with
-        id 0, then raise Resync."""
+    def join(self, rest: tuple[FoldPoint, ...] = (), program: int = 0) -> None:
+        """This rank does not run the agreed program: take part in its folded collective
+        (and in the ``rest`` of a :class:`FoldChain`) with zeros and the id of the cached
+        ``program`` it means to run (0: none). Returns only if every rank joined for the
+        same ``program`` (all of them then run it, agreed); otherwise raises Resync (after
+        sending 0 in the chain's later collectives once it read a mismatch, as the
+        programs' checks do)."""
+        agreed = program > 0
         for p in (self, *rest):
-            p.raise_flag()
-        raise Resync()
+            agreed = p.raise_flag(program if agreed else 0) == p.expected(program) and agreed
+        if not agreed:
+            raise Resync()
 
     def where(self) -> str:
         what = f"{self.op} of " if self.op else ""
@@ -257,9 +264,9 @@ class FoldChain:
 
     points: tuple[FoldPoint, ...]
 
-    def join(self) -> NoReturn:
-        """This rank runs no program the others may run: id 0 in every folded collective."""
-        self.points[0].join(rest=self.points[1:])
+    def join(self, program: int = 0) -> None:
+        """:meth:`FoldPoint.join` over every folded collective, in order."""
+        self.points[0].join(rest=self.points[1:], program=program)
 
     @property
     def spec(self) -> tuple:

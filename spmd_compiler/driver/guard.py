@@ -149,21 +149,23 @@ class StepGuard:
         gloo only (reading a flag that came through NCCL would synchronize the GPU)."""
         return self.group is not None and self._gloo
 
-    def start(self, changed: bool, fold: Any = None, draws: bool = False, sizes: list[int] | None = None) -> Any:
+    def start(self, changed: bool, fold: Any = None, draws: bool = False, sizes: list[int] | None = None, program: int = 0) -> Any:
         """Start the flag exchange; returns the check to call before the first effect
         (and whose ``finish()`` to call after the step).
 
         With ``fold`` (the agreed program's :class:`~.fold.FoldPoint`, or
         :class:`~.fold.FoldChain` on a mesh of several axes) the program checks
-        itself: a changed rank joins that one collective (each of the chain's) and raises Resync, the others
-        get a check that does nothing. For a program that ``draws`` random numbers the
+        itself: a changed rank joins that one collective (each of the chain's) naming the
+        cached ``program`` it means to run (0: none) and raises Resync unless every rank
+        named it (then it returns, the ranks agreed on it); the others get a check that
+        does nothing. For a program that ``draws`` random numbers the
         exchange carries the generators' fingerprint too (:mod:`.rng`); such programs
         are never given a ``fold``. ``sizes``: this rank's size slots (:mod:`.sizes`,
         zeros but its own; the MAX hands every rank every rank's local sizes), read back
         as the check's ``sizes`` after its wait."""
         if fold is not None and self.group is not None:
             if changed:
-                fold.join()
+                fold.join(program=program)
             return _no_check
         if self.group is None:
             if changed:

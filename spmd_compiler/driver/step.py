@@ -150,11 +150,16 @@ class StepDriver:
             fold = None if sized else self._fold_point(current.step)
             path = "folded" if fold is not None else "standalone" if self._guard.group is not None else "unchecked"
             self.checks[path] += 1
-            # the program this rank runs: the agreed one, or (folded) another whose fold the others meet it in
+            # the program this rank runs: the agreed one, or (folded) another cached one for its signature
             target = current if current.local_key == mine else self._switch_target(mine, fold) if fold is not None else None
+            meets = target is current or (target is not None and getattr(self._fold_point(target.step), "spec", None) == fold.spec)
             try:
                 slots = self._sizes.slots(current.sizes, batch, kwargs, current.local_key == mine) if sized else None
-                check = self._guard.start(changed=target is None, fold=fold, draws=current.draws, sizes=slots)
+                if target is not None and not meets:  # its fold is another collective: join the agreed one's, naming it
+                    self._guard.start(changed=True, fold=fold, program=target.slot)  # Resync unless every rank named it
+                    check = self._guard.agreed(target.draws)
+                else:  # the agreed program, or one whose fold meets the agreed one's: its fold checks the ids
+                    check = self._guard.start(changed=target is None, fold=fold, draws=current.draws, sizes=slots)
                 if target is not None:
                     if sized:  # needs every rank's sizes before it starts; a broken size guard: Resync
                         self._feed, check = self._sizes.wait(current.sizes, check, batch, kwargs)
@@ -258,19 +263,19 @@ class StepDriver:
         return program
 
     def _switch_target(self, mine: Any, fold: Any) -> Program | None:
-        """A cached program for this rank's signature ``mine`` (not the agreed one) whose
-        folded check meets the agreed program's ``fold`` in the same collective (same
-        :attr:`~.fold.FoldPoint.spec`): the rank runs it without an exchange of
-        signatures, and its fold's ids tell every rank whether all ran the same program
-        (then it is the agreed one) or not (then all resync). None: none fits. The most
-        recently used of several (another rank may pick otherwise: then they resync)."""
-        for program in reversed(self._programs.values()):
-            if program.local_key != mine or program.sizes is not None or program.draws:
-                continue
-            other = self._fold_point(program.step)
-            if other is not None and other.spec == fold.spec:
-                return program
-        return None
+        """A cached program for this rank's signature ``mine`` (not the agreed one), to
+        switch to without an exchange of signatures (:mod:`.fold`): if its folded check
+        meets the agreed program's ``fold`` in the same collective (same
+        :attr:`~.fold.FoldPoint.spec`) the rank runs it, and its fold's ids tell every
+        rank whether all ran the same program (then it is the agreed one) or not (then
+        all resync); otherwise the rank joins the agreed program's fold naming it, and
+        runs it if every rank named it. None: none cached (or only symbolic programs, or
+        programs that draw, which agree through the exchange). Of several, one whose
+        fold meets ``fold``, the most recently used (another rank may pick otherwise:
+        then they resync)."""
+        found = [p for p in reversed(self._programs.values()) if p.local_key == mine and p.sizes is None and not p.draws]
+        meets = [p for p in found if getattr(self._fold_point(p.step), "spec", None) == fold.spec]
+        return (meets or found or [None])[0]
 
     def _compile(self, model: Any, optimizer: Any, batch: tuple, kwargs: dict, reason: str) -> Program:
         """``_build`` on every rank, then agreement: all ranks return, or all raise."""
