@@ -150,23 +150,24 @@ class StepDriver:
             fold = None if sized else self._fold_point(current.step)
             path = "folded" if fold is not None else "standalone" if self._guard.group is not None else "unchecked"
             self.checks[path] += 1
-            # the program this rank runs: the agreed one, or (folded) another cached one for its signature
-            target = current if current.local_key == mine else self._switch_target(mine, fold) if fold is not None else None
-            meets = target is current or (target is not None and getattr(self._fold_point(target.step), "spec", None) == fold.spec)
+            # the program this rank runs: the agreed one, or another cached one for its signature
+            target = current if current.local_key == mine else None if sized else self._switch_target(mine, fold)
+            meets = target is current or fold is None or (target is not None and getattr(self._fold_point(target.step), "spec", None) == fold.spec)
             try:
                 slots = self._sizes.slots(current.sizes, batch, kwargs, current.local_key == mine) if sized else None
                 if target is not None and not meets:  # its fold is another collective: join the agreed one's, naming it
                     self._guard.start(changed=True, fold=fold, program=target.slot)  # Resync unless every rank named it
                     check = self._guard.agreed(target.draws)
                 else:  # the agreed program, or one whose fold meets the agreed one's: its fold checks the ids
-                    check = self._guard.start(changed=target is None, fold=fold, draws=current.draws, sizes=slots)
+                    check = self._guard.start(changed=target is None, fold=fold, draws=current.draws, sizes=slots,
+                                              program=target.slot if target is not None else 0, ids=self.options.cache_size)
                 if target is not None:
                     if sized:  # needs every rank's sizes before it starts; a broken size guard: Resync
                         self._feed, check = self._sizes.wait(current.sizes, check, batch, kwargs)
                     self._last_key, self.last = key, target.step
                     out = self._run_checked(target, model, optimizer, batch, kwargs, check)
-                    if target is not current:  # every rank ran it (its fold read every rank's id): agreed
-                        self.checks["switched (folded)"] += 1
+                    if target is not current:  # every rank ran it (its check read every rank's id): agreed
+                        self.checks[f"switched ({path})"] += 1
                         self._current = target
                         self._programs.move_to_end(next(k for k, p in self._programs.items() if p is target))
                     return out
@@ -264,7 +265,8 @@ class StepDriver:
 
     def _switch_target(self, mine: Any, fold: Any) -> Program | None:
         """A cached program for this rank's signature ``mine`` (not the agreed one), to
-        switch to without an exchange of signatures (:mod:`.fold`): if its folded check
+        switch to without an exchange of signatures: with the standalone check (``fold``
+        None) the rank runs it, the check's exchange carrying its id (:mod:`.guard`); if its folded check
         meets the agreed program's ``fold`` in the same collective (same
         :attr:`~.fold.FoldPoint.spec`) the rank runs it, and its fold's ids tell every
         rank whether all ran the same program (then it is the agreed one) or not (then
@@ -274,7 +276,7 @@ class StepDriver:
         fold meets ``fold``, the most recently used (another rank may pick otherwise:
         then they resync)."""
         found = [p for p in reversed(self._programs.values()) if p.local_key == mine and p.sizes is None and not p.draws]
-        meets = [p for p in found if getattr(self._fold_point(p.step), "spec", None) == fold.spec]
+        meets = [p for p in found if fold is None or getattr(self._fold_point(p.step), "spec", None) == fold.spec]
         return (meets or found or [None])[0]
 
     def _compile(self, model: Any, optimizer: Any, batch: tuple, kwargs: dict, reason: str) -> Program:
