@@ -150,7 +150,8 @@ def _table(kind: str, got: dict[str, Any], n: int) -> list[str]:
             nbytes = f"{sum(b for _, b in got['static'][side]):,} (programs)"
         else:
             syncs = 1 if side.endswith("no_sync") else n
-            per_call, nbytes = "-", f"{syncs * got['grad_bytes']:,} (gradients x {syncs} syncs)"
+            gathers = " + parameter gathers" if kind == "fsdp" else ""
+            per_call, nbytes = "-", f"{syncs * got['grad_bytes']:,} (gradients x {syncs} syncs{gathers})"
         lines.append(f"| {side} | {got['launches'][side]:g} | {per_call} | {nbytes} | {got['parity'][side]:.2e} |")
     ours, deferred = got["launches"]["compiled"], got["launches"]["compiled, defer_grad_sync"]
     programs = {s: sum(c for c, _ in got["static"][s]) for s in ("compiled", "compiled, defer_grad_sync")}
