@@ -261,12 +261,15 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--accumulate", type=int, default=0, metavar="N",
-                   help="instead: launches per gradient-accumulation window of N calls (dp: compiled with and without "
-                        "Plan(defer_grad_sync=True), DDP with and without no_sync), in comm_profile_accumulation.md")
+                   help="instead: launches per gradient-accumulation window of N calls (dp and fsdp of --kinds: compiled "
+                        "with and without Plan(defer_grad_sync=True), DDP/FSDP2 syncing or not), in comm_profile_accumulation.md")
     args = p.parse_args()
     if args.accumulate:
         if args.accumulate < 2:
             p.error(f"--accumulate {args.accumulate}: expected a window of at least 2 calls")
+        args.accumulate_kinds = [k for k in args.kinds if k in ("dp", "fsdp")]
+        if not args.accumulate_kinds:
+            p.error(f"--accumulate with --kinds {args.kinds}: expected dp or fsdp among them")
         import comm_accumulation
 
         comm_accumulation.run(args)

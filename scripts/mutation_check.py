@@ -68,6 +68,7 @@ SCHEDULE_TEST = "tests/test_optimize_schedule.py::test_schedule_keeps_training_n
 MLP_DP = "tests/test_expand_numerics.py::test_mlp_data_parallel"
 ORDERS = "tests/test_pipeline_gloo.py::test_schedule_order_as_executed"
 CONSISTENCY = "tests/test_runtime_consistency.py::test_partial_and_divergent_batches_match_one_device"
+SWITCH = "tests/test_runtime_consistency.py::test_ranks_switching_to_different_cached_programs_stop_together"
 
 MUTANTS: list[Mutant] = [
     # ------------------------------------------------------------------ expand
@@ -260,24 +261,31 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "driver-guard-no-resync", "spmd_compiler/driver/guard.py",
-        "        if values[0]:\n            raise Resync()",
-        "        if values[0] > 1:\n            raise Resync()",
+        "        if values[0] or values[1:3] != self.ids:",
+        "        if values[0] > 1:",
         (CONSISTENCY,),
         "the step guard never raises Resync (flag compared with > 1)",
     ),
     Mutant(
         "driver-fold-no-resync", "spmd_compiler/driver/fold.py",
-        "if packed.view(-1, width)[:, -1].max().item() > 0:",
-        "if packed.view(-1, width)[:, -1].max().item() > 1:",
+        "if packed.view(-1, width)[:, width - tail:].tolist() != expected:",
+        "if packed.view(-1, width)[:, width - tail:].tolist() == 0:",
         (CONSISTENCY,),
         "the check folded into the first collective never raises Resync",
     ),
     Mutant(
         "driver-fold-join-unflagged", "spmd_compiler/driver/fold.py",
-        "buf[-1] = 1",
-        "buf[-1] = 0",
-        (CONSISTENCY,),
-        "a rank whose signature changed joins the folded collective without raising its flag",
+        "agreed = p.raise_flag(program if agreed else 0) == p.expected(program) and agreed",
+        "agreed = p.raise_flag(program if agreed else 0) is not None and agreed",
+        (SWITCH, CONSISTENCY),
+        "a rank that joins the agreed program's fold naming another program runs it without reading the others' ids",
+    ),
+    Mutant(
+        "driver-fold-id-first-moment", "spmd_compiler/driver/fold.py",
+        "return [program, program * program]",
+        "return [program, program]",
+        ("tests/test_driver_fold.py::test_check_passes_only_when_every_rank_sent_its_id", CONSISTENCY),
+        "a summed fold carries the program id without its square: ids 1 and 3 read as 2 and 2",
     ),
     Mutant(
         "driver-store-state-key", "spmd_compiler/driver/io.py",

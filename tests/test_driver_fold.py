@@ -53,6 +53,16 @@ def _program(mesh, kind: str = "gpt", plan=None, model=None) -> fx.GraphModule:
     return step.last.gm
 
 
+def _on_fake_group(folded: fx.GraphModule) -> fx.GraphModule:
+    """``folded`` for a run on the fake group, whose all_reduce returns its input (as over
+    one rank) and whose gather repeats it: a sum's checks expect one rank's (id, id**2)."""
+    for n in folded.graph.nodes:
+        if n.target is resync_if_flagged and len(n.args[2]) == 1 and n.args[2][0] == [n.args[2][0][0]] * 2:
+            n.args = (n.args[0], n.args[1], [[1, 1]], *n.args[3:])
+    folded.recompile()
+    return folded
+
+
 def _collectives(gm: fx.GraphModule) -> Counter:
     return Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function" and getattr(n.target, "namespace", None) == "_c10d_functional")
 
@@ -72,13 +82,15 @@ def test_folded_variant_makes_the_same_collectives(mesh4, kind):
     nodes = list(folded.graph.nodes)
     checks = [n for n in nodes if n.target is resync_if_flagged]
     assert len(checks) == 1
-    (coll,) = [n for n in nodes if n.target is c10d.all_reduce.default and n.args[0].target is torch.ops.aten.constant_pad_nd.default]
-    assert coll.args[0].meta["val"].shape == (point.numel + 1,)  # one element more, nothing else
+    (coll,) = [n for n in nodes if n.target is c10d.all_reduce.default and n.args[0].target is torch.ops.aten.cat.default
+               and n.args[0].args[0][-1].target is torch.ops.aten.full.default]
+    assert coll.args[0].meta["val"].shape == (point.numel + 2,)  # the program id and its square, nothing else
     assert "carries the per-step check" in coll.meta["spmd_comm"]["history"][-1]
     # nothing irreversible runs between the folded collective and its check
     between = nodes[nodes.index(coll) + 1: nodes.index(checks[0])]
     assert [n for n in between if _is_effect(n)] == [checks[0].args[0]]  # only its own wait
-    assert len(list(gm.graph.nodes)) + 5 == len(nodes)  # 7 nodes in, 2 out; the program itself is left as it was
+    assert checks[0].args[2] == [[4, 4]]  # 4 ranks sent id 1 (and 1 squared)
+    assert len(list(gm.graph.nodes)) + 7 == len(nodes)  # 9 nodes in, 2 out; the program itself is left as it was
 
 
 def test_mlp_wait_moves_up_before_the_gradient_all_reduce(mesh4):
@@ -98,7 +110,7 @@ def test_mlp_wait_moves_up_before_the_gradient_all_reduce(mesh4):
 @pytest.mark.parametrize("kind", ["gpt", "mlp"])
 def test_folded_variant_computes_what_the_program_computes(mesh4, kind):
     gm = _steady(mesh4, kind)
-    folded = fold_guard_pass(gm, point=find_fold(gm, world_size=4))
+    folded = _on_fake_group(fold_guard_pass(gm, point=find_fold(gm, world_size=4)))
     a, b = example_inputs(gm), example_inputs(gm)
     with torch.no_grad():
         want, got = compile_runner(gm)(*a), compile_runner(folded)(*b)
@@ -116,7 +128,8 @@ def test_gather_carries_the_check(mesh4):
     assert point is not None and point.kind == "all_gather" and point.out_shape[0] == 4 * point.shape[0]
     folded = fold_guard_pass(gm, point=point)
     assert _collectives(folded) == _collectives(gm)
-    (coll,) = [n for n in folded.graph.nodes if n.target is c10d.all_gather_into_tensor.default and n.args[0].target is torch.ops.aten.constant_pad_nd.default]
+    (coll,) = [n for n in folded.graph.nodes if n.target is c10d.all_gather_into_tensor.default and n.args[0].target is torch.ops.aten.cat.default
+               and n.args[0].args[0][-1].target is torch.ops.aten.full.default]
     (check,) = [n for n in folded.graph.nodes if n.target is resync_if_flagged]
     assert check.args[1] == point.numel + 1 and coll.args[0].meta["val"].shape == (point.numel + 1,)
     a, b = example_inputs(gm), example_inputs(gm)
@@ -126,11 +139,13 @@ def test_gather_carries_the_check(mesh4):
         assert (x == y) if not isinstance(x, torch.Tensor) else torch.equal(x, y)
 
 
-def test_gather_check_reads_every_rank_s_flag():
-    rows = torch.tensor([[1.0, 2.0, 0.0], [3.0, 4.0, 0.0], [5.0, 6.0, 1.0]]).flatten()  # rank 2 raised its flag
-    resync_if_flagged(rows[:6], 3)
+def test_gather_check_reads_every_rank_s_id():
+    rows = torch.tensor([[1.0, 2.0, 3.0], [3.0, 4.0, 3.0], [5.0, 6.0, 0.0]]).flatten()  # rank 2 runs no program
+    resync_if_flagged(rows[:6], 3, [[3], [3]])
     with pytest.raises(Resync):
-        resync_if_flagged(rows, 3)
+        resync_if_flagged(rows, 3, [[3], [3], [3]])
+    with pytest.raises(Resync):  # every rank runs a program, but rank 1 another one
+        resync_if_flagged(torch.tensor([1.0, 2.0, 3.0, 3.0, 4.0, 2.0]), 3, [[3], [3]])
 
 
 def test_no_fold_when_the_first_collective_spans_one_axis(mesh2x2):
@@ -146,10 +161,31 @@ def test_a_program_that_draws_keeps_the_standalone_check(mesh4):
     assert find_fold(_steady(mesh4, "mlp"), world_size=4) is not None
 
 
-def test_check_raises_on_a_flag():
-    resync_if_flagged(torch.tensor([5.0, 0.0]), 2)  # no rank raised its flag: nothing happens
-    with pytest.raises(Resync):
-        resync_if_flagged(torch.tensor([5.0, 0.5]), 2)  # avg over 2 ranks of (0, 1)
+@pytest.mark.parametrize("op", ["sum", "avg", "max"])
+@pytest.mark.parametrize("ids", [(2, 2, 2), (2, 2, 0), (1, 3, 2), (2, 3, 1), (3, 3, 3)])
+def test_check_passes_only_when_every_rank_sent_its_id(op, ids):
+    """All ranks' (payload, encoded id) reduced as the collective would: the check passes
+    exactly when every rank sent the id of the program reading it, whatever ids disagree
+    (a sum of ids alone would take (1, 3) for (2, 2))."""
+    point = FoldPoint("c", "w", "all_reduce", op, "0", len(ids), (), (), torch.float32, 4)
+    rows = torch.tensor([[5.0, *point.encode(i)] for i in ids])
+    packed = {"sum": rows.sum(0), "avg": rows.mean(0), "max": rows.max(0).values}[op]
+    for mine in range(1, 5):
+        if all(i == mine for i in ids):
+            resync_if_flagged(packed, 3, point.expected(mine))
+        else:
+            with pytest.raises(Resync):
+                resync_if_flagged(packed, 3, point.expected(mine))
+
+
+def test_fold_needs_ids_exact_in_its_dtype(mesh4):
+    """A bfloat16 sum over 4 ranks holds integers to 256 exactly, half that with an avg's
+    rounding margin: ids up to 5 (4 * 25) fit, 6 (4 * 36) do not."""
+    from spmd_compiler.driver.fold import _exact
+    assert _exact(torch.bfloat16, "sum", 4, 5) and not _exact(torch.bfloat16, "sum", 4, 6)
+    assert _exact(torch.float32, "sum", 4, 8) and _exact(torch.int64, "max", 1024, 8) and not _exact(torch.uint8, "sum", 8, 8)
+    assert find_fold(_steady(mesh4, "mlp"), world_size=4, ids=10 ** 8) is None  # float64: 4e16 ids squared pass 2**52
+    assert find_fold(_steady(mesh4, "mlp"), world_size=4, ids=10 ** 7) is not None
 
 
 def test_fold_point_validates_its_op():
@@ -188,10 +224,10 @@ def test_2d_check_rides_on_the_first_collective_of_each_axis(mesh2x2, kind):
     nodes = list(folded.graph.nodes)
     checks = [n for n in nodes if n.target is resync_if_flagged]
     assert len(checks) == 2
-    # the first check raises the flag in the second fold when it reads one (its fields, literals)
-    assert checks[0].args[2] == (dataclasses.astuple(chain.points[1]),) and len(checks[1].args) in (2, 4)
-    if len(checks[1].args) == 4:
-        assert checks[1].args[2] == ()
+    # the first check sends id 0 in the second fold when it reads a mismatch (its fields, literals)
+    assert checks[0].args[3] == (dataclasses.astuple(chain.points[1]),) and len(checks[1].args) in (3, 5)
+    if len(checks[1].args) == 5:
+        assert checks[1].args[3] == ()
     # between the first folded collective and the last check: only collectives of a folded axis and their waits
     first = next(n for n in nodes if getattr(n.target, "namespace", None) == "_c10d_functional")
     between = nodes[nodes.index(first): nodes.index(checks[-1])]
@@ -199,7 +235,7 @@ def test_2d_check_rides_on_the_first_collective_of_each_axis(mesh2x2, kind):
                if _is_effect(n) and n.target is not c10d.wait_tensor.default), [n.name for n in between if _is_effect(n)]
     a, b = example_inputs(gm), example_inputs(gm)
     with torch.no_grad():
-        want, got = compile_runner(gm)(*a), compile_runner(folded)(*b)
+        want, got = compile_runner(gm)(*a), compile_runner(_on_fake_group(folded))(*b)
     assert len(want) == len(got) > 0
     for x, y in zip([*want, *a], [*got, *b]):
         assert (x == y) if not isinstance(x, torch.Tensor) else torch.equal(x, y)

@@ -140,8 +140,8 @@ def test_plan_rejects_a_non_bool():
 
 def _launches(prof) -> int:
     """Process-group calls in the profiled call: the program's collectives, the step check
-    when it does not ride on one, and the signature exchange when the call switches
-    program (every window switches three times: no gradients, gradients in, stepping)."""
+    when it does not ride on one, and what switching programs costs (every window
+    switches three times: no gradients, gradients in, stepping)."""
     return sum(1 for e in prof.events() if e.name.startswith("c10d::"))
 
 
@@ -158,6 +158,8 @@ def _gloo_accumulation(rank: int, world: int) -> dict:
         step = sc.compile(accumulating_step, mesh=(world,), plan=sc.Plan(defer_grad_sync=defer), bucket_mb=0.002, first_bucket_mb=None)
         launches, static, errs, grads = [], [], [], []
         for i in range(3 * WINDOW):  # the first two windows compile (without, then with momentum); the third is counted
+            if i == 2 * WINDOW:
+                before = dict(step.checks)
             x, y, do_step = _batch(i)
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 loss = step(model, opt, x.chunk(world)[rank], y.chunk(world)[rank], do_step).item()
@@ -170,7 +172,9 @@ def _gloo_accumulation(rank: int, world: int) -> dict:
                 grads.append((str(g.placements), g.to_local().tolist()))
         for p, q in zip(model.parameters(), ref.parameters()):
             errs.append((p.full_tensor() - q).abs().max().item())
-        out[defer] = {"err": max(errs), "launches": launches[2 * WINDOW:], "static": static[2 * WINDOW:], "grads": grads}
+        checks = {k: v - before.get(k, 0) for k, v in step.checks.items() if v != before.get(k, 0)}
+        out[defer] = {"err": max(errs), "launches": launches[2 * WINDOW:], "static": static[2 * WINDOW:], "grads": grads,
+                      "checks": checks, "compiles": step.compiles}
     # a step compiled without the option refuses the unreduced gradient, naming it
     x, y = (t.chunk(world)[rank] for t in _batch(0)[:2])
     step(model, opt, x, y, False)  # leaves Partial gradients
@@ -212,13 +216,19 @@ def test_gloo_deferred_sync_launches_and_grads():
         # step check rides on it); the stepping call reduces every bucket, as by default
         assert deferred["static"][: WINDOW - 1] == [1] * (WINDOW - 1), deferred["static"]
         assert deferred["static"][-1] == default["static"][-1] == default["static"][0] > 1, (deferred["static"], default["static"])
-        # at run time: what each call launched beyond its program is the same with and
-        # without the option (exchanges at program switches); steady calls launch only it
-        extra = [[n - s for n, s in zip(r["launches"], r["static"])] for r in (default, deferred)]
-        assert extra[0] == extra[1], (default, deferred)
-        assert deferred["launches"][2:4] == [1, 1], deferred["launches"]
-        window = [sum(r["launches"]) for r in (default, deferred)]
-        assert window[0] - window[1] == (WINDOW - 1) * (default["static"][0] - 1), window
+        # at run time, the three program switches of a window exchange no signatures:
+        # without the option every program's check rides on its first bucket (the same
+        # collective in all three), so each call launches exactly its program's collectives
+        assert default["launches"] == default["static"], default
+        assert default["checks"] == {"folded": WINDOW, "switched (folded)": 3}, default["checks"]
+        # with it, the stepping program writes the kept gradients before its only
+        # collective: its check is standalone (1 launch, carrying the next program's id),
+        # and the switch into it joins the accumulating program's fold naming it (1 launch)
+        extra = [n - s for n, s in zip(deferred["launches"], deferred["static"])]
+        assert extra == [1, 0, 0, 0, 1], deferred
+        assert deferred["checks"] == {"folded": WINDOW - 1, "standalone": 1, "switched (folded)": 2, "switched (standalone)": 1}, deferred
+        assert sum(deferred["launches"]) == (WINDOW - 1) + deferred["static"][-1] + 2, deferred
+        assert default["compiles"] == deferred["compiles"] == 6, (default, deferred)  # 3 programs, without and with momentum
         assert "compile this step with the same option" in (res["refused"] or ""), res["refused"]
         assert res["fsdp"]["err"] < 1e-10, res["fsdp"]
         assert res["fsdp"]["kept"] == {("(Shard(dim=0),)", "(Partial(sum),)", True)}, res["fsdp"]["kept"]

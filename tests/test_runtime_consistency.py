@@ -39,6 +39,15 @@ def interrupted_step(model, optimizer, x, y):
     return mse_step(model, optimizer, x, y)
 
 
+def accumulating_step(model, optimizer, x, y, do_step):
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    if do_step:
+        optimizer.step()
+        optimizer.zero_grad()
+    return loss
+
+
 def _rows(i: int, n: int):
     g = torch.Generator().manual_seed(10 + i)
     return torch.randn(n, 16, dtype=torch.float64, generator=g), torch.randn(n, 16, dtype=torch.float64, generator=g)
@@ -62,11 +71,11 @@ def _mlp_pair() -> tuple:
 
 @contextlib.contextmanager
 def _counted_flags():
-    """The standalone step checks run inside (one-element int64 all_reduces), counted."""
+    """The standalone step checks run inside (three-element int64 all_reduces: flag, program id), counted."""
     flags, real = [], dist.all_reduce
 
     def spy(tensor, *args, **kwargs):
-        if tensor.numel() == 1 and tensor.dtype == torch.int64:
+        if tensor.numel() == 3 and tensor.dtype == torch.int64:
             flags.append(1)
         return real(tensor, *args, **kwargs)
 
@@ -116,8 +125,33 @@ def _dropout_rng(rank: int, world: int, fold: bool) -> tuple:
     return torch.get_rng_state(), dict(step.checks), getattr(step.last, "fold_point", "unset")
 
 
+def _split_switch(rank: int, world: int, defer: bool) -> dict:
+    """Gradient accumulation (windows of 3 calls) switches program without exchanging
+    signatures (driver/step.py, _switch_target); then, at a window's second call, rank 0
+    accumulates and rank 1 steps: each picks a cached program, their ids differ, and every
+    rank must stop before either program changes anything (by default both programs' checks
+    ride on their first bucket; with defer_grad_sync the stepping program's is standalone,
+    so rank 1 joins the accumulating program's fold naming it)."""
+    torch.manual_seed(0)
+    model = MLP().double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    step = sc.compile(accumulating_step, mesh=(world,), plan=sc.Plan(defer_grad_sync=defer))
+    mine = slice(4 * rank, 4 * rank + 4)
+    for i in range(7):  # two windows (without, then with momentum), and the next window's first call
+        x, y = _rows(i, 8)
+        step(model, opt, x[mine], y[mine], i % 3 == 2)
+    state = [t.to_local().clone() for p in model.parameters() for t in (p, p.grad)]
+    checks = dict(step.checks)
+    x, y = _rows(7, 8)
+    text = _error(lambda: step(model, opt, x[mine], y[mine], rank == 1))
+    unchanged = all(torch.equal(a, t.to_local()) for a, t in zip(state, (t for p in model.parameters() for t in (p, p.grad))))
+    return {"text": text, "unchanged": unchanged, "switched": checks.get("switched (folded)", 0) + checks.get("switched (standalone)", 0),
+            "resyncs": sum(v - checks.get(k, 0) for k, v in step.checks.items() if k.startswith("resync")), "compiles": step.compiles}
+
+
 def _cases(rank: int, world: int, tmp: str) -> dict:
     out: dict = {}
+    out["split_switch"] = {defer: _split_switch(rank, world, defer) for defer in (False, True)}
     # 1. partial last batch and per-rank divergent shapes, the check folded or standalone
     out["folded"], out["standalone"] = _uneven(rank, world, True), _uneven(rank, world, False)
     (rng_f, checks_f, point), (rng_s, checks_s, _) = _dropout_rng(rank, world, True), _dropout_rng(rank, world, False)
@@ -196,6 +230,18 @@ def test_a_program_that_draws_resyncs_through_the_standalone_check(cases):
         assert d["fold_point"] is None and "folded" not in d["checks"][0], d
         assert d["checks"][0]["resync (standalone)"] == 2 and d["checks"][1]["resync (standalone)"] == 2, d
         assert d["same_rng"], d
+
+
+def test_ranks_switching_to_different_cached_programs_stop_together(cases):
+    """Each rank switches program by its own signature, with no exchange: when they pick
+    different ones, every rank resyncs before any state changes, and the compile that
+    follows refuses the differing graphs on every rank (no hang, nothing computed)."""
+    for rank, r in enumerate(cases[0]):
+        for defer, d in r["split_switch"].items():
+            assert d["switched"] == 1, (defer, d)  # the third window's first call: a cached program, no exchange
+            assert d["resyncs"] == 1 and d["unchanged"], (defer, d)
+            assert d["text"].startswith("RankMismatchError") and "compiled a different graph" in d["text"], (defer, d)
+            assert d["compiles"] == 6, (defer, d)
 
 
 def test_differing_unsharded_dim_is_refused_on_every_rank(cases):

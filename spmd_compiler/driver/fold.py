@@ -11,28 +11,42 @@ runs that same collective. So the check can ride on it:
   when it is an ``all_reduce`` (sum, avg or max) or an ``all_gather_into_tensor`` over
   every rank, on a CPU tensor of a float or integer dtype;
 * the *guarded variant* (:func:`fold_guard_pass`) sends that collective's payload
-  flattened with one more element, 0 (a rank running the program has the agreed
-  signature), waits for it before the program's next collective, write or random op
-  (moving the wait up if the schedule put it later), checks the extra element(s) (:func:`resync_if_flagged`: above 0
-  means some rank's signature changed; every rank raises :class:`.guard.Resync` there
-  together, nothing having changed), and hands
-  the original elements on to the collective's users (a gather: each rank's row without
-  its flag, one copy of the gathered result);
-* a rank whose own signature changed cannot run the program (its shapes differ), so it
-  joins only that collective, with zeros and the extra element 1
+  flattened with one or two more elements carrying the *program id* (the program's slot
+  in the driver's cache, 1 to ``cache_size``, the same on every rank:
+  :meth:`FoldPoint.encode`), waits for it before the program's next collective, write
+  or random op (moving the wait up if the schedule put it later), checks the extra
+  elements (:func:`resync_if_flagged`: they read :meth:`FoldPoint.expected` exactly when
+  every rank sent this program's id; otherwise every rank raises :class:`.guard.Resync`
+  there together, nothing having changed), and hands the original elements on to the
+  collective's users (a gather: each rank's row without its id, one copy of the
+  gathered result);
+* a rank whose signature matches no program it may run cannot run the agreed one (its
+  shapes differ), so it joins only that collective, with zeros and id 0
   (:meth:`FoldPoint.join`), and raises Resync.
+
+Since the extra elements say *which* program a rank runs, not only "the agreed one or
+not", a rank whose signature matches another cached program whose folded collective is
+the same (kind, op, group, payload shape and dtype: :attr:`FoldPoint.spec`) runs that
+program directly (:meth:`StepDriver._switch_target`): the ranks meet in a collective of
+the same shape either way, and go on only if every rank ran the same program. This is
+what gradient accumulation does every window (no gradient at the call, gradients in,
+stepping: three programs whose first collective is the loss's reduction), so switching
+costs no exchange of signatures.
 
 On a mesh of several axes (dp x tp) no collective spans every rank; there the check
 rides on the first collective of *each* axis group instead (:class:`FoldChain`): a rank
-whose signature changed raises its flag in each of them, and a rank that reads a flag in
-one raises it in the later ones before Resync, so after one fold per axis the flag has
-reached every rank (the axis groups connect the mesh). Until the last fold's check the
-program may only run collectives of axes folded already (their whole group read the same
-flags, so it runs or skips them together): a write, or a collective of another group,
-before it keeps the standalone check.
+whose signature matches nothing sends id 0 in each of them, and a rank that reads a
+mismatch in one sends id 0 in the later ones before Resync. If no rank reads a mismatch
+in its last fold, each fold's group sent one id, and those groups connect the mesh, so
+every rank ran the same program; if some group mismatched, every rank of the mesh
+mismatches by its last fold (from a rank that did not, its later-axis groups lead back
+through earlier-axis groups that all agreed, covering the mesh). Until the last fold's
+check the program may only run collectives of axes folded already (their whole group
+read the same ids, so it runs or skips them together): a write, or a collective of
+another group, before it keeps the standalone check.
 
-The steady step then makes exactly the collectives of the program, one element longer
-per rank (per axis on a mesh of several). Only for gloo: on NCCL reading the flag would
+The steady step then makes exactly the collectives of the program, one or two elements
+longer per rank (per axis on a mesh of several). Only for gloo: on NCCL reading the flag would
 synchronize the host with the GPU stream, so there the standalone check on a gloo side
 group stays (:class:`.guard.StepGuard`), as it does for pipelines, for the fake backend,
 for programs whose first effect is a write or a collective over part of the mesh (where
@@ -48,7 +62,6 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NoReturn
 
 import torch
 import torch.fx as fx
@@ -78,6 +91,8 @@ class FoldPoint:
         op: the all_reduce's reduce op ("" for a gather); ``group``: the group name;
         world_size: ranks in the group (all of them).
         shape, dtype: the payload's (this rank's part); ``out_shape``: the result's.
+        ids: the largest program id the extra elements carry exactly (the driver's
+            ``cache_size``: ids are slots in its program cache, :func:`encode`).
     """
 
     collective: str
@@ -89,6 +104,7 @@ class FoldPoint:
     shape: tuple[int, ...]
     out_shape: tuple[int, ...]
     dtype: torch.dtype
+    ids: int = 1
 
     def __post_init__(self) -> None:
         if not (self.op in _OPS if self.kind == "all_reduce" else (self.kind == "all_gather" and self.op == "")):
@@ -102,29 +118,70 @@ class FoldPoint:
             n *= s
         return n
 
+    @property
+    def extra(self) -> int:
+        """Elements added to each rank's part: two for an all_reduce, one for a gather."""
+        return 2 if self.kind == "all_reduce" else 1
+
+    @property
+    def spec(self) -> tuple:
+        """What ranks running different programs must share to meet in this collective
+        (node names aside): kind, op, group, ranks, payload shape and dtype, id range."""
+        return (self.kind, self.op, self.group, self.world_size, self.shape, self.dtype, self.ids)
+
+    def encode(self, program: int) -> list[int]:
+        """The extra elements a rank running the program with id ``program`` sends (0:
+        this rank runs no program, it only joins to make the others resync)."""
+        if self.kind == "all_gather":
+            return [program]
+        if self.op == "max":
+            return [program, self.ids - program]
+        return [program, program * program]
+
+    def expected(self, program: int) -> list[list[int]]:
+        """The extra elements of the result (one row per rank for a gather) when every
+        rank sent :meth:`encode` of ``program``, and only then: a max is the same id on
+        every rank exactly when max(id) and max(ids - id) agree with it; a sum (avg) of
+        (id, id**2) is (n*p, n*p**2) (the mean) exactly when every id is p, since
+        sum((id - p)**2) = 0 (all of them exact in the dtype: :func:`_why_not`)."""
+        if self.kind == "all_gather":
+            return [[program]] * self.world_size
+        if self.op == "max":
+            return [[program, self.ids - program]]
+        n = 1 if self.op == "avg" else self.world_size
+        return [[n * program, n * program * program]]
+
     def start(self, buf: torch.Tensor) -> torch.Tensor:
-        """The collective on a payload ``buf`` (this rank's part, flat, with the flag)."""
+        """The collective on a payload ``buf`` (this rank's part, flat, with the id)."""
         if self.kind == "all_reduce":
             return c10d.all_reduce.default(buf, self.op, self.group)
         return c10d.all_gather_into_tensor.default(buf, self.world_size, self.group)
 
-    def raise_flag(self) -> None:
-        """Take part in this folded collective with zeros and the flag 1 (same kind, size,
-        dtype, op and group as the program's), and wait for it."""
-        buf = torch.zeros(self.numel + 1, dtype=self.dtype)
-        buf[-1] = 1
+    def raise_flag(self, program: int = 0) -> list:
+        """Take part in this folded collective with zeros and the id ``program`` (0: no
+        program, only a mismatch for the others; same kind, size, dtype, op and group as
+        the program's), wait for it, and return the extra elements every rank sent, as
+        :meth:`expected` reads them."""
+        buf = torch.zeros(self.numel + self.extra, dtype=self.dtype)
+        buf[self.numel:] = torch.tensor(self.encode(program), dtype=self.dtype)
         try:
-            c10d.wait_tensor.default(self.start(buf))
+            out = c10d.wait_tensor.default(self.start(buf))
         except RuntimeError as e:
             raise GuardError(str(e), where=self.where()) from e
+        return out.view(-1, self.numel + self.extra)[:, self.numel:].tolist()
 
-    def join(self, rest: tuple[FoldPoint, ...] = ()) -> NoReturn:
-        """This rank's signature changed: take part in the agreed program's folded
-        collective (and in the ``rest`` of a :class:`FoldChain`) with the flag raised,
-        then raise Resync."""
+    def join(self, rest: tuple[FoldPoint, ...] = (), program: int = 0) -> None:
+        """This rank does not run the agreed program: take part in its folded collective
+        (and in the ``rest`` of a :class:`FoldChain`) with zeros and the id of the cached
+        ``program`` it means to run (0: none). Returns only if every rank joined for the
+        same ``program`` (all of them then run it, agreed); otherwise raises Resync (after
+        sending 0 in the chain's later collectives once it read a mismatch, as the
+        programs' checks do)."""
+        agreed = program > 0
         for p in (self, *rest):
-            p.raise_flag()
-        raise Resync()
+            agreed = p.raise_flag(program if agreed else 0) == p.expected(program) and agreed
+        if not agreed:
+            raise Resync()
 
     def where(self) -> str:
         what = f"{self.op} of " if self.op else ""
@@ -132,18 +189,21 @@ class FoldPoint:
                 f"which carries the per-step check that every rank runs the same program")
 
 
-def resync_if_flagged(packed: torch.Tensor, width: int, rest: tuple[tuple, ...] = (), pending: tuple = ()) -> None:
+def resync_if_flagged(packed: torch.Tensor, width: int, expected: list, rest: tuple[tuple, ...] = (), pending: tuple = ()) -> None:
     """The folded check: ``packed`` is the collective's result, rows of ``width``
-    elements whose last one is a flag (one row for an all_reduce, one per rank for a
-    gather); a flag above 0 means some rank's signature changed: raise Resync.
+    elements whose last ones carry the program ids every rank sent (one row for an
+    all_reduce, one per rank for a gather); unless they read ``expected`` (every rank
+    ran this program, :meth:`FoldPoint.expected`), some rank runs another program or
+    none: raise Resync.
 
     In a :class:`FoldChain` (one folded collective per mesh axis) a rank that reads a
-    flag first raises it in the chain's later folded collectives, ``rest`` (each a
-    :class:`FoldPoint` as a tuple of its fields, so the graph holds only literals), so
+    mismatch first joins the chain's later folded collectives with id 0, ``rest`` (each
+    a :class:`FoldPoint` as a tuple of its fields, so the graph holds only literals), so
     that the ranks of the other axes' groups learn it too; ``pending``: the collectives
     the program issued before this check and waits after it, waited before Resync (their
     whole group issued them, so they complete)."""
-    if packed.view(-1, width)[:, -1].max().item() > 0:
+    tail = len(expected[0])
+    if packed.view(-1, width)[:, width - tail:].tolist() != expected:
         for t in pending:
             c10d.wait_tensor.default(t)
         for fields in rest:
@@ -151,7 +211,16 @@ def resync_if_flagged(packed: torch.Tensor, width: int, rest: tuple[tuple, ...] 
         raise Resync()
 
 
-def _why_not(node: fx.Node, world_size: int) -> str | None:
+def _exact(dtype: torch.dtype, op: str, world_size: int, ids: int) -> bool:
+    """Whether the extra elements of a fold over ``world_size`` ranks stay exact in
+    ``dtype`` for program ids up to ``ids`` (a sum adds up ids squared)."""
+    top = world_size * ids * ids if op in ("sum", "avg") else ids
+    if dtype.is_floating_point:
+        return top <= 2 ** (round(-math.log2(torch.finfo(dtype).eps)))  # exact integers below 2**(mantissa bits + 1), halved for avg
+    return top <= torch.iinfo(dtype).max
+
+
+def _why_not(node: fx.Node, world_size: int, ids: int = 1) -> str | None:
     """Why the collective ``node`` cannot carry the check (None: it can)."""
     kind = _KINDS.get(node.target)
     if kind is None:
@@ -173,6 +242,8 @@ def _why_not(node: fx.Node, world_size: int) -> str | None:
         return f"{node.name} gathers {node.args[1]} parts of a {val.dim()}-d payload"
     if len(node.users) != 1 or next(iter(node.users)).target is not WAIT:
         return f"{node.name} is not waited exactly once"
+    if not _exact(val.dtype, node.args[1] if kind == "all_reduce" else "", world_size, ids):
+        return f"{node.name}'s payload ({val.dtype}) cannot carry program ids up to {ids} over {world_size} ranks exactly"
     return None
 
 
@@ -193,15 +264,20 @@ class FoldChain:
 
     points: tuple[FoldPoint, ...]
 
-    def join(self) -> NoReturn:
-        """This rank's signature changed: raise the flag in every folded collective."""
-        self.points[0].join(rest=self.points[1:])
+    def join(self, program: int = 0) -> None:
+        """:meth:`FoldPoint.join` over every folded collective, in order."""
+        self.points[0].join(rest=self.points[1:], program=program)
+
+    @property
+    def spec(self) -> tuple:
+        """Every folded collective's :attr:`FoldPoint.spec`, in order."""
+        return tuple(p.spec for p in self.points)
 
     def where(self) -> str:
         return "; ".join(p.where() for p in self.points)
 
 
-def find_fold(gm: fx.GraphModule, *, world_size: int, axes: Sequence[tuple[str, int]] = ()) -> FoldPoint | FoldChain | None:
+def find_fold(gm: fx.GraphModule, *, world_size: int, axes: Sequence[tuple[str, int]] = (), ids: int = 1) -> FoldPoint | FoldChain | None:
     """The collective of ``gm`` the step check can ride on, or None (the reason is
     logged at DEBUG): its first effect, an all_reduce or all_gather_into_tensor over all
     ``world_size`` ranks. Given the mesh's ``axes`` (each axis's group name on this rank
@@ -209,7 +285,8 @@ def find_fold(gm: fx.GraphModule, *, world_size: int, axes: Sequence[tuple[str, 
     :class:`FoldChain` instead: the first collective of each axis of more than one rank,
     when every effect until the last of them is a collective (or wait) on an axis
     already folded. A program that draws random numbers keeps the standalone check,
-    which also agrees the ranks' generators (:mod:`.rng`)."""
+    which also agrees the ranks' generators (:mod:`.rng`). ``ids``: the largest program
+    id the fold must carry exactly (:meth:`FoldPoint.encode`)."""
     if any(is_random(n) for n in gm.graph.nodes):
         log.debug("no folded step check: the program draws random numbers")
         return None
@@ -217,23 +294,23 @@ def find_fold(gm: fx.GraphModule, *, world_size: int, axes: Sequence[tuple[str, 
     if n is None:
         log.debug("no folded step check: the program makes no collective")
         return None
-    why = _why_not(n, world_size)
+    why = _why_not(n, world_size, ids)
     if why is None:
-        return _point(n, world_size)
+        return _point(n, world_size, ids)
     if sum(1 for _, size in axes if size > 1) > 1:
-        return _chain(gm, axes, world_size)
+        return _chain(gm, axes, world_size, ids)
     log.debug("no folded step check: %s", why)
     return None
 
 
-def _point(n: fx.Node, size: int) -> FoldPoint:
+def _point(n: fx.Node, size: int, ids: int) -> FoldPoint:
     val, wait = n.args[0].meta["val"], next(iter(n.users))
     kind = _KINDS[n.target]
     return FoldPoint(n.name, wait.name, kind, n.args[1] if kind == "all_reduce" else "", n.args[-1], size,
-                     tuple(val.shape), tuple(wait.meta["val"].shape), val.dtype)
+                     tuple(val.shape), tuple(wait.meta["val"].shape), val.dtype, ids)
 
 
-def _chain(gm: fx.GraphModule, axes: Sequence[tuple[str, int]], world_size: int) -> FoldChain | None:
+def _chain(gm: fx.GraphModule, axes: Sequence[tuple[str, int]], world_size: int, ids: int) -> FoldChain | None:
     """One fold per mesh axis of more than one rank (:class:`FoldChain`), or None."""
     sizes = dict(axes)
     if len(sizes) != len(axes) or math.prod(sizes.values()) != world_size:
@@ -251,12 +328,12 @@ def _chain(gm: fx.GraphModule, axes: Sequence[tuple[str, int]], world_size: int)
             log.debug("no folded step check: %s runs before a collective of every mesh axis", n.name)
             return None
         if group in todo:
-            why = _why_not(n, sizes[group])
+            why = _why_not(n, sizes[group], ids)
             if why is not None:
                 log.debug("no folded step check: the first collective of axis group %s cannot carry it: %s", group, why)
                 return None
             todo.discard(group)
-            points.append(_point(n, sizes[group]))
+            points.append(_point(n, sizes[group], ids))
         # else: an axis folded already (its group read the same flags), or a group of one rank
     if todo:
         log.debug("no folded step check: no collective on the mesh axis groups %s", sorted(todo))
@@ -273,21 +350,24 @@ def _copy(gm: fx.GraphModule) -> fx.GraphModule:
     return fx.GraphModule(gm, g)
 
 
-def fold_guard_pass(gm: fx.GraphModule, *, point: FoldPoint | FoldChain) -> fx.GraphModule:
+def fold_guard_pass(gm: fx.GraphModule, *, point: FoldPoint | FoldChain, program: int = 1) -> fx.GraphModule:
     """A copy of ``gm`` whose ``point`` collective (each collective of a
-    :class:`FoldChain`) carries the step check (see the module docstring); ``gm`` itself
-    is left as it is. Same collectives, same results."""
-    new = _copy(gm)
+    :class:`FoldChain`) carries the step check with the id ``program`` (1 to
+    ``point.ids``; see the module docstring); ``gm`` itself is left as it is. Same
+    collectives, same results."""
     points = point.points if isinstance(point, FoldChain) else (point,)
+    if not 1 <= program <= points[0].ids:
+        raise ValueError(f"fold_guard_pass(program={program}): expected an id from 1 to {points[0].ids} (0 is a rank that joins only)")
+    new = _copy(gm)
     for i, p in enumerate(points):
-        _fold_into(new.graph, p, points[i + 1:])
+        _fold_into(new.graph, p, points[i + 1:], program)
     new.graph.lint()
     new.recompile()
     log.debug("step check folded into %s", point.where())
     return new
 
 
-def _fold_into(g: fx.Graph, point: FoldPoint, rest: tuple[FoldPoint, ...]) -> None:
+def _fold_into(g: fx.Graph, point: FoldPoint, rest: tuple[FoldPoint, ...], program: int) -> None:
     nodes = list(g.nodes)
     by_name = {n.name: n for n in nodes}
     coll, wait = by_name[point.collective], by_name[point.wait]
@@ -295,15 +375,16 @@ def _fold_into(g: fx.Graph, point: FoldPoint, rest: tuple[FoldPoint, ...]) -> No
     nxt = next((n for n in nodes[pos[coll] + 1:] if n.target is not WAIT and _is_effect(n)), None)
     anchor = wait.next if nxt is None or pos[wait] < pos[nxt] else nxt  # the check runs before the next effect
     payload = coll.args[0]
-    width = point.numel + 1
+    width = point.numel + point.extra
     with g.inserting_before(coll):
         flat = new_node(g, aten.reshape.default, (payload, [-1]))
-        packed = new_node(g, aten.constant_pad_nd.default, (flat, [0, 1], 0))
+        ids = [new_node(g, aten.full.default, ([1], v), {"dtype": point.dtype, "device": torch.device("cpu")}) for v in point.encode(program)]
+        packed = new_node(g, aten.cat.default, ([flat, *ids],))
         folded = new_node(g, coll.target, (packed, *coll.args[1:]))
     folded.meta.update({k: v for k, v in coll.meta.items() if k not in ("val", "tensor_meta")})
     comm = coll.meta.get("spmd_comm")
     if comm is not None:
-        folded.meta["spmd_comm"] = {**comm, "history": [*comm.get("history", []), "carries the per-step check (one element more)"]}
+        folded.meta["spmd_comm"] = {**comm, "history": [*comm.get("history", []), f"carries the per-step check ({point.extra} element(s) more: the program id)"]}
     # collectives issued before the check and waited after it (a chain's earlier axes)
     before = nodes[: pos[anchor]]
     pending = tuple(n for n in before if n is not coll and getattr(n.target, "namespace", None) == "_c10d_functional"
@@ -311,11 +392,11 @@ def _fold_into(g: fx.Graph, point: FoldPoint, rest: tuple[FoldPoint, ...]) -> No
     with g.inserting_before(anchor):
         done = new_node(g, WAIT, (folded,))
         extra = (tuple(dataclasses.astuple(p) for p in rest), pending) if rest or pending else ()
-        g.call_function(resync_if_flagged, (done, width, *extra))
+        g.call_function(resync_if_flagged, (done, width, point.expected(program), *extra))
         if point.kind == "all_reduce":
             part = new_node(g, aten.slice.Tensor, (done, 0, 0, point.numel))
             value = new_node(g, aten.view.default, (part, list(point.out_shape)))
-        else:  # one row per rank: drop each row's flag, then the gathered layout
+        else:  # one row per rank: drop each row's id, then the gathered layout
             rows = new_node(g, aten.view.default, (done, [point.world_size, width]))
             part = new_node(g, aten.slice.Tensor, (rows, 1, 0, point.numel))
             value = new_node(g, aten.reshape.default, (part, list(point.out_shape)))

@@ -71,8 +71,9 @@ class _Pending:
     """The check of one step: wait for the exchange, then resync or go on (drawing from
     rank 0's generator if the ranks' generators differ); :meth:`finish` after the step."""
 
-    def __init__(self, flag: torch.Tensor, work: Any, rng: RngSync | None = None, sizes: int = 0) -> None:
+    def __init__(self, flag: torch.Tensor, work: Any, rng: RngSync | None = None, sizes: int = 0, ids: list[int] | None = None) -> None:
         self.flag, self.work, self.rng = flag, work, rng
+        self.ids = ids  # the program id elements this rank sent: every rank must have sent the same
         self.own: Any = None
         self.n_sizes = sizes
         self.sizes: list[int] | None = None  # every rank's size slots, after the wait (:mod:`.sizes`)
@@ -85,11 +86,11 @@ class _Pending:
             except RuntimeError as e:
                 raise GuardError(str(e)) from e
         values = self.flag.tolist()
-        if values[0]:
+        if values[0] or values[1:3] != self.ids:  # a rank changed, or runs another program
             raise Resync()
         if self.n_sizes:
             self.sizes = values[len(values) - self.n_sizes :]
-        if self.rng is not None and not self.rng.agree(values[1:3]):
+        if self.rng is not None and not self.rng.agree(values[3:5]):
             self.own = self.rng.adopt_rank0()
 
     def finish(self) -> None:
@@ -149,30 +150,38 @@ class StepGuard:
         gloo only (reading a flag that came through NCCL would synchronize the GPU)."""
         return self.group is not None and self._gloo
 
-    def start(self, changed: bool, fold: Any = None, draws: bool = False, sizes: list[int] | None = None) -> Any:
+    def start(self, changed: bool, fold: Any = None, draws: bool = False, sizes: list[int] | None = None, program: int = 0,
+              ids: int = 1) -> Any:
         """Start the flag exchange; returns the check to call before the first effect
         (and whose ``finish()`` to call after the step).
 
         With ``fold`` (the agreed program's :class:`~.fold.FoldPoint`, or
         :class:`~.fold.FoldChain` on a mesh of several axes) the program checks
-        itself: a changed rank joins that one collective (each of the chain's) and raises Resync, the others
-        get a check that does nothing. For a program that ``draws`` random numbers the
+        itself: a changed rank joins that one collective (each of the chain's) naming the
+        cached ``program`` it means to run (0: none) and raises Resync unless every rank
+        named it (then it returns, the ranks agreed on it); the others get a check that
+        does nothing. For a program that ``draws`` random numbers the
         exchange carries the generators' fingerprint too (:mod:`.rng`); such programs
         are never given a ``fold``. ``sizes``: this rank's size slots (:mod:`.sizes`,
         zeros but its own; the MAX hands every rank every rank's local sizes), read back
-        as the check's ``sizes`` after its wait."""
+        as the check's ``sizes`` after its wait. The standalone exchange also carries
+        ``program``, the id (1 to ``ids``) of the cached program this rank runs, as
+        ``(id, ids - id)`` under the MAX: the check passes only if every rank sent the
+        same id (a rank may run another cached program than the agreed one, its own
+        check then tells whether every rank did)."""
         if fold is not None and self.group is not None:
             if changed:
-                fold.join()
+                fold.join(program=program)
             return _no_check
         if self.group is None:
             if changed:
                 raise Resync()
             return _no_check
         rng = self.rng if draws else None
-        flag = torch.tensor([1 if changed else 0] + (rng.fingerprint() if rng else []) + list(sizes or []), dtype=torch.int64)
+        mine = [0, ids] if changed else [program, ids - program]
+        flag = torch.tensor([1 if changed else 0, *mine] + (rng.fingerprint() if rng else []) + list(sizes or []), dtype=torch.int64)
         work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-        return _Pending(flag, work, rng, len(sizes or []))
+        return _Pending(flag, work, rng, len(sizes or []), mine)
 
     def agreed(self, draws: bool) -> Any:
         """The check of a step whose program every rank has just agreed on (no flag to

@@ -60,6 +60,7 @@ class Program:
     local_key: Any = None  # this rank's call signature for it
     draws: bool = False  # the program has random ops (the step check agrees the generators too)
     sizes: Any = None  # a symbolic program's (dynamic=True) sizes.SizeProgram: keyed without the sharded sizes
+    slot: int = 1  # its id in the cache, 1 to cache_size, the same on every rank (carried by a folded check)
 
 
 class StepDriver:
@@ -148,18 +149,31 @@ class StepDriver:
             sized = current.sizes is not None
             mine = free if sized else key
             bad_ids = self._bad_ids(current, batch, kwargs)  # every rank must raise: this rank raises the flag
-            same = current.local_key == mine and bad_ids is None
             fold = None if sized else self._fold_point(current.step)
             path = "folded" if fold is not None else "standalone" if self._guard.group is not None else "unchecked"
             self.checks[path] += 1
+            # the program this rank runs: the agreed one, or another cached one for its signature
+            # (none while this rank's batch has a bad token id: it raises the flag, every rank stops)
+            target = None if bad_ids is not None else current if current.local_key == mine else None if sized else self._switch_target(mine, fold)
+            meets = target is current or fold is None or (target is not None and getattr(self._fold_point(target.step), "spec", None) == fold.spec)
             try:
-                slots = self._sizes.slots(current.sizes, batch, kwargs, same) if sized else None
-                check = self._guard.start(changed=not same, fold=fold, draws=current.draws, sizes=slots)
-                if same:
+                slots = self._sizes.slots(current.sizes, batch, kwargs, target is current) if sized else None
+                if target is not None and not meets:  # its fold is another collective: join the agreed one's, naming it
+                    self._guard.start(changed=True, fold=fold, program=target.slot)  # Resync unless every rank named it
+                    check = self._guard.agreed(target.draws)
+                else:  # the agreed program, or one whose fold meets the agreed one's: its fold checks the ids
+                    check = self._guard.start(changed=target is None, fold=fold, draws=current.draws, sizes=slots,
+                                              program=target.slot if target is not None else 0, ids=self.options.cache_size)
+                if target is not None:
                     if sized:  # needs every rank's sizes before it starts; a broken size guard: Resync
                         self._feed, check = self._sizes.wait(current.sizes, check, batch, kwargs)
-                    self._last_key, self.last = key, current.step
-                    return self._run_checked(current, model, optimizer, batch, kwargs, check)
+                    self._last_key, self.last = key, target.step
+                    out = self._run_checked(target, model, optimizer, batch, kwargs, check)
+                    if target is not current:  # every rank ran it (its check read every rank's id): agreed
+                        self.checks[f"switched ({path})"] += 1
+                        self._current = target
+                        self._programs.move_to_end(next(k for k, p in self._programs.items() if p is target))
+                    return out
                 check()  # raises Resync: this rank's signature changed, the others learn it from the flag
             except Resync as e:
                 self.checks[f"resync ({path})"] += 1
@@ -255,11 +269,31 @@ class StepDriver:
             self._feed, broken = self._sizes.agreed_values(program.sizes, [p[2] for p in payloads])
             assert broken is None, broken  # compiled for these sizes
             everyone = self._sizes.new_key(self._programs, tuple(p[1] for p in payloads), reason)
-        self._programs[everyone] = program
-        while len(self._programs) > self.options.cache_size:
+        while everyone not in self._programs and len(self._programs) >= self.options.cache_size:
             _, old = self._programs.popitem(last=False)
             log.info("compile cache full (cache_size=%d): dropped the least recently used program (%s)", self.options.cache_size, old.reason)
+        # its id, carried by a folded check (fold.py): the lowest slot free, the same on every rank (the cache is)
+        used = {p.slot for k, p in self._programs.items() if k != everyone}
+        program.slot = min(set(range(1, self.options.cache_size + 1)) - used)
+        program.step.program_id = program.slot
+        self._programs[everyone] = program
         return program
+
+    def _switch_target(self, mine: Any, fold: Any) -> Program | None:
+        """A cached program for this rank's signature ``mine`` (not the agreed one), to
+        switch to without an exchange of signatures: with the standalone check (``fold``
+        None) the rank runs it, the check's exchange carrying its id (:mod:`.guard`); if its folded check
+        meets the agreed program's ``fold`` in the same collective (same
+        :attr:`~.fold.FoldPoint.spec`) the rank runs it, and its fold's ids tell every
+        rank whether all ran the same program (then it is the agreed one) or not (then
+        all resync); otherwise the rank joins the agreed program's fold naming it, and
+        runs it if every rank named it. None: none cached (or only symbolic programs, or
+        programs that draw, which agree through the exchange). Of several, one whose
+        fold meets ``fold``, the most recently used (another rank may pick otherwise:
+        then they resync)."""
+        found = [p for p in reversed(self._programs.values()) if p.local_key == mine and p.sizes is None and not p.draws]
+        meets = [p for p in found if fold is None or getattr(self._fold_point(p.step), "spec", None) == fold.spec]
+        return (meets or found or [None])[0]
 
     def _compile(self, model: Any, optimizer: Any, batch: tuple, kwargs: dict, reason: str) -> Program:
         """``_build`` on every rank, then agreement: all ranks return, or all raise."""

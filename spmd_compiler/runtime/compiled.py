@@ -86,10 +86,11 @@ class CompiledStep(StepDriver):
             point = self._fold_point(step)
             attr = "folded_runner" if point is not None else "runner"
             runner = getattr(step, attr, None)
-            if runner is None:
-                gm = step.gm if point is None else fold_guard_pass(step.gm, point=point)
+            program = getattr(step, "program_id", 1)  # its slot in the cache (driver/step.py), carried by the fold
+            if runner is None or (point is not None and getattr(step, "folded_id", None) != program):
+                gm = step.gm if point is None else fold_guard_pass(step.gm, point=point, program=program)
                 if point is not None:
-                    step.folded_gm = gm
+                    step.folded_gm, step.folded_id = gm, program
                 runner = self._runner(step, gm)
                 setattr(step, attr, runner)
             try:
@@ -129,7 +130,8 @@ class CompiledStep(StepDriver):
             return None
         if not hasattr(step, "fold_point"):
             mctx = step.mctx  # a 2-D mesh: one fold per axis group (a FoldChain)
-            step.fold_point = find_fold(step.gm, world_size=dist.get_world_size(), axes=tuple(zip(mctx.group_names, mctx.shape)))
+            step.fold_point = find_fold(step.gm, world_size=dist.get_world_size(), axes=tuple(zip(mctx.group_names, mctx.shape)),
+                                        ids=self.options.cache_size)
         return step.fold_point
 
 
