@@ -23,6 +23,7 @@ from spmd_compiler.optimize.bucketing import gradient_reductions
 from spmd_compiler.optimize.graph_utils import is_collective, is_wait, positions
 from spmd_compiler.testing import SimulatedTraining, assert_distributed, assert_training_matches
 from spmd_compiler.testing.models import GPT, MLP, gpt_2d_plan, gpt_fsdp_plan, mse_train_step, train_step
+from spmd_compiler.testing.models import accumulating_mse_step as _accumulate
 
 
 _TRACED: dict = {}
@@ -190,16 +191,6 @@ def test_first_bucket_is_small_as_in_ddp(mesh4, first_mb):
         assert len(buckets) == 1 + math.ceil((total - _grad_bytes(buckets[0])) / cap)
     with pytest.raises(ValueError, match="first_bucket_mb must be positive"):
         bucket_gradients_pass(step.gm, first_bucket_mb=0)
-
-
-def _accumulate(model, opt, x, y, do_step):
-    """Gradient accumulation over calls: backward every call, a step every few."""
-    loss = torch.nn.functional.mse_loss(model(x), y)
-    loss.backward()
-    if do_step:
-        opt.step()
-        opt.zero_grad()
-    return loss
 
 
 @pytest.mark.parametrize("plan", ["dp", "fsdp"])

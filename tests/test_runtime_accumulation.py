@@ -17,17 +17,9 @@ from spmd_compiler.dump.summary import comm_summary
 from spmd_compiler.runtime.launch import run_processes
 from spmd_compiler.testing import SimulatedTraining
 from spmd_compiler.testing.models import MLP
+from spmd_compiler.testing.models import accumulating_mse_step as accumulating_step
 
 WINDOW = 5  # 4 calls that accumulate, then one that steps
-
-
-def accumulating_step(model, optimizer, x, y, do_step):
-    loss = torch.nn.functional.mse_loss(model(x), y)
-    loss.backward()
-    if do_step:
-        optimizer.step()
-        optimizer.zero_grad()
-    return loss
 
 
 def _batch(i: int):

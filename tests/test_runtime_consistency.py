@@ -20,6 +20,7 @@ import spmd_compiler as sc
 from spmd_compiler.runtime.launch import WorkerError, run_processes
 from spmd_compiler.testing import assert_distributed
 from spmd_compiler.testing.models import MLP, megatron_mlp_plan
+from spmd_compiler.testing.models import accumulating_mse_step as accumulating_step
 from spmd_compiler.testing.models import mse_train_step as mse_step
 
 pytestmark = pytest.mark.gloo
@@ -37,15 +38,6 @@ def interrupted_step(model, optimizer, x, y):
     if dist.get_rank() == 1:
         raise KeyboardInterrupt("simulated Ctrl-C on rank 1 while compiling")
     return mse_step(model, optimizer, x, y)
-
-
-def accumulating_step(model, optimizer, x, y, do_step):
-    loss = torch.nn.functional.mse_loss(model(x), y)
-    loss.backward()
-    if do_step:
-        optimizer.step()
-        optimizer.zero_grad()
-    return loss
 
 
 def _rows(i: int, n: int):

@@ -206,6 +206,16 @@ def mse_train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.
     return loss
 
 
+def accumulating_mse_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, do_step: bool) -> torch.Tensor:
+    """Gradient accumulation over calls: backward every call, an update when ``do_step``."""
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    if do_step:
+        optimizer.step()
+        optimizer.zero_grad()
+    return loss
+
+
 def backward_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Half of gradient accumulation across calls: MSE loss and ``backward()`` only (the
     gradients are left on the parameters)."""
