@@ -11,13 +11,16 @@ it was checked against, 2.13.0 and 2.14.1):
 
 * :mod:`.dtensor`: DTensor specs and placements, sharding propagation and strategy
   selection, redistribution planning, DTensor's caches;
+* :mod:`.dtensor_symbolic`: DTensor on symbolic sizes (dynamic=True): its size questions
+  patched to ask no guard, the symbolic block-count placement;
 * :mod:`.shapes`: ShapeEnv / SymInt / sympy helpers for symbolic sizes (dynamic=True)
   and real-value propagation;
 * :mod:`.tracing`: fake modes, make_fx and fx node state, op schema facts, autograd
   hooks, inductor;
 * :mod:`.distributed`: process group names, timeouts and store, pipelining schedules.
 
-Submodules import one another only downwards (:mod:`.dtensor` uses :mod:`.shapes`);
+Submodules import one another only downwards (:mod:`.dtensor` uses :mod:`.dtensor_symbolic`,
+both use :mod:`.shapes`);
 module state (caches, registries, thread-locals) is defined once, in one submodule.
 """
 
