@@ -17,7 +17,7 @@ import torch
 import spmd_compiler as sc
 from spmd_compiler.driver.sizes import ShardedDim, global_sizes, sharded_dims
 from spmd_compiler.runtime.launch import run_processes
-from spmd_compiler.testing.models import MLP
+from spmd_compiler.testing.models import MLP, megatron_mlp_plan
 
 DIM = ShardedDim(leaf=0, dim=0, axis=0, path="batch[0]")
 
@@ -63,6 +63,17 @@ def test_the_batch_size_of_a_sequence_sharded_leaf_is_a_dim_of_no_axis():
         global_sizes([whole], [((0,), [5]), ((1,), [3])], (2,))
 
 
+def test_a_replicated_batch_size_is_a_dim_of_no_axis_unless_another_leaf_is_split():
+    """Tensor parallel (the batch replicated): dim 0 of every leaf rides in the exchange,
+    unsplit. Beside a batch split on dim 0, a replicated leaf is an extra input (class
+    weights, a mask): its size stays static."""
+    x, w = torch.zeros(5, 3), torch.zeros(7)
+    dims = sharded_dims(sc.Plan(default_input=[sc.Replicate()]), (x, x), {}, 1)
+    assert [(d.leaf, d.dim, d.axis) for d in dims] == [(0, 0, None), (1, 0, None)]
+    dims = sharded_dims(sc.Plan(inputs={"batch[1]": [sc.Replicate()]}), (x, w), {}, 1)
+    assert [(d.leaf, d.dim, d.axis) for d in dims] == [(0, 0, 0)]
+
+
 # ----------------------------------------------------------------------------- gloo
 
 def mse_step(model, optimizer, x, y):
@@ -101,7 +112,7 @@ def _rows(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     return t[min(rank * c, t.shape[0]) : min((rank + 1) * c, t.shape[0])]
 
 
-def _train(rank: int, world: int, fn, sizes, **options) -> dict:
+def _train(rank: int, world: int, fn, sizes, replicated: bool = False, **options) -> dict:
     torch.manual_seed(0)
     model = MLP().double()
     ref = copy.deepcopy(model)
@@ -112,7 +123,7 @@ def _train(rank: int, world: int, fn, sizes, **options) -> dict:
     for i, b in enumerate(sizes):
         g = torch.Generator().manual_seed(100 + i)
         x, y = (torch.randn(b, 16, dtype=torch.float64, generator=g) for _ in range(2))
-        loss = step(model, opt, _rows(x, rank, world), _rows(y, rank, world))
+        loss = step(model, opt, x, y) if replicated else step(model, opt, _rows(x, rank, world), _rows(y, rank, world))
         errs.append(abs(loss.item() - fn(ref, ref_opt, x, y).item()))
         errs.append(max((p.full_tensor() - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters())))
     return {"err": max(errs), "compiles": step.compiles, "checks": dict(step.checks), "programs": len(step._programs),
@@ -126,6 +137,7 @@ def _two_ranks(rank: int, world: int) -> dict:
     logging.getLogger("spmd_compiler").addHandler(handler)  # INFO: the compile's logs run too
     logging.getLogger("spmd_compiler").setLevel(logging.INFO)
     out = {"train": _train(rank, world, mse_step, [8, 5, 3, 8, 1, 7])}
+    out["tp"] = _train(rank, world, mse_step, [8, 5, 3, 1, 7], replicated=True, plan=megatron_mlp_plan())  # the batch replicated
     del logs[:]
     out["branch"] = _train(rank, world, branching_step, [6, 5, 7, 6, 9])
     out["branch_logs"] = [m for name, m in logs if name == "spmd_compiler.driver.dynamic"]
@@ -155,6 +167,8 @@ def test_two_ranks_one_compile_serves_every_batch_size():
         assert train["compiles"] == 1, (rank, train)  # 8, 5, 3, 8, 1, 7: one program
         assert train["size_inputs"] == 1, train
         assert train["checks"] == {"standalone": 5}, train  # no resync: a new size reuses the program
+        tp = res["tp"]  # Megatron TP, the batch replicated: its size is a symbol too
+        assert tp["err"] < 1e-10 and tp["compiles"] == 1 and tp["size_inputs"] == 1, (rank, tp)
         # the branch on the size: 6 gets its own program (one INFO log), 5 a symbolic one serving 7 and 9
         branch = res["branch"]
         assert branch["err"] < 1e-10 and branch["compiles"] == 2, (rank, branch)

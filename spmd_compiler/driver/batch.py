@@ -33,8 +33,11 @@ def sharded_batch_dims(plan: Plan, args: tuple, kwargs: dict, ndim: int, *, dyna
     (an unsharded dim has the same size on every rank, and symbols slow the trace).
 
     ``dynamic`` (``dynamic=True``'s symbolic sizes): also dim 0, the batch size, of a leaf
-    the plan shards along another dim only (``Shard(1)``, a sequence-sharded batch): it
-    varies from call to call like a sharded batch dim, with the same size on every rank."""
+    the plan shards along another dim only (``Shard(1)``, a sequence-sharded batch) or not
+    at all (``Replicate()``, tensor parallel) when no leaf is split along dim 0 (beside a
+    split batch, a replicated leaf is an extra input, class weights or a mask, whose size
+    need not vary): it varies from call to call like a sharded batch dim, with the same
+    size on every rank."""
     leaves, _, paths = flatten_batch(args, kwargs)
     placements = batch_placements(plan, paths, leaves, ndim)
     out = {}
@@ -42,10 +45,15 @@ def sharded_batch_dims(plan: Plan, args: tuple, kwargs: dict, ndim: int, *, dyna
         if pl is None:
             continue
         dims = {p.dim for p in pl if isinstance(p, pt.Shard)}
-        if dynamic and dims and leaves[i].dim() > 0:
+        if dynamic and leaves[i].dim() > 0 and (dims or not _batch_split(placements)):
             dims.add(0)
         out[i] = tuple(sorted(dims))
     return out
+
+
+def _batch_split(placements: list[tuple | None]) -> bool:
+    """Some batch leaf is split along dim 0 (data parallel)."""
+    return any(pl is not None and any(isinstance(p, pt.Shard) and p.dim == 0 for p in pl) for pl in placements)
 
 
 def global_batch(batch: tuple, kwargs: dict, mesh: Any, plan: Plan, exchange: Any) -> tuple[tuple, dict]:

@@ -33,7 +33,7 @@ from .. import _private_torch as pt
 from ..expand.chunks import chunk_sizes
 from ..trace.tracer import flatten_batch
 from .agreement import exchange
-from .batch import batch_placements, signature
+from .batch import _batch_split, batch_placements, signature
 from .guard import Resync
 
 __all__ = ["ShardedDim", "sharded_dims", "global_sizes", "SizeProgram", "BatchSizes"]
@@ -57,11 +57,12 @@ def sharded_dims(plan: Any, batch: tuple, kwargs: dict, ndim: int) -> list[Shard
     than one mesh axis (nested splits have no symbolic form across processes yet)."""
     leaves, _, paths = flatten_batch(batch, kwargs)
     out = []
-    for i, pl in enumerate(batch_placements(plan, paths, leaves, ndim)):
+    placements = batch_placements(plan, paths, leaves, ndim)
+    for i, pl in enumerate(placements):
         if pl is None:
             continue
         split = {p.dim for p in pl if isinstance(p, pt.Shard)}
-        if split and 0 not in split and leaves[i].dim() > 0:  # as sharded_batch_dims(dynamic=True)
+        if 0 not in split and leaves[i].dim() > 0 and (split or not _batch_split(placements)):  # as sharded_batch_dims(dynamic=True)
             out.append(ShardedDim(i, 0, None, paths[i]))
         for d in sorted(split):
             axes = [a for a, p in enumerate(pl) if isinstance(p, pt.Shard) and p.dim == d]

@@ -110,17 +110,21 @@ def test_dropout_with_partial_last_batch_equals_one_device(caplog):
     assert res.sim.compiles == 2 and shape_compiles(res) == [] and not fallbacks(caplog), res.sim.reasons  # one program
 
 
+@pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)], ids=["tp", "2d"])
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
-def test_megatron_2d_partial_last_batch_one_program_without_gathers(name, caplog):
-    """DP x Megatron TP on 2 x 2 with sizes 4, 3, 5, 1: one program, and no gather that
-    the per-shape program would not make (it makes none). GPT-2's ``Conv1D`` flattens the
-    batch with ``x.view(-1, D)``; Llama unflattens a batch whose features are strided over tp."""
+def test_megatron_partial_last_batch_one_program_without_gathers(name, mesh_shape, caplog):
+    """Megatron TP (the batch replicated over tp, its size a symbol all the same) and DP x
+    TP on 2 x 2, sizes 4, 3, 5, 1: one program, and no gather that the per-shape program
+    would not make (it makes none). GPT-2's ``Conv1D`` flattens the batch with
+    ``x.view(-1, D)`` and views its fused qkv (strided over tp) back to ``(B, T, 3D)``."""
     caplog.set_level(logging.WARNING, logger="spmd_compiler.expand.dispatch")
-    plan = sc.Plan(params=megatron_params(name, 2), default_input=[Shard(0), Replicate()])
-    res = assert_training_matches(lm_step, MODELS[name]().double(), adamw, sized([4, 3, 5, 1]), fake_mesh((2, 2), ("dp", "tp")),
+    ndim = len(mesh_shape)
+    plan = sc.Plan(params=megatron_params(name, ndim), default_input=[Shard(0), Replicate()] if ndim == 2 else [Replicate()])
+    res = assert_training_matches(lm_step, MODELS[name]().double(), adamw, sized([4, 3, 5, 1]), fake_mesh(mesh_shape, ("dp", "tp")[-ndim:]),
                                   plan, dynamic=True, **TOLERANCE.get(name, TIGHT))
     assert res.sim.compiles == 2 and shape_compiles(res) == [], res.sim.reasons
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []  # no fallback gather
-    step = res.sim.expansions[(0, 0)]
+    step = res.sim.expansions[(0,) * ndim]
+    assert step.size_symbols
     kinds = [n.meta["spmd_comm"]["kind"] for n in step.gm.graph.nodes if "spmd_comm" in n.meta]
     assert "all_gather" not in kinds and "all_reduce" in kinds, kinds

@@ -159,6 +159,8 @@ def symbolic_view_placements(in_shape: list[Any], out_shape: list[Any], placemen
     if any(type(p) is not pt.Shard and pt.is_symbolic(in_shape[p.dim]) for _, p in sharded):
         return None  # a strided split of the symbolic dim (a strided one of a static dim moves like a Shard)
     symbolic = [p.dim for _, p in sharded if pt.is_symbolic(in_shape[p.dim])]
+    if not symbolic and sharded:  # a replicated symbolic batch (tensor parallel): views in front of the split dims
+        return _view_in_front(in_shape, out_shape, placements, min(p.dim for _, p in sharded))
     if len(symbolic) != 1:
         return None  # one mesh axis splits the symbolic dim: nested splits have no unit layout
     d = symbolic[0]
@@ -189,6 +191,24 @@ def symbolic_view_placements(in_shape: list[Any], out_shape: list[Any], placemen
             return None
         moved = p.dim - i + j
         out.append(pt.Shard(moved) if type(p) is pt.Shard else pt.StridedShard(moved, split_factor=p.split_factor))
+    return out
+
+
+def _view_in_front(in_shape: list[Any], out_shape: list[Any], placements: Any, first: int) -> list[Any] | None:
+    """Placements of a view that reshapes only dims in front of ``first``, the first split
+    dim (``(B*T, 3D) -> (B, T, 3D)`` with the features split over tp), or None: the split
+    dims and those behind them move by the change in rank, unchanged."""
+    tail = len(in_shape) - first
+    if len(out_shape) < tail or not all(_same(x, y) for x, y in zip(in_shape[first:], out_shape[len(out_shape) - tail:])):
+        return None
+    shift = len(out_shape) - len(in_shape)
+    out = []
+    for p in placements:
+        if isinstance(p, pt.StridedShard):
+            p = pt.StridedShard(p.dim + shift, split_factor=p.split_factor)
+        elif isinstance(p, pt.Shard):
+            p = pt.Shard(p.dim + shift)
+        out.append(p)
     return out
 
 
@@ -322,7 +342,8 @@ def _view(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: 
         done = _symbolic_strided_view(ctx, b, op, x, sizes)
         if done is not None:
             return done
-        if _blocked(x) or not dtensor_keeps_inputs(ctx, b, op, args, kwargs):
+        strided = any(isinstance(p, pt.StridedShard) and pt.split_period(p) is None for p in x.spec.placements)
+        if _blocked(x) or strided or not dtensor_keeps_inputs(ctx, b, op, args, kwargs):  # strided: DTensor localizes sizes
             done = _symbolic_view(ctx, b, op, x, sizes)
             if done is not None:
                 return done
