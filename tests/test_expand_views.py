@@ -151,4 +151,10 @@ def test_symbolic_block_count_layout_gathers_exactly():
     comms = [c for n in sim.expansions[(0, 0)].gm.graph.nodes if (c := n.meta.get("spmd_comm"))]
     gathers = [c["reason"] for c in comms if c["kind"] == "all_gather"]
     assert any("cumsum" in r and "SS(0,blocks of 2)" in r for r in gathers), gathers
-    assert not any("view" in r and "on 'tp'" in r for r in gathers), gathers  # the heads' flatten: none
+    tp_views = [r for r in gathers if "view" in r and "on 'tp'" in r]
+    if tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 14):
+        # torch 2.14's view strategy refuses the last view, (2*B, 4) split S(1) -> (B, 8)
+        # ("Cannot unflatten unevenly sharded tensor"), which falls back to a gather; the
+        # heads' flatten still keeps its layout
+        tp_views = [r for r in tp_views if "Cannot unflatten" not in r]
+    assert tp_views == [], gathers  # the heads' flatten: none
