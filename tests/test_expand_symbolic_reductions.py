@@ -9,6 +9,7 @@ every step (float64, 1e-10)."""
 from __future__ import annotations
 
 import logging
+import warnings
 from collections import Counter
 
 import pytest
@@ -99,6 +100,31 @@ def test_variance_over_the_batch_one_program_for_every_size(name, ranks, caplog)
     scaled = [n for n in prog.gm.graph.nodes if n.target is aten.mul.Scalar and isinstance(n.args[1], fx.Node)]
     assert any(a.args[1].meta.get("spmd_size_expr") for a in scaled), [n.format_node() for n in scaled]
     assert not [n for n in prog.gm.graph.nodes if n.target is aten.mul.Scalar and n.args[1] == 2 / (5 - 1)]
+
+
+@pytest.mark.parametrize("name", ["var", "std_keepdim_correction2"])
+def test_variance_of_too_few_rows_is_nan_as_on_one_device(name, caplog):
+    """A batch of at most ``correction`` rows: one device scales var's backward by
+    ``2 / 0`` in C++ doubles (an infinity, NaN in the result); the program's size arithmetic
+    gives the same instead of Python's ZeroDivisionError, still one program."""
+    import copy
+
+    from spmd_compiler.testing import SimulatedTraining
+
+    model = MLP(8, 6, 8).double()
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    sim = SimulatedTraining(_step(UNBIASED[name]), model, torch.optim.SGD(model.parameters(), lr=0.1),
+                            fake_mesh((2,), ("dp",)), None, dynamic=True)
+    for batch in _batches([5, 1]):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # var(): degrees of freedom is <= 0
+            loss = sim.step(*batch)
+            ref_loss = _step(UNBIASED[name])(ref, ref_opt, *batch)
+        torch.testing.assert_close(loss.detach(), ref_loss.detach(), atol=1e-10, rtol=0, equal_nan=True)
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.detach(), q.detach(), atol=1e-10, rtol=0, equal_nan=True)
+    assert torch.isnan(loss) and sim.compiles == 1, sim.reasons
 
 
 def test_amax_on_dp_by_tp_one_program():

@@ -21,12 +21,25 @@ from torch.utils import _pytree as pytree
 from .. import _private_torch as pt
 from .symbolic import resolve
 
-__all__ = ["emit_sizes_pass"]
+__all__ = ["emit_sizes_pass", "true_divide"]
 
 log = logging.getLogger(__name__)
 
 
 _SYM_TYPES = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+def true_divide(a: Any, b: Any) -> float:
+    """``a / b`` of two sizes with the C++ double semantics one device computes them with
+    (torch's ``var`` backward scales by ``2 / (N - correction)`` in C++): a zero divisor
+    gives an infinity (NaN for ``0 / 0``) where Python raises ZeroDivisionError."""
+    try:
+        return a / b
+    except ZeroDivisionError:
+        a = float(a)
+        if a == 0.0 or math.isnan(a):
+            return math.nan
+        return math.copysign(math.inf, a) * math.copysign(1.0, float(b))
 
 
 def emit_sizes_pass(gm: fx.GraphModule, *, sources: dict[Any, fx.Node], definitions: dict | None = None) -> fx.GraphModule:
@@ -83,11 +96,11 @@ def emit_sizes_pass(gm: fx.GraphModule, *, sources: dict[Any, fx.Node], definiti
         if isinstance(expr, sympy.Pow):
             base, exp = args
             if isinstance(exp, int) and exp < 0:
-                return call(operator.truediv, 1.0, _fold(call, operator.mul, [base] * (-exp)))
+                return call(true_divide, 1.0, _fold(call, operator.mul, [base] * (-exp)))
             return call(operator.pow, base, exp)
         table = {
-            "FloorDiv": operator.floordiv, "Mod": operator.mod, "PythonMod": operator.mod, "IntTrueDiv": operator.truediv,
-            "FloatTrueDiv": operator.truediv, "Max": max, "Min": min, "ToFloat": float, "TruncToInt": int,
+            "FloorDiv": operator.floordiv, "Mod": operator.mod, "PythonMod": operator.mod, "IntTrueDiv": true_divide,
+            "FloatTrueDiv": true_divide, "Max": max, "Min": min, "ToFloat": float, "TruncToInt": int,
             "FloorToInt": math.floor, "CeilToInt": math.ceil, "CleanDiv": operator.floordiv,
         }
         fn = table.get(name)
@@ -98,6 +111,8 @@ def emit_sizes_pass(gm: fx.GraphModule, *, sources: dict[Any, fx.Node], definiti
         return call(fn, *args)
 
     for node in list(graph.nodes):
+        if node.target is operator.truediv:  # a size division the trace recorded
+            node.target = true_divide
         if node.op != "call_function" or node.meta.get("spmd_size_expr"):
             continue
         leaves = [x for x in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(x, _SYM_TYPES)]
@@ -127,7 +142,7 @@ def _value_expr(fn: Any, args: list[Any]) -> Any:
     a = [sympy.sympify(x) for x in args]
     table: dict[Any, Callable[..., Any]] = {
         operator.add: lambda x, y: x + y, operator.mul: lambda x, y: x * y, operator.floordiv: FloorDiv,
-        operator.mod: sympy.Mod, operator.truediv: lambda x, y: x / y, operator.pow: lambda x, y: x**y,
+        operator.mod: sympy.Mod, operator.truediv: lambda x, y: x / y, true_divide: lambda x, y: x / y, operator.pow: lambda x, y: x**y,
         max: sympy.Max, min: sympy.Min, float: lambda x: x, int: lambda x: x if x.is_integer else sympy.Function("int")(x),
         math.floor: sympy.floor, math.ceil: sympy.ceiling,
     }

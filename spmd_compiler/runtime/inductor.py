@@ -69,6 +69,7 @@ import torch.fx as fx
 from .. import _private_torch as pt
 from ..driver.fold import resync_if_flagged
 from ..driver.guard import first_effect
+from ..expand.emit_sizes import true_divide
 from ..optimize.graph_utils import is_collective, is_wait
 from .executor import compile_runner
 from .failed_collective import collective_groups, generated_collective, last_launched
@@ -81,7 +82,7 @@ log = logging.getLogger(__name__)
 aten = torch.ops.aten
 _SCALAR_OPS = {
     operator.add: aten.add.Tensor, operator.sub: aten.sub.Tensor, operator.mul: aten.mul.Tensor,
-    operator.truediv: aten.div.Tensor, operator.pow: aten.pow.Tensor_Tensor, operator.neg: aten.neg.default,
+    operator.truediv: aten.div.Tensor, true_divide: aten.div.Tensor, operator.pow: aten.pow.Tensor_Tensor, operator.neg: aten.neg.default,
 }
 
 
