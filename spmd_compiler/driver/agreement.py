@@ -169,8 +169,8 @@ def rank_groups(everyone: list[Any]) -> list[list[int]]:
 
 def compare_fingerprints(everyone: list[list[tuple[str, str]]], rank: int = 0) -> None:
     """Raise RankMismatchError when the ranks' graphs differ, naming the ranks that differ
-    from the most common graph (the others), the first differing node and what each
-    group of ranks has there. ``rank`` is this process's rank (named in the message)."""
+    from the most common graph (the others; on a tie, e.g. 2 ranks, every group of ranks
+    alike), the first differing node and what each group of ranks has there. ``rank`` is this process's rank (named in the message)."""
     groups = rank_groups(everyone)
     if len(groups) == 1:
         return
@@ -181,8 +181,12 @@ def compare_fingerprints(everyone: list[list[tuple[str, str]]], rank: int = 0) -
         first.append(next((i for i, (a, b) in enumerate(zip(ref, fp)) if a[1] != b[1]), min(len(ref), len(fp))))
     node = min(first)
     odd = sorted(r for g in groups[1:] for r in g)
-    head = (f"{_ranks(odd)} compiled {'a different graph' if len(groups) == 2 else 'different graphs'} than "
-            f"{_ranks(groups[0])} (this is rank {rank}); first difference at node {node}")
+    if len(groups[0]) == len(groups[1]):  # a tie: no rank is the odd one out
+        head = (f"the ranks compiled {len(groups)} different graphs, none held by most ranks: "
+                f"{' / '.join(_ranks(g) for g in groups)} (this is rank {rank}); first difference at node {node}")
+    else:
+        head = (f"{_ranks(odd)} compiled {'a different graph' if len(groups) == 2 else 'different graphs'} than "
+                f"{_ranks(groups[0])} (this is rank {rank}); first difference at node {node}")
     texts = [fp[node][0] if node < len(fp) else f"no node {node} (a graph of {len(fp)} nodes)" for fp in everyone]
     shown = [everyone[g[0]][node][0] for g in groups if node < len(everyone[g[0]])]
     if len(shown) == len(groups) and len(set(shown)) == 1:  # same short text: check_agreement adds the whole node
