@@ -37,7 +37,7 @@ from .shapes import (
     symbol_of, unbacked_symbols, shape_env_of, shape_env_guards, num_guards, symbol_range, example_values,
     replaced_symbols, is_pinned, new_size_symint, size_oblivious, true_unless_proven_false,
     false_unless_proven_true, definitely_contiguous, branch_atom, sympy_as_python, set_real_value, propagating_real_values,
-    real_value_branches, is_real_value_log,
+    real_value_branches, is_real_value_log, fake_call,
 )
 from .tracing import (
     reparametrize_module, static_fake_mode, example_tensor, local_tensor, tracing_graph, rename_node,
@@ -56,7 +56,7 @@ __all__ = [
     "to_symbolic_fake", "static_fake_mode", "size_hint", "example_tensor", "local_tensor",
     "custom_handled_ops", "random_ops", "tracing_graph", "group_name", "is_view_op", "written_args",
     "writes_first_arg", "Partial", "Placement", "Replicate", "Shard", "Placements", "world_info",
-    "rename_node", "preserve_node_meta", "link_backward_to_forward", "pipeline_order",
+    "rename_node", "preserve_node_meta", "fake_call", "link_backward_to_forward", "pipeline_order",
     "mark_optimizer_stepped", "clear_dtensor_caches", "localized_shape_arg", "raw_operator", "set_group_timeout", "default_store",
     "shape_env_of", "num_guards", "example_values", "replaced_symbols", "false_unless_proven_true", "definitely_contiguous",
     "true_unless_proven_false", "size_oblivious", "new_size_symint", "is_pinned", "register_symbolic_mode",

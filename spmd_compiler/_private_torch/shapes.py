@@ -8,7 +8,7 @@ Touches ``torch.fx.experimental.symbolic_shapes`` (ShapeEnv and its ``guards``,
 ``free_unbacked_symbols``, ``StatelessSymbolicContext``), ``torch.fx.experimental._config``
 (``backed_size_oblivious``), SymNode internals (``node.hint``, ``node._expr``),
 ``torch._dynamo.source.ConstantSource``, ``torch.utils._sympy.printers.PythonPrinter`` and
-FakeTensorMode's ``propagate_real_tensors`` / ``cache_enabled``. Checked against torch 2.13.0 and 2.14.1.
+FakeTensorMode's ``propagate_real_tensors`` / ``cache_enabled``, ``torch._decomp.decomposition_table``. Checked against torch 2.13.0 and 2.14.1.
 """
 
 from __future__ import annotations
@@ -27,8 +27,32 @@ __all__ = [
     "symbol_of", "unbacked_symbols", "shape_env_of", "shape_env_guards", "num_guards", "symbol_range", "example_values",
     "replaced_symbols", "is_pinned", "new_size_symint", "size_oblivious", "true_unless_proven_false",
     "false_unless_proven_true", "definitely_contiguous", "branch_atom", "sympy_as_python", "set_real_value", "propagating_real_values",
-    "real_value_branches", "is_real_value_log",
+    "real_value_branches", "is_real_value_log", "fake_call",
 ]
+
+
+# ops whose fake kernel reads symbolic sizes as ints (a guard per size) where torch's
+# Python decomposition keeps them symbolic
+_GUARDING_KERNELS = {torch.ops.aten.constant_pad_nd.default}
+
+
+def fake_call(target: Any, args: tuple, kwargs: dict) -> Any:
+    """``target(*args, **kwargs)`` on fake values; where the op's C++ kernel reads a
+    symbolic size as an int (``constant_pad_nd`` calls ``sizes()``: a guard on a rank's
+    unbacked local size), its Python decomposition from ``torch._decomp`` computes the
+    same result with symbolic sizes."""
+    from torch._decomp import decomposition_table
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    if target in _GUARDING_KERNELS and any(isinstance(a, torch.Tensor) and any(is_symbolic(s) for s in a.shape) for a in args):
+        return decomposition_table[target](*args, **kwargs)
+    try:
+        return target(*args, **kwargs)
+    except GuardOnDataDependentSymNode:
+        decomposed = decomposition_table.get(target)
+        if decomposed is None:
+            raise
+        return decomposed(*args, **kwargs)
 
 
 def symbolic_fake_mode(*, specialize_zero_one: bool = True) -> FakeTensorMode:

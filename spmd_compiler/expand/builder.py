@@ -192,7 +192,7 @@ class SubgraphBuilder:
         else:
             vals_args, vals_kwargs = pytree.tree_map_only(fx.Node, lambda n: n.meta["val"], (args, kwargs))
             with self.fake_mode:
-                val = target(*vals_args, **vals_kwargs)
+                val = pt.fake_call(target, vals_args, vals_kwargs)
         node = self.graph.call_function(target, tuple(args), dict(kwargs))
         node.meta["val"] = val
         if meta:

@@ -139,6 +139,8 @@ def trace(
         if t.requires_grad and inp.kind == "param":
             fake.requires_grad_(True)
         fakes.append(fake)
+    if dynamic:
+        _same_batch_size(inputs, fakes)
 
     # host scalars (lifted hyperparameters, 0-d optimizer state) carry their real values
     # through optimizer.step(), so its branches on them are taken (trace/value_guards.py)
@@ -303,4 +305,21 @@ def _cleanup(gm: fx.GraphModule) -> None:
             g.erase_node(node)
     g.eliminate_dead_code()
     g.lint()
+
+
+def _same_batch_size(inputs: list[GraphInput], fakes: list[Any]) -> None:
+    """One symbol for the batch size of every batch tensor of the same example size
+    (``input_ids``, ``attention_mask``, ``labels``): each gets its own symbol, and a model
+    that views one by another's size (GPT-2's ``attention_mask.view(batch_size, -1)``)
+    would otherwise divide one symbol by another, which no sharding rule can read. The
+    equality is a guard, so a later call whose leaves differ in batch size gets a program
+    of its own, never a wrong one."""
+    first: dict[int, Any] = {}
+    for inp, fake in zip(inputs, fakes):
+        if inp.kind != "batch" or fake.dim() == 0 or not pt.is_symbolic(fake.shape[0]):
+            continue
+        size = fake.shape[0]
+        seen = first.setdefault(pt.size_hint(size), size)
+        if seen is not size:
+            torch._check(size == seen)
 

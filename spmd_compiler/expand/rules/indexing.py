@@ -72,24 +72,25 @@ def _local_rows_plan(ctx: ExpandContext, x: TensorArg, indices: list[Any]) -> tu
 
 def _local_indices(ctx: ExpandContext, b: SubgraphBuilder, x: TensorArg, indices: list[Any], axis: int, d: int) -> list[Any]:
     """The recipe's index list with ``indices[d]`` turned into this rank's local rows."""
-    size = int(x.spec.shape[d])
+    size = x.spec.shape[d]  # a symbolic batch size (dynamic=True) stays one: clamped as if uneven
     b.local_chunk(size, axis)  # marks the recipe per-rank when the split is uneven
-    offset = b.shard_offset(size, axis, size % ctx.mctx.shape[axis] != 0)
+    offset = b.shard_offset(size, axis, pt.is_symbolic(size) or size % ctx.mctx.shape[axis] != 0)
     local_rows = b.call(aten.sub.Tensor, indices[d].node, offset)
     return [local_rows if j == d else (i.node if i is not None else None) for j, i in enumerate(indices)]
 
 
-def _indexed(x: TensorArg, indices: list[Any], kb: int) -> tuple[torch.Tensor, int]:
+def _indexed(b: SubgraphBuilder, x: TensorArg, indices: list[Any], kb: int) -> tuple[torch.Tensor, int]:
     """The global ``x[indices]`` on the meta device, and its dim that dim ``kb`` of the
     broadcast index shape becomes: advanced indexing puts the broadcast dims where the
     indexed dims were when those are adjacent, else first."""
     present = [j for j, i in enumerate(indices) if i is not None]
     adjacent = present == list(range(present[0], present[-1] + 1))
-    meta = torch.empty_strided(tuple(x.spec.shape), tuple(x.spec.stride), dtype=x.spec.tensor_meta.dtype, device="meta")
-    meta_indices = [
-        torch.empty(tuple(i.spec.shape), dtype=i.spec.tensor_meta.dtype, device="meta") if i is not None else None for i in indices
-    ]
-    return aten.index.Tensor(meta, meta_indices), (present[0] if adjacent else 0) + kb
+    with b.fake_mode:  # symbolic sizes (dynamic=True) need the trace's fake mode
+        meta = torch.empty_strided(tuple(x.spec.shape), tuple(x.spec.stride), dtype=x.spec.tensor_meta.dtype, device="meta")
+        meta_indices = [
+            torch.empty(tuple(i.spec.shape), dtype=i.spec.tensor_meta.dtype, device="meta") if i is not None else None for i in indices
+        ]
+        return aten.index.Tensor(meta, meta_indices), (present[0] if adjacent else 0) + kb
 
 
 @register_rule(aten.index.Tensor)
@@ -100,7 +101,7 @@ def _index(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs:
         return generic_expand(ctx, b, op, args, kwargs)
     axis, d, kb = found
     node = b.call(op, x.node, _local_indices(ctx, b, x, indices, axis, d))
-    out, out_dim = _indexed(x, indices, kb)
+    out, out_dim = _indexed(b, x, indices, kb)
     placements = [pt.Replicate()] * ctx.mctx.ndim
     placements[axis] = pt.Shard(out_dim)
     spec = pt.make_spec(ctx.mctx.mesh, placements, tuple(out.shape), tuple(out.stride()), out.dtype)
@@ -116,7 +117,7 @@ def _index_put(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwa
     found = _local_rows_plan(ctx, x, indices) if isinstance(values, TensorArg) and not kwargs else None
     if found is not None:
         axis, d, kb = found
-        out, out_dim = _indexed(x, indices, kb)
+        out, out_dim = _indexed(b, x, indices, kb)
         j = out_dim - (out.dim() - len(values.spec.shape))  # the dim of values that meets the rows
         want = [pt.Replicate()] * ctx.mctx.ndim
         if j >= 0 and values.spec.shape[j] != 1:

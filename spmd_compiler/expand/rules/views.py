@@ -230,15 +230,19 @@ def _symbolic_view(ctx: ExpandContext, b: SubgraphBuilder, op: Any, x: TensorArg
     placements = symbolic_view_placements(in_shape, out, x.spec.placements)
     if placements is None:
         return None
-    contiguous = _contiguous_strides(in_shape)
-    if not all(_same(s, c) for s, c, n in zip(x.spec.stride, contiguous, in_shape) if not (not pt.is_symbolic(n) and int(n) == 1)):
-        return None  # a strided global layout: DTensor's strategy decides
+    # the placements follow the elements' logical order, whatever the memory layout (a
+    # transposed key viewed for bmm); the global strides are the view's of the global layout
+    try:
+        with b.fake_mode:
+            stride = torch.empty_strided(tuple(in_shape), tuple(x.spec.stride), device="meta").view(out).stride()
+    except RuntimeError:  # the global layout does not allow this view (reshape copies): DTensor decides
+        return None
     local = list(b.local_shape(out, placements))
     try:
         node = b.call(op, x.node, local)
     except RuntimeError:  # the local tensor's strides do not allow this view
         return None
-    spec = pt.make_spec(ctx.mctx.mesh, placements, out, _contiguous_strides(out), x.spec.tensor_meta.dtype)
+    spec = pt.make_spec(ctx.mctx.mesh, placements, out, tuple(stride), x.spec.tensor_meta.dtype)
     return _out_tensor(b, node, spec, {})
 
 
