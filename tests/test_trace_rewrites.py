@@ -61,3 +61,55 @@ def test_rewrites_are_undone_after_the_trace():
     with traceable_scalars():
         assert torch.as_tensor is not before[0] and torch.optim._adafactor.max is not max
     assert (torch.as_tensor, nn.BatchNorm1d.forward, torch.optim._adafactor.__dict__.get("max")) == before
+
+
+# ------------------------------------------------------------- dynamic=True: contiguous()
+
+def _shift_step(write: bool):
+    def step(model, optimizer, x, y):
+        h = model(x)
+        shifted = torch.nn.functional.pad(h, (0, 1))[..., 1:].contiguous()  # contiguous only for one row
+        if write:
+            shifted.mul_(2)  # in place into the copy: for one row, one device writes the padded tensor
+        loss = ((shifted - y) ** 2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    return step
+
+
+def _rows(sizes):
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(b, 16, generator=g, dtype=torch.float64), torch.randn(b, 16, generator=g, dtype=torch.float64)) for b in sizes]
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.1)
+
+
+def test_contiguous_of_a_batch_view_keeps_one_program_for_one_row(caplog):
+    """``x[..., 1:].contiguous()`` asks whether the batch has one row (a guard per
+    answer: a second program at the first one-row batch). Traced with dynamic=True it is
+    a copy for every size, the same values; one program serves 8, 5, 1, 3 rows."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="spmd_compiler.driver.dynamic")
+    model = nn.Linear(16, 16).double()
+    res = assert_training_matches(_shift_step(False), model, _sgd, _rows([8, 5, 1, 3]), fake_mesh((2,), ("dp",)), sc.Plan(), dynamic=True,
+                                  atol=1e-12, rtol=1e-12)
+    assert res.sim.compiles == 1 and not caplog.records, res.sim.reasons
+
+
+def test_contiguous_copy_written_in_place_compiles_per_shape(caplog):
+    """The copy is written in place: for one row one device would write through to its
+    source, so the step keeps one program per shape (one INFO line) and equals one device."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="spmd_compiler.driver.dynamic")
+    model = nn.Linear(16, 16).double()
+    res = assert_training_matches(_shift_step(True), model, _sgd, _rows([8, 5]), fake_mesh((2,), ("dp",)), sc.Plan(), dynamic=True,
+                                  atol=1e-12, rtol=1e-12)
+    assert res.sim.compiles == 2, res.sim.reasons
+    assert any("contiguous() of a batch-sized view" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]

@@ -58,6 +58,8 @@ def expand_dynamic(expand: Any, traced: Any, **kwargs: Any) -> Any:
                 nodes = [n for n, _ in step.size_guard_nodes]
                 why = _why(nodes[-1] if nodes else None, f"a guard fixed {pinned[0].label} dim {pinned[0].dim} to one size")
         traced.dynamic_fallback = why
+    if not getattr(traced, "dynamic_fallback_logged", False):  # once per trace (the trace may have said why)
+        traced.dynamic_fallback_logged = True
         log.info("dynamic=True: the batch sizes cannot stay symbolic, compiling one program per batch shape: %s", why)
     return expand(traced, dynamic=False, **kwargs)
 

@@ -12,8 +12,8 @@ compute the same thing when the compiled step runs:
   that runs Python's ``max`` on the real numbers);
 * ``torch.as_tensor(number)`` of a symbolic number becomes ``torch.scalar_tensor`` with
   the dtype ``as_tensor`` would give it;
-* ``dynamic=True`` only: ``cumsum``'s backward without torch's one-row shortcut
-  (:func:`symbolic_cumsum_backward`);
+* ``dynamic=True`` only: ``cumsum``'s backward without torch's one-row shortcut, and
+  ``contiguous()`` without its one-row question (:func:`symbolic_size_rewrites`);
 * BatchNorm with ``momentum=None`` (a cumulative average of the batch statistics,
   weighted ``1 / float(num_batches_tracked)`` in Python) computes that weight as a tensor
   and updates its running statistics with the same formula its kernel uses.
@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from .. import _private_torch as pt
 
-__all__ = ["SYM_BUILTIN_MODULES", "traceable_scalars", "symbolic_cumsum_backward"]
+__all__ = ["SYM_BUILTIN_MODULES", "traceable_scalars", "symbolic_size_rewrites", "contiguous_copies_written"]
 
 SYM_BUILTIN_MODULES = ("torch.optim._adafactor", "torch.optim.asgd", "torch.optim.radam")
 
@@ -141,9 +141,32 @@ class _CumSum(torch.autograd.Function):
         return g.flip(ctx.dim).cumsum(ctx.dim).flip(ctx.dim), None, None
 
 
-class _CumSumMode(torch.overrides.TorchFunctionMode):
+class _SymbolicSizesMode(torch.overrides.TorchFunctionMode):
+    """``dynamic=True``'s trace-time rewrites of ops whose torch implementation asks a
+    question of the batch size that the answer does not depend on:
+
+    * ``cumsum`` (:class:`_CumSum`);
+    * ``x.contiguous()`` of a tensor that is contiguous only when the batch has one row
+      (``labels[..., 1:]`` of a padded ``(B, T+1)``: torch asks ``Eq(s3, 1)``, a guard
+      per answer): a copy (``clone``) unless torch can prove it contiguous for every
+      size, the same values. Only the aliasing differs, for one-row batches: the clones
+      are listed in ``copies`` and the trace checks that no op writes them or their
+      source in place (``check_contiguous_copies``).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.copies = 0  # contiguous() calls answered with a copy
+
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if func is torch.Tensor.contiguous and len(args) == 1 and kwargs.get("memory_format", torch.contiguous_format) is torch.contiguous_format:
+            x = args[0]
+            if isinstance(x, torch.Tensor) and any(pt.is_symbolic(s) for s in x.shape):
+                if pt.definitely_contiguous(x):
+                    return x
+                self.copies += 1
+                return x.clone(memory_format=torch.contiguous_format)
         if func in (torch.cumsum, torch.Tensor.cumsum) and "out" not in kwargs and len(args) >= 1:
             x = args[0]
             dim = args[1] if len(args) > 1 else kwargs.get("dim")
@@ -153,8 +176,47 @@ class _CumSumMode(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def symbolic_cumsum_backward(on: bool) -> Any:
-    """While tracing with ``dynamic=True``: ``cumsum`` of a tensor that needs a gradient
-    runs through :class:`_CumSum`, whose backward records no size guard. ``on=False``: a
-    null context (the per-shape trace keeps torch's own backward)."""
-    return _CumSumMode() if on else contextlib.nullcontext()
+def symbolic_size_rewrites(on: bool) -> Any:
+    """While tracing with ``dynamic=True``: :class:`_SymbolicSizesMode` (``cumsum`` of a
+    tensor that needs a gradient runs through :class:`_CumSum`, whose backward records no
+    size guard; ``contiguous()`` copies). ``on=False``: a null context (the per-shape
+    trace keeps torch's own code)."""
+    return _SymbolicSizesMode() if on else contextlib.nullcontext()
+
+
+def contiguous_copies_written(mode: Any, gm: Any) -> str | None:
+    """Why the ``contiguous()`` copies of :class:`_SymbolicSizesMode` would differ from one
+    device (an op writes a copy or its source in place, directly or through a view: for a
+    one-row batch one device returns the source itself, so the write would show through),
+    or None."""
+    if not isinstance(mode, _SymbolicSizesMode) or not mode.copies:
+        return None
+
+    def owner(node: Any) -> Any:  # through every op whose result is a view of its first argument
+        while node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and node.args:
+            returns = node.target._schema.returns
+            alias = returns[0].alias_info if len(returns) == 1 else None
+            if alias is None or alias.is_write or not hasattr(node.args[0], "op"):
+                break
+            node = node.args[0]
+        return node
+
+    written = set()
+    for n in gm.graph.nodes:
+        if n.op == "call_function":
+            for pos, name in pt.written_args(n.target):
+                arg = n.args[pos] if pos < len(n.args) else n.kwargs.get(name)
+                written.update(owner(a) for a in (arg if isinstance(arg, (list, tuple)) else [arg]) if hasattr(a, "op"))
+    # the copies' nodes: make_fx keeps a snapshot of each value, so they are found by
+    # form (a contiguous clone of a value torch cannot prove contiguous; a user's own such
+    # clone counts too, which only costs the symbolic program)
+    for node in gm.graph.nodes:
+        if node.target is not torch.ops.aten.clone.default or node.kwargs.get("memory_format") is not torch.contiguous_format:
+            continue
+        source = node.args[0]
+        if not hasattr(source, "op") or pt.definitely_contiguous(source.meta["val"]):
+            continue
+        for n in (source, node):
+            if owner(n) in written:
+                return f"an op writes in place into {n.name}, a contiguous() of a batch-sized view (one device aliases it for one row)"
+    return None

@@ -25,7 +25,7 @@ from .. import _private_torch as pt
 from .decompositions import decomposition_table
 from .host_values import HostSnapshot, as_data_dependent_error, check_data_dependent_shapes, user_outputs, with_batch_sizes_named
 from .markers import phase_markers, split_point_hooks, tag_phases
-from .rewrites import symbolic_cumsum_backward, traceable_scalars
+from .rewrites import contiguous_copies_written, symbolic_size_rewrites, traceable_scalars
 from .rng import RngLedger, replay_recomputed_draws, rng_replay
 from .state import collect_state, hparam_tensor, swapped_state
 from .traced import CONSTANT_LEAF_TYPES, GraphInput, GraphOutput, TracedStep, flatten_batch
@@ -221,10 +221,11 @@ def trace(
     host = HostSnapshot(model, optimizer)
     ledger = RngLedger()
     pt.record_stack_traces_of(step_fn)  # the step's own lines (loss, `if`, .item()) get a user line
+    rewrites = symbolic_size_rewrites(dynamic)
     try:
         with phase_markers(optimizer), pt.preserve_node_meta(), split_point_hooks(model, split_points), \
                 host_scalar_values(mode, optimizer, bool(scalars)), traceable_scalars(), rng_replay(ledger), \
-                pt.size_oblivious(dynamic), symbolic_cumsum_backward(dynamic):
+                pt.size_oblivious(dynamic), rewrites:
             gm = make_fx(
                 functional_step,
                 decomposition_table=decomposition_table(),
@@ -244,6 +245,8 @@ def trace(
         host.restore_symbols()
         raise
     elapsed = time.perf_counter() - start
+    with pt.size_oblivious(dynamic):  # its contiguity questions must not guard either
+        aliased = contiguous_copies_written(rewrites, gm)  # dynamic=True: per shape after all (see rewrites.py)
     host.check(gm, stored=set(layout.get("attrs", {}).values()))
     check_data_dependent_shapes(gm)
     value_guards = value_guards_of(gm, mode, inputs)  # before dead code goes: a read may only feed a branch
@@ -261,7 +264,7 @@ def trace(
         node.meta["spmd_input"] = inp
     gm.recompile()
     log.info("traced step: %d nodes in %.2fs", len(gm.graph.nodes), elapsed)
-    return TracedStep(
+    traced = TracedStep(
         gm=gm,
         inputs=inputs,
         outputs=layout["descr"],
@@ -279,6 +282,9 @@ def trace(
         host_numbers=layout["numbers"],
         host_attributes=layout["attrs"],
     )
+    if aliased:
+        traced.dynamic_fallback = aliased  # type: ignore[attr-defined]
+    return traced
 
 
 def _recording(key: tuple[int, str], make: Callable[[], Any], read: dict) -> Callable[[], Any]:

@@ -128,3 +128,51 @@ def test_megatron_partial_last_batch_one_program_without_gathers(name, mesh_shap
     assert step.size_symbols
     kinds = [n.meta["spmd_comm"]["kind"] for n in step.gm.graph.nodes if "spmd_comm" in n.meta]
     assert "all_gather" not in kinds and "all_reduce" in kinds, kinds
+
+
+def hf_labels_step(model, optimizer, ids, mask, labels):
+    """What a Hugging Face trainer does: the model's own loss from ``labels`` (padded
+    positions ``-100``; GPT-2 and Llama pad the labels and shift them), an attention mask
+    for the right padding, gradient clipping, AdamW."""
+    out = model(input_ids=ids, attention_mask=mask, labels=labels)
+    out.loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad()
+    return out.loss
+
+
+def padded(sizes: list[int]) -> list:
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for b in sizes:
+        ids = torch.randint(1, VOCAB, (b, SEQ), generator=g)
+        lengths = torch.randint(2, SEQ + 1, (b,), generator=g)
+        mask = (torch.arange(SEQ)[None] < lengths[:, None]).long()
+        out.append((ids, mask, ids.masked_fill(mask == 0, -100)))
+    return out
+
+
+# the models' loss casts the logits to float32 (``logits.float()``): float32 rounding
+HF_LOSS = {"atol": 1e-6, "rtol": 1e-6}
+
+
+@pytest.mark.parametrize("name,plan,ranks", [("gpt2", "dp", 2), ("gpt2", "dp", 3), ("gpt2", "fsdp", 2), ("llama", "dp", 2), ("gpt2-eager", "dp", 2)])
+def test_model_loss_with_labels_and_padding_mask_one_program(name, plan, ranks, caplog):
+    """``model(input_ids, attention_mask, labels).loss`` with a partial last batch: one
+    program for sizes 8, 8, 5, 3 and no gather. Before, three things each made it one
+    program per shape or gathered: the loss pads the labels (``constant_pad_nd``, whose
+    size kernel pinned the batch size); GPT-2 views the mask by the ids' batch size (two
+    batch symbols, one divided by the other); the padding mask indexes the mask with an
+    ``arange`` of the batch (its offset asked whether the size splits evenly); eager
+    attention views a transposed key (a strided layout the view rule refused)."""
+    caplog.set_level(logging.INFO, logger="spmd_compiler")
+    model = MODELS[name]().double()
+    p = sc.Plan() if plan == "dp" else sc.Plan(params={"*": [Shard(0)]}, default_input=[Shard(0)], fsdp_axes=(0,))
+    res = assert_training_matches(hf_labels_step, model, adamw, padded([8, 8, 5, 3]), fake_mesh((ranks,), ("dp",)), p, dynamic=True, **HF_LOSS)
+    assert res.sim.compiles == 2 and shape_compiles(res) == [], res.sim.reasons
+    assert fallbacks(caplog) == [] and [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    step = res.sim.expansions[(0,)]
+    assert len(step.size_symbols) == 1  # ids, mask and labels: one batch size
+    assert not [n for n in step.gm.graph.nodes if n.meta.get("spmd_comm", {}).get("kind") == "all_gather"
+                and not n.meta["spmd_comm"].get("reason", "").startswith("FSDP")]

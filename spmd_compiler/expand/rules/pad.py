@@ -22,18 +22,11 @@ from ..args import ExpandContext, TensorArg, _out_tensor
 from ..builder import SubgraphBuilder
 from ..dispatch import generic_expand
 from ..registry import register_rule
+from .views import _contiguous_strides
 
 aten = torch.ops.aten
 
 __all__: list[str] = []
-
-
-def _contiguous_strides(shape: list[Any]) -> tuple[Any, ...]:
-    strides, acc = [], 1
-    for s in reversed(shape):
-        strides.append(acc)
-        acc = acc * s
-    return tuple(reversed(strides))
 
 
 @register_rule(aten.constant_pad_nd.default)
