@@ -7,10 +7,10 @@ the call's batch sizes as a non-pipelined step does (:mod:`spmd_compiler.driver.
 :class:`MicroBatchSizes` turns them into micro-batch sizes before the program's size
 guards are evaluated. A batch that ``m`` does not divide breaks a guard: the step then
 compiles anew, and the compile raises the usual ValueError on every rank (micro-batches
-are equal, as without the option).
-
-Served today over a mesh of the pipeline axis alone (every rank holds the whole batch);
-a mesh with other axes keeps one program per batch shape (:func:`per_shape_reason`).
+are equal, as without the option). With the batch split over another mesh axis (data
+parallel inside each stage) every rank cuts its own shard into ``m``: each shard must
+split evenly (then the micro-batch's shards are torch.chunk's layout of its global size,
+the layout the program computes its local sizes with).
 """
 
 from __future__ import annotations
@@ -20,23 +20,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..driver.sizes import BatchSizes, ShardedDim, SizeProgram
+from ..expand.chunks import chunk_sizes
 
 __all__ = ["MicroBatchSizes", "MicroSizeProgram", "per_shape_reason", "size_reader"]
 
 
-def per_shape_reason(mesh: Any, backend: str, explain: bool) -> str | None:
-    """Why a pipelined step over ``mesh`` (a DeviceMesh, a ``{name: size}`` dict or a
-    shape tuple) compiles one program per batch shape under dynamic=True; None: it does not."""
+def per_shape_reason(backend: str, explain: bool) -> str | None:
+    """Why a pipelined step compiles one program per batch shape under dynamic=True;
+    None: it does not."""
     if backend == "inductor":
         return "a pipelined step with backend='inductor'"
     if explain:
         return "explain mode"
-    ndim = getattr(mesh, "ndim", None)
-    if ndim is None:
-        ndim = len(mesh) if isinstance(mesh, (dict, tuple, list)) else None
-    if ndim != 1:
-        return ("a pipelined step over a mesh with axes beside the pipeline axis (each rank's micro-batch rows are "
-                "its shard's chunks, whose global sizes have no symbolic form yet)")
     return None
 
 
@@ -46,16 +41,21 @@ class MicroSizeProgram(SizeProgram):
     batch dim cut into micro-batches, 1 for one passed whole."""
 
     divisors: list[int] = dataclasses.field(default_factory=list)
-    paths: list[str] = dataclasses.field(default_factory=list)
+    mesh_shape: tuple[int, ...] = ()
 
     def micro(self, sizes: list[int]) -> tuple[list[int], str | None]:
-        """The micro-batch sizes of the call's ``sizes`` of ``dims``, and why they do not
-        split into equal micro-batches (None: they do)."""
+        """The micro-batch sizes of the call's global ``sizes`` of ``dims``, and why they
+        do not split into equal micro-batches (None: they do)."""
+        micro = [s // d for s, d in zip(sizes, self.divisors)]
         for sd, size, d in zip(self.dims, sizes, self.divisors):
             if size % d:
-                return [s // d for s, d in zip(sizes, self.divisors)], (
-                    f"{sd.path} has {size} rows, which do not split into {d} equal micro-batches")
-        return [s // d for s, d in zip(sizes, self.divisors)], None
+                return micro, f"{sd.path} has {size} rows, which do not split into {d} equal micro-batches"
+            if sd.axis is not None and d > 1:  # each rank cuts its own shard: every shard must split evenly
+                shards = chunk_sizes(size, self.mesh_shape[sd.axis])
+                if any(c % d for c in shards):
+                    return micro, (f"{sd.path}'s {size} rows are held as shards of {shards} rows over mesh axis "
+                                   f"{sd.axis}, which do not all split into {d} equal micro-batches")
+        return micro, None
 
     def values(self, sizes: list[int]) -> tuple[list[int], str | None]:
         micro, broken = self.micro(sizes)
@@ -86,7 +86,7 @@ class MicroBatchSizes(BatchSizes):
         if program is None:
             return None
         fields = {f.name: getattr(program, f.name) for f in dataclasses.fields(SizeProgram) if f.init}
-        return MicroSizeProgram(**fields, divisors=self.divisors(dims), paths=[sd.path for sd in dims])
+        return MicroSizeProgram(**fields, divisors=self.divisors(dims), mesh_shape=self.mesh_shape)
 
     def step_values(self, step: Any, dims: list[ShardedDim], everyone: list[Any]) -> list[int]:
         # the whole-batch sizes of ``dims`` in the step's symbol order, as micro-batch sizes

@@ -55,8 +55,7 @@ class PipelinedStep(StageOwnership, StepDriver):
     def __init__(self, fn: Any, *, mesh: Any, plan: Any = None, pipeline: Pipeline, piece_runner: Any = None,
                  **options: Any) -> None:
         options.setdefault("passes", [])
-        self.pipeline = pipeline
-        self._pipeline_mesh = mesh  # both read by _per_shape, during StepDriver.__init__
+        self.pipeline = pipeline  # read by _per_shape, during StepDriver.__init__
         super().__init__(fn, mesh=mesh, plan=plan, **options)
         if self.options.backend != "eager" and piece_runner is None:
             raise ValueError(f"backend={self.options.backend!r} needs a piece_runner for the stage pieces; "
@@ -71,7 +70,7 @@ class PipelinedStep(StageOwnership, StepDriver):
         self._user_plan = self.plan
 
     def _per_shape(self) -> str | None:
-        return per_shape_reason(self._pipeline_mesh, self.options.backend, self.explain)
+        return per_shape_reason(self.options.backend, self.explain)
 
     def _batch_sizes(self, exchanged: bool) -> Any:
         """dynamic=True: the programs take micro-batch sizes (:mod:`.sizes`)."""
@@ -124,9 +123,16 @@ class PipelinedStep(StageOwnership, StepDriver):
         args, kw = global_batch(batch, kwargs, self.mesh, self.plan, exchange)
         m = self.pipeline.chunks
         leaves, spec, paths = flatten_batch(args, kw)
+        mine = flatten_batch(batch, kwargs)[0]
         out = []
-        for path, leaf in zip(paths, leaves):
+        for path, leaf, local in zip(paths, leaves, mine):
             if isinstance(leaf, torch.Tensor) and path not in self.pipeline.no_chunk:
+                if leaf.dim() and local.shape[0] != leaf.shape[0] and local.shape[0] % m:  # a shard: each rank cuts its own
+                    raise ValueError(
+                        f"{path}: this rank holds {local.shape[0]} of its {leaf.shape[0]} rows, which do not split into {m} "
+                        f"equal micro-batches (each rank cuts its own shard); fix: a batch size that gives every rank a "
+                        f"multiple of chunks={m} rows (a multiple of {m} x the ranks sharing the batch)"
+                    )
                 if leaf.dim() == 0 or leaf.shape[0] < m:
                     raise ValueError(
                         f"{path} has {leaf.shape[0] if leaf.dim() else 0} rows but chunks={m}: expected at least one "
@@ -272,7 +278,7 @@ class PipelinedStep(StageOwnership, StepDriver):
         for inp in traced.inputs:
             if inp.kind == "batch":
                 leaf = leaves[inp.index]
-                chunked[inp.index] = leaf.chunk(m, dim=0) if paths[inp.index] not in self.pipeline.no_chunk else [leaf] * m
+                chunked[inp.index] = leaf.tensor_split(m, dim=0) if paths[inp.index] not in self.pipeline.no_chunk else [leaf] * m
         by_name = {n.name: n.meta.get("spmd_input") for n in step.gm.graph.nodes if n.op == "placeholder"}
         coord = dict(zip(step.mctx.axis_names, step.mctx.coordinate))
         # dynamic=True: every micro-batch's sizes (they are equal), as the ranks agreed on them
