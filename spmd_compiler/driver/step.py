@@ -215,7 +215,7 @@ class StepDriver:
         timeout = self.options.timeout
         self._guard = StepGuard(self.mesh, timeout)
         if self.options.dynamic:
-            self._sizes = BatchSizes.over(self.mesh, self.plan, self._guard.group is not None)
+            self._sizes = self._batch_sizes(self._guard.group is not None)
             if self._sizes is None:  # the sizes cannot ride in the step check: one program per shape
                 self.options = dataclasses.replace(self.options, dynamic=False)
         if timeout is None or not dist.is_initialized() or dist.get_backend() == "fake":
@@ -232,6 +232,10 @@ class StepDriver:
         if self._sizes is None:
             return digest
         return digest, hashlib.sha1(repr(free).encode()).hexdigest(), self._sizes.local(batch, kwargs)
+
+    def _batch_sizes(self, exchanged: bool) -> BatchSizes | None:
+        """The ranks' agreement on the batch sizes (dynamic=True; see :meth:`BatchSizes.over`)."""
+        return BatchSizes.over(self.mesh, self.plan, exchanged)
 
     def _per_shape(self) -> str | None:
         """Why this step cannot serve every batch size with one program (None: it can)."""

@@ -103,27 +103,32 @@ class PipelineRunner:
         self.spans: list[Span] = []
         self.peak_activation_bytes = 0  # last step: most bytes of micro-batch values held at once
         self.last_stage = program.num_stages - 1
+        self._size_of: Callable[[Any, int | None], int] | None = None
 
     # ------------------------------------------------------------------ helpers
     def _tag(self, route: _Route, mb: int | None) -> int:
         return route.tag * 4096 + (mb if mb is not None else 4095)
 
-    def _buffer(self, name: str) -> torch.Tensor:
+    def _buffer(self, name: str, mb: int | None) -> torch.Tensor:
         v = self.program.vals[name]
-        return torch.empty(tuple(v.shape), dtype=v.dtype, device=v.device)
+        shape = tuple(v.shape) if self._size_of is None else tuple(self._size_of(d, mb) for d in v.shape)
+        return torch.empty(shape, dtype=v.dtype, device=v.device)
 
     def _span(self, kind: str, stage: int, mb: int | None, start: float, detail: str = "") -> None:
         self.spans.append(Span(dist.get_rank() if dist.is_initialized() else 0, kind, stage, mb, start, time.perf_counter(), detail))
 
     # ------------------------------------------------------------------ step
-    def run(self, feed: Any) -> dict[str, Any]:
+    def run(self, feed: Any, size_of: Callable[[Any, int | None], int] | None = None) -> dict[str, Any]:
         """Run one step. ``feed(name, mb)`` returns the value of an expanded-graph
-        placeholder (coordinate, parameter, state, or micro-batch ``mb`` of a batch
+        placeholder (coordinate, size, parameter, state, or micro-batch ``mb`` of a batch
         tensor). Returns graph-output values by name (combined over micro-batches).
+        ``size_of(dim, mb)``: a symbolic program's (dynamic=True) dim sizes for micro-batch
+        ``mb`` (receive buffers); None: the shapes are static.
 
         When this rank's stages draw random numbers, the generators of the stage's ranks
         (the other mesh axes) are agreed first, as a non-pipelined step agrees every
         rank's (docs/randomness.md, "Pipelines")."""
+        self._size_of = size_of
         if self.rng_sync is None or not any(self._draws(s) for s in self.my_stages):
             return self._run(feed)
         own = self.rng_sync.check_now()
@@ -146,7 +151,7 @@ class PipelineRunner:
             if route.value in into:
                 return
             t0 = time.perf_counter()
-            buf = self._buffer(route.value)
+            buf = self._buffer(route.value, mb)
             log.debug("recv %s mb %s from rank %d tag %d", route.value, mb, self.stage_rank(route.src), self._tag(route, mb))
             dist.irecv(buf, src=self.stage_rank(route.src), tag=self._tag(route, mb)).wait()
             into[route.value] = buf

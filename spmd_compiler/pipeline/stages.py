@@ -107,7 +107,7 @@ def split_program(gm: fx.GraphModule, assignment: StageAssignment) -> StageProgr
     graph_outputs = [a.name for a in output_node.args[0]]
     members: dict[tuple[int, str], list[fx.Node]] = {}
     for n in gm.graph.nodes:
-        if n.op != "call_function" or n.target is MARKER:
+        if n.op != "call_function" or n.target is MARKER or _is_size(n):
             continue
         stages = node_stages.get(n) or frozenset([assignment.num_stages - 1])
         kind = _kind(n)
@@ -125,7 +125,7 @@ def split_program(gm: fx.GraphModule, assignment: StageAssignment) -> StageProgr
         names = {n.name for n in nodes}
         for n in nodes:
             for a in n.all_input_nodes:
-                if a.op == "call_function" and a.name not in names:
+                if a.op == "call_function" and a.name not in names and not _is_size(a):
                     needed[producer[a.name]].add(a.name)
     for key, nodes in members.items():  # every copy of an output (tied state) is returned
         for n in nodes:
@@ -138,7 +138,15 @@ def split_program(gm: fx.GraphModule, assignment: StageAssignment) -> StageProgr
     return StageProgram(assignment.num_stages, pieces, producer, placeholders, vals, graph_outputs)
 
 
+def _is_size(node: fx.Node) -> bool:
+    """An integer node of a symbolic program (dynamic=True) computing a size from the
+    ``size_*`` and coordinate inputs (:mod:`~spmd_compiler.expand.emit_sizes`)."""
+    return bool(node.meta.get("spmd_size_expr"))
+
+
 def _extract(gm: fx.GraphModule, key: tuple[int, str], nodes: list[fx.Node], outputs: set[str]) -> Piece:
-    piece_gm, inputs, _ = cut_graph(gm, nodes, outputs=[n for n in nodes if n.name in outputs])
+    # a symbolic program's integer size nodes are copied into every piece that reads them
+    # (from the size_* and coordinate inputs each piece is fed), never sent between stages
+    piece_gm, inputs, _ = cut_graph(gm, nodes, recompute=_is_size, outputs=[n for n in nodes if n.name in outputs])
     out_names = [n.name for n in nodes if n.name in outputs]
     return Piece(key[0], key[1], piece_gm, inputs, out_names, [n.name for n in nodes])

@@ -21,10 +21,13 @@ from torch.utils import _pytree as pytree
 
 from .. import _private_torch as pt
 from ..driver import StepDriver, exchange, expand, gc_paused, global_batch, is_host_scalar, store_outputs
+from ..driver.batch import sharded_batch_dims
+from ..driver.dynamic import expand_dynamic
 from ..driver.failure import collective_failure
 from ..driver.rng import AxesRngSync
 from ..driver.token_ids import explain_index_error
 from ..errors import SpmdError
+from ..expand.symbolic import SizeGuards, size_symbols_of
 from ..trace import trace
 from ..trace.host_values import resolve_constant
 from ..trace.state import input_value
@@ -35,6 +38,7 @@ from .batchnorm import defer_batchnorm_stats
 from .ghosts import StageOwnership
 from .partition import assign_stages
 from .runtime import PipelineRunner
+from .sizes import MicroBatchSizes, per_shape_reason, size_reader
 from .stages import split_program
 from .timeline import chrome_trace_events, format_timeline
 
@@ -51,6 +55,7 @@ class PipelinedStep(StageOwnership, StepDriver):
     def __init__(self, fn: Any, *, mesh: Any, plan: Any = None, pipeline: Pipeline, piece_runner: Any = None,
                  **options: Any) -> None:
         options.setdefault("passes", [])
+        self.pipeline = pipeline  # read by _per_shape, during StepDriver.__init__
         super().__init__(fn, mesh=mesh, plan=plan, **options)
         if self.options.backend != "eager" and piece_runner is None:
             raise ValueError(f"backend={self.options.backend!r} needs a piece_runner for the stage pieces; "
@@ -65,7 +70,14 @@ class PipelinedStep(StageOwnership, StepDriver):
         self._user_plan = self.plan
 
     def _per_shape(self) -> str | None:
-        return "a pipelined step"
+        return per_shape_reason(self.options.backend, self.explain)
+
+    def _batch_sizes(self, exchanged: bool) -> Any:
+        """dynamic=True: the programs take micro-batch sizes (:mod:`.sizes`)."""
+        sizes = super()._batch_sizes(exchanged)
+        if sizes is None:
+            return None
+        return MicroBatchSizes(self.mesh, self.plan, exchanged, chunks=self.pipeline.chunks, no_chunk=tuple(self.pipeline.no_chunk))
 
     # ------------------------------------------------------------------ mesh and plan
     @property
@@ -111,9 +123,16 @@ class PipelinedStep(StageOwnership, StepDriver):
         args, kw = global_batch(batch, kwargs, self.mesh, self.plan, exchange)
         m = self.pipeline.chunks
         leaves, spec, paths = flatten_batch(args, kw)
+        mine = flatten_batch(batch, kwargs)[0]
         out = []
-        for path, leaf in zip(paths, leaves):
+        for path, leaf, local in zip(paths, leaves, mine):
             if isinstance(leaf, torch.Tensor) and path not in self.pipeline.no_chunk:
+                if leaf.dim() and local.shape[0] != leaf.shape[0] and local.shape[0] % m:  # a shard: each rank cuts its own
+                    raise ValueError(
+                        f"{path}: this rank holds {local.shape[0]} of its {leaf.shape[0]} rows, which do not split into {m} "
+                        f"equal micro-batches (each rank cuts its own shard); fix: a batch size that gives every rank a "
+                        f"multiple of chunks={m} rows (a multiple of {m} x the ranks sharing the batch)"
+                    )
                 if leaf.dim() == 0 or leaf.shape[0] < m:
                     raise ValueError(
                         f"{path} has {leaf.shape[0] if leaf.dim() else 0} rows but chunks={m}: expected at least one "
@@ -140,9 +159,18 @@ class PipelinedStep(StageOwnership, StepDriver):
             with self._ghosted(model, optimizer):
                 split = balanced_split(model, stages, "params")
         g_args, g_kwargs = self._global_batch(batch, kwargs)
+        smesh = self.stage_mesh
+        dynamic = self.options.dynamic and self._sizes is not None
+        # dynamic=True: the micro-batch sizes are symbols, fed as size_* inputs (.sizes)
+        dims = None
+        if dynamic:  # a tensor passed whole to every micro-batch (no_chunk) keeps its static size
+            paths = flatten_batch(g_args, g_kwargs)[2]
+            dims = sharded_batch_dims(self.stage_plan, g_args, g_kwargs, smesh.ndim, dynamic=True)
+            dims = {i: () if paths[i] in cfg.no_chunk else d for i, d in dims.items()}
         with self._ghosted(model, optimizer), gc_paused():
             traced = trace(
-                self.fn, model, optimizer, *g_args, symbolic=self.symbolic, split_points=split, fused_optimizer=False, **g_kwargs
+                self.fn, model, optimizer, *g_args, symbolic=self.symbolic, split_points=split, fused_optimizer=False,
+                symbolic_dims=dims, dynamic=dynamic, **g_kwargs
             )
         _refuse_kept_gradients(traced)
         defer_batchnorm_stats(traced.gm, cfg.chunks)
@@ -153,9 +181,16 @@ class PipelinedStep(StageOwnership, StepDriver):
                 f"the pipeline needs {stages} = {pp} ranks on axis {cfg.axis!r} x {cfg.stages_per_rank} stage(s) per rank; "
                 f"fix: give {stages - 1} split points (Pipeline(split=...) or pipe_split() calls) or Pipeline(auto=True)"
             )
-        smesh = self.stage_mesh
         with gc_paused():
-            step = expand(traced, smesh, self.stage_plan, coordinate=tuple(smesh.get_coordinate()), fallback=self.fallback, cache=self.cache)
+            kw = dict(coordinate=tuple(smesh.get_coordinate()), fallback=self.fallback, cache=self.cache)
+            if dynamic:
+                step = expand_dynamic(lambda t, **k: expand(t, smesh, self.stage_plan, **k), traced, **kw)
+            else:
+                step = expand(traced, smesh, self.stage_plan, **kw)
+        if step.size_symbols:  # every decision on a size symbol is a guard (no passes run on a pipeline)
+            shape_env = pt.shape_env_of(pt.fake_mode_of(traced.placeholders()[step.size_symbols[0].index].meta["val"]))
+            step.size_guards = SizeGuards(shape_env, step.size_symbols, step.size_definitions, step.size_coordinates,
+                                          size_symbols_of(traced, every=True))
         program = split_program(step.gm, assignment)
         coord = list(mesh.get_coordinate())
         mesh_ranks = mesh.mesh
@@ -243,12 +278,17 @@ class PipelinedStep(StageOwnership, StepDriver):
         for inp in traced.inputs:
             if inp.kind == "batch":
                 leaf = leaves[inp.index]
-                chunked[inp.index] = leaf.chunk(m, dim=0) if paths[inp.index] not in self.pipeline.no_chunk else [leaf] * m
+                chunked[inp.index] = leaf.tensor_split(m, dim=0) if paths[inp.index] not in self.pipeline.no_chunk else [leaf] * m
         by_name = {n.name: n.meta.get("spmd_input") for n in step.gm.graph.nodes if n.op == "placeholder"}
         coord = dict(zip(step.mctx.axis_names, step.mctx.coordinate))
+        # dynamic=True: every micro-batch's sizes (they are equal), as the ranks agreed on them
+        sizes = {f"size_{s.symbol}": v for s, v in zip(step.size_symbols, self._feed)}
+        size_of = size_reader(step, self._feed) if step.size_symbols else None
 
         def feed(name: str, mb: int | None) -> Any:
             inp = by_name[name]
+            if name in sizes:
+                return sizes[name]
             if inp is None:
                 return coord[name[len("coord_") :]]
             if inp.kind == "batch":
@@ -256,7 +296,7 @@ class PipelinedStep(StageOwnership, StepDriver):
             return pt.local_tensor(input_value(inp, state, leaves))
 
         try:
-            values = runner.run(feed)
+            values = runner.run(feed, size_of)
         except (RuntimeError, IndexError) as e:  # a peer stage died or timed out: say so on every survivor
             bad_ids = explain_index_error(e, traced, batch, kwargs)  # a token id out of range
             if bad_ids is not None:
@@ -277,7 +317,8 @@ class PipelinedStep(StageOwnership, StepDriver):
                     combined = torch.stack(got).mean(0) if self.pipeline.scale_grads else torch.stack(got).sum(0)
                 else:
                     v = node_of[slot].meta["val"]
-                    combined = torch.empty(tuple(v.shape), dtype=v.dtype, device=v.device)
+                    shape = tuple(v.shape) if size_of is None else tuple(size_of(d, None) for d in v.shape)
+                    combined = torch.empty(shape, dtype=v.dtype, device=v.device)
                 dist.broadcast(combined, src=last_rank, group=runner.pp_group)
                 return combined
             if is_host_scalar(got[0]):
