@@ -46,7 +46,7 @@ def sharded_batch_dims(plan: Plan, args: tuple, kwargs: dict, ndim: int, *, dyna
             continue
         dims = {p.dim for p in pl if isinstance(p, pt.Shard)}
         if dynamic and leaves[i].dim() > 0 and (dims or not _batch_split(placements)):
-            dims.add(0)
+            dims = {0}
         out[i] = tuple(sorted(dims))
     return out
 
