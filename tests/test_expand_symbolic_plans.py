@@ -219,7 +219,7 @@ def test_sequence_sharded_tp_gpt_new_sequence_length_compiles_again():
     assert all(e.size_symbols for e in sim.expansions.values())
 
 
-def test_sequence_sharded_tp_gpt_symbolic_gathers_no_more_than_per_shape():
+def test_sequence_sharded_tp_gpt_symbolic_program_collectives_as_per_shape():
     """The benchmark's ``tp_seq`` GPT (benchmarks/compile_time_dynamic.py: vocab 64, seq 16,
     dim 32, 4 heads, 2 layers, AdamW) on 4 ranks, compiled only: the symbolic program
     makes no more all_gathers than the per-shape one of batch 16. Before, the flatten
