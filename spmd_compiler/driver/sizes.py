@@ -1,7 +1,7 @@
 """``compile(..., dynamic=True)`` across processes: the ranks agree on the global batch sizes.
 
-A symbolic program (docs/dynamic_shapes.md) takes the *global* size of every sharded
-batch dim as a ``size_*`` input, but each rank holds only its own rows. The sizes ride in
+A symbolic program (docs/dynamic_shapes.md) takes the *global* size of every symbolic
+batch dim (dim 0, the batch size: :func:`sharded_dims`) as a ``size_*`` input, but each rank holds only its own rows. The sizes ride in
 the step guard's exchange (:mod:`.guard`): the flag tensor gets one slot per (rank,
 sharded batch dim); each rank writes its local size in its own slots and zeros elsewhere,
 so the guard's ``all_reduce(MAX)`` hands every rank every rank's local size (sizes are
