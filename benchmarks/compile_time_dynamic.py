@@ -94,7 +94,7 @@ def setups(cfg: dict | None = None) -> dict[str, Setup]:
         "dp": Setup(gpt, train_step, ids, dp, lambda: None, f"{gpt_text}; data parallel on `world` ranks"),
         "fsdp": Setup(gpt, train_step, ids, dp, gpt_fsdp_plan, "the GPT; `gpt_fsdp_plan()` (FSDP, reshard after forward) on `world` ranks"),
         "tp_seq": Setup(gpt, train_step, ids, tp, seq_tp,
-                        "the GPT; Megatron TP on `world` ranks, the batch split along the sequence (`Shard(1)`; B and T symbolic)"),
+                        "the GPT; Megatron TP on `world` ranks, the batch split along the sequence (`Shard(1)`; B symbolic, the split T static)"),
         "2d": Setup(gpt, train_step, ids, two_d, gpt_2d_plan, "the GPT; `gpt_2d_plan()`: dp `world/2` x Megatron tp 2"),
     }
 

@@ -52,11 +52,15 @@ def test_sharded_dims_follow_the_plan():
 
 
 def test_the_batch_size_of_a_sequence_sharded_leaf_is_a_dim_of_no_axis():
-    """``Shard(1)``: dim 0 (the batch size) rides in the exchange too, unsplit; every
-    rank must hold the same size of it."""
+    """``Shard(1)``: dim 0 (the batch size) rides in the exchange, unsplit; every rank
+    must hold the same size of it. The split sequence (dim 1) is static in the program:
+    its local size stays in the signature (a new length compiles again)."""
     ids = torch.zeros(5, 4, dtype=torch.long)
     dims = sharded_dims(sc.Plan(default_input=[sc.Shard(1)]), (ids, ids), {}, 1)
-    assert [(d.leaf, d.dim, d.axis) for d in dims] == [(0, 0, None), (0, 1, 0), (1, 0, None), (1, 1, 0)]
+    assert [(d.leaf, d.dim, d.axis) for d in dims] == [(0, 0, None), (1, 0, None)]
+    # beside a batch split along dim 0 (DP x sequence): only the batch size
+    dims = sharded_dims(sc.Plan(default_input=[sc.Shard(0), sc.Shard(1)]), (ids,), {}, 2)
+    assert [(d.leaf, d.dim, d.axis) for d in dims] == [(0, 0, 0)]
     whole = ShardedDim(leaf=0, dim=0, axis=None, path="batch[0]")
     assert global_sizes([whole, DIM], [((0,), [5, 2]), ((1,), [5, 2])], (2,)) == [5, 4]
     with pytest.raises(ValueError, match=r"sizes \[3, 5\] in dim 0.*fix:"):
@@ -195,6 +199,35 @@ def _three_ranks(rank: int, world: int) -> dict:
 def test_three_ranks_uneven_and_empty_shards():
     for rank, res in enumerate(run_processes(_three_ranks, 3, timeout=400)):
         assert res["err"] < 1e-10 and res["compiles"] == 1, (rank, res)
+
+
+def _sequence_ranks(rank: int, world: int) -> dict:
+    """The batch split along the sequence (``Shard(1)``): B varies freely, a new sequence
+    length compiles again; equal to one device after every step."""
+    torch.manual_seed(0)
+    model = MLP().double()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    step = sc.compile(mse_step, mesh=(world,), dynamic=True, plan=sc.Plan(default_input=[sc.Shard(1)]))
+    errs, compiles = [], []
+    for i, (b, t) in enumerate([(5, 4), (3, 4), (2, 6), (4, 4), (1, 6), (3, 5)]):
+        g = torch.Generator().manual_seed(100 + i)
+        x, y = (torch.randn(b, t, 16, dtype=torch.float64, generator=g) for _ in range(2))
+        mine = [_rows(v.transpose(0, 1), rank, world).transpose(0, 1).contiguous() for v in (x, y)]  # torch.chunk's piece of T
+        loss = step(model, opt, *mine)
+        errs.append(abs(loss.item() - mse_step(ref, ref_opt, x, y).item()))
+        errs.append(max((p.full_tensor() - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters())))
+        compiles.append(step.compiles)
+    return {"err": max(errs), "compiles": compiles,
+            "size_inputs": sum(n.op == "placeholder" and n.name.startswith("size_") for n in step.last.gm.graph.nodes)}
+
+
+def test_two_ranks_sequence_split_one_program_per_sequence_length():
+    for rank, res in enumerate(run_processes(_sequence_ranks, 2, timeout=400)):
+        assert res["err"] < 1e-10, (rank, res)
+        # T = 4 (B 5, 3), 6, back to 4 (its program kept: no compile), 6 again, then 5 (uneven over 2 ranks)
+        assert res["compiles"] == [1, 1, 2, 2, 2, 3], (rank, res)
+        assert res["size_inputs"] == 1, res  # B only
 
 
 def _dumping_ranks(rank: int, world: int, root: str) -> dict:

@@ -164,7 +164,9 @@ def _symbolic_propagation(mode: FakeTensorMode) -> Iterator[None]:
         # several mesh axes: DTensor plans the steps through a cache that hashes shapes
         if any(_has_symint(s) for s in (current, target)):
             current, target = _with_example_sizes(current), _with_example_sizes(target)
-        return cost(_example_split(current), _example_split(target))
+        # a strategy's target spec may have no tensor_meta: it has the current one's shape
+        shape = current.shape if current.tensor_meta is not None else None
+        return cost(_example_split(current, shape), _example_split(target, shape))
 
     with _patched({"spec_to_bytes": (cu.spec_to_bytes, spec_to_bytes), "is_tensor_shardable": (shardable, is_tensor_shardable),
                    "redistribute_cost": (cost, redistribute_cost),
@@ -194,16 +196,20 @@ def _patched(replacements: dict[str, tuple[Any, Any]]) -> Iterator[None]:
             setattr(m, attr, old)
 
 
-def _example_split(spec: DTensorSpec) -> DTensorSpec:
+def _example_split(spec: DTensorSpec, shape: Any = None) -> DTensorSpec:
     """``spec`` with every :func:`symbolic_split` given its example block count (costs
-    only: DTensor's cost model walks the blocks)."""
+    only: DTensor's cost model walks the blocks); ``shape``: the global shape when
+    ``spec`` has no tensor_meta (a strategy's target spec)."""
     if not any(split_period(p) is not None for p in spec.placements):
         return spec
+    if spec.tensor_meta is not None:
+        shape = spec.shape
     placements = []
     for p in spec.placements:
         period = split_period(p)
         if period is not None:
-            p = _StridedShard(p.dim, split_factor=max(2, int(spec.shape[p.dim]) // period))
+            blocks = int(shape[p.dim]) // period if shape is not None else 2
+            p = _StridedShard(p.dim, split_factor=max(2, blocks))
         placements.append(p)
     return DTensorSpec(spec.mesh, tuple(placements), tensor_meta=spec.tensor_meta,
                        use_strided_shard_as_shard_order=False)

@@ -29,15 +29,18 @@ def batch_placements(plan: Plan, paths: list[str], leaves: list[Any], ndim: int)
 
 
 def sharded_batch_dims(plan: Plan, args: tuple, kwargs: dict, ndim: int, *, dynamic: bool = False) -> dict[int, tuple[int, ...]]:
-    """Per batch leaf, the dims the plan shards: only those are traced as symbols
-    (an unsharded dim has the same size on every rank, and symbols slow the trace).
+    """Per batch leaf, the dims traced as symbols: without ``dynamic``, the dims the plan
+    shards (an unsharded dim has the same size on every rank, and symbols slow the trace).
 
-    ``dynamic`` (``dynamic=True``'s symbolic sizes): also dim 0, the batch size, of a leaf
-    the plan shards along another dim only (``Shard(1)``, a sequence-sharded batch) or not
-    at all (``Replicate()``, tensor parallel) when no leaf is split along dim 0 (beside a
-    split batch, a replicated leaf is an extra input, class weights or a mask, whose size
-    need not vary): it varies from call to call like a sharded batch dim, with the same
-    size on every rank."""
+    ``dynamic`` (``dynamic=True``'s symbolic sizes): dim 0, the batch size, only, of a
+    leaf the plan shards (along dim 0, data parallel; or along another dim only,
+    ``Shard(1)``, a sequence-sharded batch: dim 0 unsharded, the same on every rank), or
+    of every leaf when no leaf is split along dim 0 (``Replicate()``, tensor parallel;
+    beside a split batch, a replicated leaf is an extra input, class weights or a mask,
+    whose size need not vary). A sharded dim other than 0 (the sequence) stays static:
+    each rank's piece of it is a static size, so views that merge it behind the batch
+    keep a strided layout with a static period (``pt.symbolic_split``); a new sequence
+    length compiles again (docs/dynamic_shapes.md)."""
     leaves, _, paths = flatten_batch(args, kwargs)
     placements = batch_placements(plan, paths, leaves, ndim)
     out = {}
@@ -45,8 +48,8 @@ def sharded_batch_dims(plan: Plan, args: tuple, kwargs: dict, ndim: int, *, dyna
         if pl is None:
             continue
         dims = {p.dim for p in pl if isinstance(p, pt.Shard)}
-        if dynamic and leaves[i].dim() > 0 and (dims or not _batch_split(placements)):
-            dims.add(0)
+        if dynamic:
+            dims = {0} if leaves[i].dim() > 0 and (dims or not _batch_split(placements)) else set()
         out[i] = tuple(sorted(dims))
     return out
 

@@ -1,7 +1,7 @@
 """``compile(..., dynamic=True)`` across processes: the ranks agree on the global batch sizes.
 
-A symbolic program (docs/dynamic_shapes.md) takes the *global* size of every sharded
-batch dim as a ``size_*`` input, but each rank holds only its own rows. The sizes ride in
+A symbolic program (docs/dynamic_shapes.md) takes the *global* size of every symbolic
+batch dim (dim 0, the batch size: :func:`sharded_dims`) as a ``size_*`` input, but each rank holds only its own rows. The sizes ride in
 the step guard's exchange (:mod:`.guard`): the flag tensor gets one slot per (rank,
 sharded batch dim); each rank writes its local size in its own slots and zeros elsewhere,
 so the guard's ``all_reduce(MAX)`` hands every rank every rank's local size (sizes are
@@ -33,7 +33,7 @@ from .. import _private_torch as pt
 from ..expand.chunks import chunk_sizes
 from ..trace.tracer import flatten_batch
 from .agreement import exchange
-from .batch import _batch_split, batch_placements, signature
+from .batch import batch_placements, sharded_batch_dims, signature
 from .guard import Resync
 
 __all__ = ["ShardedDim", "sharded_dims", "global_sizes", "SizeProgram", "BatchSizes"]
@@ -53,22 +53,22 @@ class ShardedDim:
 
 
 def sharded_dims(plan: Any, batch: tuple, kwargs: dict, ndim: int) -> list[ShardedDim] | None:
-    """The batch dims the plan shards, in leaf order; None when a dim is split over more
-    than one mesh axis (nested splits have no symbolic form across processes yet)."""
+    """The batch dims a symbolic program reads sizes of (those
+    ``sharded_batch_dims(dynamic=True)`` traces as symbols: dim 0), in leaf order; None
+    when one is split over more than one mesh axis (nested splits have no symbolic form
+    across processes yet). Another sharded dim (a sequence split by ``Shard(1)``) is
+    static in the program: its local size stays in the call's signature, so a new one
+    compiles again on every rank, as with ``dynamic=False``."""
     leaves, _, paths = flatten_batch(batch, kwargs)
-    out = []
     placements = batch_placements(plan, paths, leaves, ndim)
-    for i, pl in enumerate(placements):
-        if pl is None:
-            continue
-        split = {p.dim for p in pl if isinstance(p, pt.Shard)}
-        if 0 not in split and leaves[i].dim() > 0 and (split or not _batch_split(placements)):  # as sharded_batch_dims(dynamic=True)
-            out.append(ShardedDim(i, 0, None, paths[i]))
-        for d in sorted(split):
+    out = []
+    for i, dims in sharded_batch_dims(plan, batch, kwargs, ndim, dynamic=True).items():
+        pl = placements[i]
+        for d in dims:
             axes = [a for a, p in enumerate(pl) if isinstance(p, pt.Shard) and p.dim == d]
-            if len(axes) != 1 or isinstance(pl[axes[0]], pt.StridedShard):
+            if len(axes) > 1 or (axes and isinstance(pl[axes[0]], pt.StridedShard)):
                 return None
-            out.append(ShardedDim(i, d, axes[0], paths[i]))
+            out.append(ShardedDim(i, d, axes[0] if axes else None, paths[i]))
     return out
 
 

@@ -192,7 +192,9 @@ def _symbolic_split_to_replicate(b: SubgraphBuilder, x: fx.Node, axis: int, d: i
     g = _collective(b, c10d.all_gather_into_tensor.default, "all_gather", _contiguous(b, x), axis, (n,), why)
     rest = list(g.meta["val"].shape[1:])
     g = b.call(aten.reshape.default, g, [n, blocks, c] + rest)
-    g = b.call(aten.transpose.int, g, 0, 1)
+    # [blocks][n][c] by stacking the ranks' pieces: a transposed view would ask torch
+    # whether it is contiguous, ``blocks == 1``, a guard that pins the batch size
+    g = b.call(aten.stack.default, b.getitems(b.call(aten.unbind.int, g, 0)), 1)
     g = b.call(aten.reshape.default, g, [blocks * period] + rest)
     if d != 0:
         g = b.call(aten.movedim.int, g, 0, d)

@@ -96,7 +96,8 @@ class SimulatedTraining:
 
     def _signature(self, state: Any, batch: tuple) -> tuple:
         """The call signature; a symbolic program's (dynamic=True) leaves out the sizes of
-        the sharded batch dims, which its size guards check instead."""
+        its symbolic batch dims (dim 0), which its size guards check instead; a split
+        sequence stays in it (static: a new length compiles again)."""
         first = self.expansions.get(self.coords[0])
         free = sharded_batch_dims(self.plan, batch, {}, len(self.mesh_shape), dynamic=True) if first is not None and first.size_symbols else None
         return signature(state, batch, {}, free_dims=free)

@@ -72,7 +72,8 @@ def trace(
     symbols (fastest; sizes are constants, so factory ops are never built sharded).
 
     ``symbolic_dims`` (``{batch leaf index: dims}``) narrows ``"batch"`` to those dims
-    of those leaves (:func:`spmd_compiler.compile` passes the dims the plan shards; the
+    of those leaves (:func:`spmd_compiler.compile` passes the dims the plan shards, and
+    under ``dynamic=True`` dim 0 only, see ``driver.batch.sharded_batch_dims``; the
     others have equal global and local sizes, and every symbol makes the trace slower).
 
     ``split_points`` (``{module FQN: SplitPoint}``) inserts pipeline stage boundaries
