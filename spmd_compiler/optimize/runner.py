@@ -193,8 +193,9 @@ def default_passes(
     backward_prefetch: int = 1,
 ) -> list[PassSpec]:
     """The default pipeline: remove redundant collectives, bucket gradient reductions,
-    reduce a mean's count and value in one all_reduce when the value rides in no bucket, gather FSDP parameters per module unit, overlap communication with compute (issue
-    early, wait late), then move compute into the gaps (:mod:`.schedule`), recompute cheap
+    reduce a mean's count and value in one all_reduce when the value rides in no bucket
+    (:mod:`.mean_reductions`), gather FSDP parameters per module unit, overlap
+    communication with compute (issue early, wait late), then move compute into the gaps (:mod:`.schedule`), recompute cheap
     saved activations in backward and delay parameter gathers that would raise the peak
     (:mod:`.memory`)."""
     from .bucketing import bucket_gradients_pass
@@ -221,6 +222,6 @@ def default_passes(
 
 
 DEFAULT_PASSES = (
-    "remove_redundant_collectives", "bucket_gradients", "fuse_mean_reductions", "bucket_parameter_gathers", "overlap", "schedule", "rematerialize",
-    "budget_prefetch",
+    "remove_redundant_collectives", "bucket_gradients", "fuse_mean_reductions", "bucket_parameter_gathers", "overlap", "schedule",
+    "rematerialize", "budget_prefetch",
 )
