@@ -72,14 +72,20 @@ def test_accumulating_call_reduces_count_and_loss_once(mesh4):
     assert point is not None and point.collective == pair.name and point.shape == (2,)
 
 
-def test_stepping_call_keeps_the_loss_in_the_gradient_bucket(mesh4):
-    """By default the loss already rides in the gradient bucket (no launch of its own): the
-    pass leaves that program as it is, the count's all_reduce early in the forward."""
+def test_stepping_call_launches_as_many_and_starts_with_the_pair(mesh4):
+    """Where the loss would ride in the gradient bucket the launches are the same (the pair
+    instead of the count), and the program starts with the collective the accumulating
+    calls start with, so a switch between them needs no standalone step check."""
     ids, _ = _batch(0, 8)
-    for disabled in ((), OFF):
-        gm = _program(mesh4, train_step, (ids[:2], ids[:2]), disabled)
-        count, bucket = _all_reduces(gm)
-        assert "target count" in count.meta["spmd_comm"]["reason"] and bucket.meta["spmd_comm"]["op"] == "bucket"
+    before = _all_reduces(_program(mesh4, train_step, (ids[:2], ids[:2]), OFF))
+    gm = _program(mesh4, train_step, (ids[:2], ids[:2]))
+    pair, bucket = _all_reduces(gm)
+    assert len(before) == 2 and "target count" in before[0].meta["spmd_comm"]["reason"]
+    assert any(m.get("rider") for m in before[1].meta["spmd_comm"]["bucket"])  # the loss rode in the bucket
+    assert pair.meta["spmd_comm"]["op"] == "mean_pair" and bucket.meta["spmd_comm"]["op"] == "bucket"
+    assert not any(m.get("rider") for m in bucket.meta["spmd_comm"]["bucket"])
+    point = find_fold(gm, world_size=4)
+    assert point.collective == pair.name and point.shape == (2,)
 
 
 def accumulating_classifier_step(model, optimizer, x, targets, do_step):
@@ -121,7 +127,7 @@ def test_accumulation_matches_one_device(world, rows, kind):
         fused += any(n.meta["spmd_comm"].get("op") == "mean_pair" for n in _all_reduces(sim.expansions[(0,)].gm))
         for p, q in zip(model.parameters(), ref.parameters()):
             assert torch.allclose(p, q, rtol=0, atol=1e-12), i
-    assert fused == 2 * (WINDOW - 1)  # every call that accumulates
+    assert fused == 2 * WINDOW  # every call: those that accumulate and those that step
 
 
 @pytest.mark.parametrize("world,rows,ignored", [(2, 10, 3), (3, 10, 4)])  # 3 ranks: 4, 3, 3 rows; rank 0 partly / all ignored

@@ -5,10 +5,9 @@ entropy with ``ignore_index``, :mod:`spmd_compiler.expand.rules.losses`) reduces
 the count (``C = all_reduce_sum(c)``: the backward's gradient scale ``1/C`` needs it)
 and then the value, ``y = all_reduce_sum(g(u / C))`` with ``u`` this rank's sum and
 ``g`` a chain of scalings (``/ window`` of gradient accumulation, a negation, views).
-The second reads the first's result, so bucketing cannot merge them; when the value
-rides in a gradient bucket (:mod:`.bucketing`) it costs no launch, but where no bucket
-is issued (calls that accumulate under ``Plan(defer_grad_sync=True)``, evaluation
-steps) it is a launch of its own.
+The second reads the first's result, so bucketing cannot merge them. The value could ride
+in a gradient bucket (:mod:`.bucketing`), but where no bucket is issued (calls that
+accumulate under ``Plan(defer_grad_sync=True)``, evaluation steps) it is a launch of its own.
 
 This pass sends both in one all_reduce: ``pair = all_reduce_sum(cat([u, c]))``, then
 ``C = pair[1]`` and ``y = g(pair[0] / C)``. Exact in real arithmetic, since ``C`` is the
@@ -17,14 +16,20 @@ float rounding differs: one division of the summed numerator instead of a sum of
 per-rank quotients, which is the single device's order (its loss is ``sum / count``), so
 float64 results stay equal to one device's at 1e-12 (``tests/test_optimize_mean_reductions.py``).
 
-It runs after :mod:`.bucketing`, so a value already riding in a gradient bucket is left
-there (the count's all_reduce then keeps overlapping the forward). The pair is issued
-where both operands exist (after the local loss sum, at the end of the forward) and
-waited before the count's first reader (the loss value and the backward's scale). Skipped,
-leaving the program as it was, when: the reduce ops, groups, group sizes or dtypes differ,
-``u`` depends on ``C``, a reader of ``C`` runs before ``u`` exists, either operand is ever
-written in place, sizes are per rank (uneven shards), or the program is split into
-pipeline stages.
+It runs before :mod:`.bucketing`, in every program, also where the value would ride in a
+gradient bucket: the launches are the same there (the pair instead of the count), and
+every program of a gradient accumulation window (calls that accumulate, the call that
+steps) then starts with the same collective, the pair, which the per-step check rides on
+(:mod:`spmd_compiler.driver.fold`): a switch between them exchanges nothing (with the
+pair only where no bucket is issued, the stepping call's first collective, the count
+alone, differs, and each window paid 2 standalone checks). The cost: the pair is issued
+where both operands exist, after the local loss sum at the end of the forward, and the
+backward's scale waits for it there, where the count alone was issued at the start of
+the step and overlapped the forward (one small all_reduce's latency per step). Skipped,
+leaving the program as it was, when: the reduce ops, groups, group sizes or dtypes differ
+(or are not floating), ``u`` depends on ``C``, a reader of ``C`` runs before ``u``
+exists, either operand is ever written in place, sizes are symbolic or per rank (uneven
+shards), or the program is split into pipeline stages.
 """
 
 from __future__ import annotations
@@ -75,11 +80,9 @@ def _scaling_chain(v: Any) -> tuple[list[fx.Node], fx.Node] | None:
     while isinstance(v, fx.Node) and v.op == "call_function" and RANK_SIZES not in v.meta:
         if v.target is aten.div.Tensor and isinstance(v.args[1], fx.Node) and is_wait(v.args[1]):
             return list(reversed(chain)), v
-        if v.target in _SCALINGS and len(v.args) == 2 and isinstance(v.args[1], (int, float)) and not v.kwargs:
-            pass
-        elif v.target in _UNARY and not any(isinstance(a, fx.Node) for a in v.args[1:]):
-            pass
-        else:
+        if not (v.args and isinstance(v.args[0], fx.Node) and v.all_input_nodes == [v.args[0]] and not v.kwargs):
+            return None  # reads another node (a symbolic size, a tensor): not a scaling by a constant
+        if not (v.target in _UNARY or (v.target in _SCALINGS and len(v.args) == 2 and isinstance(v.args[1], (int, float)))):
             return None
         chain.append(v)
         v = v.args[0]
@@ -117,8 +120,11 @@ def _match(y: fx.Node, pos: dict[fx.Node, float], written: set[fx.Node]) -> tupl
     uv, cv = u.meta.get("val"), c.args[0].meta.get("val")
     if c.args[-1] != y.args[-1] or cu.get("group_size") != cc.get("group_size"):
         why = "they reduce over different groups"
-    elif not isinstance(uv, torch.Tensor) or uv.dtype != cv.dtype or not all(isinstance(s, int) for s in uv.shape):
-        why = f"the value ({getattr(uv, 'dtype', None)}) and the count ({cv.dtype}) differ in dtype"
+    elif (not isinstance(uv, torch.Tensor) or not all(isinstance(s, int) for s in uv.shape)
+          or RANK_SIZES in u.meta or RANK_SIZES in c.args[0].meta):
+        why = f"{u.name}'s size is symbolic or differs per rank"
+    elif not (uv.dtype == cv.dtype == y_wait.meta["val"].dtype) or not uv.dtype.is_floating_point:
+        why = f"the value ({uv.dtype}), its reduced form ({y_wait.meta['val'].dtype}) and the count ({cv.dtype}) differ in dtype"
     elif alias_root(u) in written or alias_root(c.args[0]) in written:
         why = "an operand is written in place"
     elif _depends_on(u, c_wait, pos):
