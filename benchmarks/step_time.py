@@ -90,6 +90,7 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "no-memory-passes": ("rematerialize", "budget_prefetch"),
     "no-rematerialize": ("rematerialize",),
     "no-budget-prefetch": ("budget_prefetch",),
+    "no-fuse-mean-reductions": ("fuse_mean_reductions",),
 }
 
 

@@ -73,7 +73,7 @@ def test_folded_variant_makes_the_same_collectives(mesh4, kind):
     point = find_fold(gm, world_size=4)
     assert point is not None and point.op == "sum"
     if kind == "gpt":
-        assert point.shape == ()  # the target count of the mean cross entropy (forward)
+        assert point.shape == (2,)  # the mean cross entropy's loss sum and target count (forward, optimize/mean_reductions.py)
     else:  # MSE's loss rides in the gradient bucket, the program's only collective
         coll = next(n for n in gm.graph.nodes if n.name == point.collective)
         assert coll.meta["spmd_comm"]["op"] == "bucket" and any(m.get("rider") for m in coll.meta["spmd_comm"]["bucket"])

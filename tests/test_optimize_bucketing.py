@@ -27,7 +27,7 @@ def test_dp_mlp_one_launch_per_bucket_and_the_loss_rides(mesh4):
     gradient bucket as a sum divided by the group size; float64 equal to one device."""
     batches = [(torch.randn(8, 16, dtype=torch.float64), torch.randn(8, 16, dtype=torch.float64)) for _ in range(3)]
     res = assert_training_matches(mse_train_step, MLP().double(), lambda p: torch.optim.AdamW(p, lr=0.01), batches, mesh4,
-                                  passes=default_passes(bucket_mb=0.004), atol=1e-12, rtol=1e-12)
+                                  passes=_without_pair(bucket_mb=0.004), atol=1e-12, rtol=1e-12)
     gm = res.sim.expansions[(0,)].gm
     assert _groups(gm) == {"dp": (2, 2)}  # 2 buckets (8.4 KB of gradients, 4 KB each), 2 launches
     riders = _riders(gm)
@@ -42,7 +42,7 @@ def test_fsdp_mlp_loss_rides_in_every_row_of_a_reduce_scatter(mesh4):
     batches = [(torch.randn(8, 16, dtype=torch.float64), torch.randn(8, 16, dtype=torch.float64)) for _ in range(3)]
     plan = sc.Plan(params={"*": [sc.Shard(0)]}, fsdp_axes=("dp",))
     res = assert_training_matches(mse_train_step, MLP().double(), lambda p: torch.optim.AdamW(p, lr=0.01), batches, mesh4, plan,
-                                  passes=default_passes(bucket_mb=0.004), atol=1e-12, rtol=1e-12)
+                                  passes=_without_pair(bucket_mb=0.004), atol=1e-12, rtol=1e-12)
     gm = res.sim.expansions[(0,)].gm
     (rs,) = [n for n in gm.graph.nodes if is_collective(n) and any(m.get("rider") for m in n.meta["spmd_comm"].get("bucket") or ())]
     assert rs.meta["spmd_comm"]["kind"] == "reduce_scatter"
@@ -72,16 +72,24 @@ def traced_gpt():
     return sc.trace(train_step, model, opt, ids, ids)
 
 
+def _without_pair(**options):
+    """The default passes without fuse_mean_reductions (which reduces the loss with the
+    target count before bucketing: optimize/mean_reductions.py)."""
+    return [p for p in default_passes(**options) if p.name != "fuse_mean_reductions"]
+
+
 @pytest.mark.parametrize("plan", ["dp", "2d"])
 def test_gpt_loss_rides_and_the_target_count_stays(traced_gpt, plan):
-    """Cross entropy: the loss (sum) rides in a dp gradient bucket; the target count does
-    not (the forward divides by it at once): dp launches = buckets + 1. TP's Megatron
-    all_reduces have no bucket to ride in (each is needed by the next op)."""
+    """Cross entropy without fuse_mean_reductions: the loss (sum) rides in a dp gradient
+    bucket; the target count does not (the forward divides by it at once): dp launches =
+    buckets + 1. With it (the default), the count and the loss go in one all_reduce (a
+    fused collective of two values): dp launches = buckets. TP's Megatron all_reduces have
+    no bucket to ride in (each is needed by the next op)."""
     from spmd_compiler.testing import fake_mesh
 
     mesh = fake_mesh((4,), ("dp",)) if plan == "dp" else fake_mesh((2, 2), ("dp", "tp"))
     step = sc.expand(traced_gpt, mesh) if plan == "dp" else sc.expand(traced_gpt, mesh, gpt_2d_plan())
-    gm = run_passes(step.gm, default_passes(bucket_mb=0.01))[0]
+    gm = run_passes(step.gm, _without_pair(bucket_mb=0.01))[0]
     groups = _groups(gm)
     launches, buckets = groups["dp"]
     assert buckets >= 2 and launches == buckets + 1, groups
@@ -91,13 +99,18 @@ def test_gpt_loss_rides_and_the_target_count_stays(traced_gpt, plan):
     assert len(_riders(gm)) == 1
     if plan == "2d":
         assert groups["tp"] == (8, 0)
+    step = sc.expand(traced_gpt, mesh) if plan == "dp" else sc.expand(traced_gpt, mesh, gpt_2d_plan())
+    paired = run_passes(step.gm, default_passes(bucket_mb=0.01))[0]
+    assert _groups(paired)["dp"] == (launches, launches) and not _riders(paired)  # as many launches, each a bucket
+    pairs = [n for n in paired.graph.nodes if is_collective(n) and n.meta["spmd_comm"].get("op") == "mean_pair"]
+    assert len(pairs) == 1 and pairs[0].meta.get("spmd_phase") == "forward"
 
 
 def test_gpt_dp_with_the_loss_in_a_bucket_equals_one_device(mesh4):
     model = GPT(vocab=32, seq=8, dim=16, heads=2, layers=1).double()
     batches = [(torch.randint(0, 32, (8, 8)), torch.randint(0, 32, (8, 8))) for _ in range(2)]
     res = assert_training_matches(train_step, model, lambda p: torch.optim.AdamW(p, lr=0.01), batches, mesh4,
-                                  passes=default_passes(bucket_mb=0.004), atol=1e-12, rtol=1e-12)
+                                  passes=_without_pair(bucket_mb=0.004), atol=1e-12, rtol=1e-12)
     gm = res.sim.expansions[(0,)].gm
     assert len(_riders(gm)) == 1
     launches, buckets = _groups(gm)["dp"]

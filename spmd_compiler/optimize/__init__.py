@@ -2,6 +2,7 @@
 
 from .bucketing import bucket_gradients_pass
 from .gathers import bucket_parameter_gathers_pass
+from .mean_reductions import fuse_mean_reductions_pass
 from .memory import budget_prefetch_pass, rematerialize_pass
 from .overlap import overlap_pass
 from .redundant import cse_pass, fold_gather_narrow_pass, remove_redundant_collectives_pass
@@ -20,6 +21,7 @@ __all__ = [
     "cse_pass",
     "fold_gather_narrow_pass",
     "bucket_gradients_pass",
+    "fuse_mean_reductions_pass",
     "bucket_parameter_gathers_pass",
     "overlap_pass",
     "schedule_for_overlap_pass",

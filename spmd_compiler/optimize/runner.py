@@ -192,13 +192,14 @@ def default_passes(
     *, bucket_mb: float = 25.0, first_bucket_mb: float | None = 1.0, overlap: bool = True, prefetch: int = 2,
     backward_prefetch: int = 1,
 ) -> list[PassSpec]:
-    """The default pipeline: remove redundant collectives, bucket gradient reductions,
-    gather FSDP parameters per module unit, overlap communication with compute (issue
-    early, wait late), then move compute into the gaps (:mod:`.schedule`), recompute cheap
-    saved activations in backward and delay parameter gathers that would raise the peak
+    """The default pipeline: remove redundant collectives, reduce a mean's count and value
+    in one all_reduce (:mod:`.mean_reductions`), bucket gradient reductions, gather FSDP
+    parameters per module unit, overlap communication with compute (issue early, wait
+    late), then move compute into the gaps (:mod:`.schedule`), recompute cheap saved activations in backward and delay parameter gathers that would raise the peak
     (:mod:`.memory`)."""
     from .bucketing import bucket_gradients_pass
     from .gathers import bucket_parameter_gathers_pass
+    from .mean_reductions import fuse_mean_reductions_pass
     from .memory import budget_prefetch_pass, rematerialize_pass
     from .overlap import overlap_pass
     from .redundant import remove_redundant_collectives_pass
@@ -206,6 +207,7 @@ def default_passes(
 
     out = [
         PassSpec("remove_redundant_collectives", remove_redundant_collectives_pass),
+        PassSpec("fuse_mean_reductions", fuse_mean_reductions_pass),
         PassSpec("bucket_gradients", bucket_gradients_pass, {"bucket_mb": bucket_mb, "first_bucket_mb": first_bucket_mb}),
         PassSpec("bucket_parameter_gathers", bucket_parameter_gathers_pass),
     ]
@@ -219,6 +221,6 @@ def default_passes(
 
 
 DEFAULT_PASSES = (
-    "remove_redundant_collectives", "bucket_gradients", "bucket_parameter_gathers", "overlap", "schedule", "rematerialize",
-    "budget_prefetch",
+    "remove_redundant_collectives", "fuse_mean_reductions", "bucket_gradients", "bucket_parameter_gathers", "overlap", "schedule",
+    "rematerialize", "budget_prefetch",
 )
