@@ -38,6 +38,7 @@ from .build import Options
 from .distribute import distribute_state, is_distributed
 from .failure import collective_failure
 from .guard import GuardError, Resync, StepGuard
+from .introspect import DriverIntrospection
 from .mesh import _LIVE, as_mesh
 from .rng import draws
 from .sizes import BatchSizes
@@ -63,7 +64,7 @@ class Program:
     slot: int = 1  # its id in the cache, 1 to cache_size, the same on every rank (carried by a folded check)
 
 
-class StepDriver:
+class StepDriver(DriverIntrospection):
     """A training step compiled for a mesh; call it like the original step.
 
     Attributes:
@@ -373,34 +374,10 @@ class StepDriver:
         rank: it depends only on the agreed program and the backend."""
         return None
 
-    def _dump(self, step: Any, texts: dict[str, Any]) -> None:
-        from ..dump.writer import dump_root, write_dump
-
-        if not self._dumping():
-            return
-        name = getattr(self.fn, "__name__", "step")
-        values = texts["size_values"](step) if step.size_symbols and texts.get("size_values") else None
-        folder = write_dump(
-            dump_root(self.dump_dir), step, name=name, expanded_text=texts.get("expanded"), pass_texts=texts.get("passes", []),
-            info={"world size": dist.get_world_size() if dist.is_initialized() else 1}, sizes=values,
-        )
-        self.dumps.append(folder)
-        log.info("dump of %s written to %s", name, folder)
-
-    def _dump_texts(self, batch: tuple, kwargs: dict) -> dict[str, Any]:
-        """What ``_build`` records for a dump: the annotated graphs go in it; a symbolic
-        program's texts and dump show the sizes of the call being compiled (``size_values``)."""
-        return {"size_values": self._sizes.call_values(batch, kwargs, self._compiling)} if self._sizes is not None else {}
-
     def _run(self, step: Any, model: Any, optimizer: Any, batch: tuple, kwargs: dict, check: Callable[[], None]) -> Any:
         """Run ``step``; call ``check()`` before its first collective, write or random op
         (it raises Resync when another rank's signature changed: nothing may have changed yet)."""
         raise NotImplementedError
-
-    def _dumping(self) -> bool:
-        from ..dump.writer import dump_root, should_dump
-
-        return dump_root(self.dump_dir) is not None and should_dump(dist.get_rank() if dist.is_initialized() else 0)
 
     def _release(self) -> None:
         """Drop compiled programs and cached state (the next call compiles again)."""
@@ -410,30 +387,3 @@ class StepDriver:
         self.last = None
         self.cache = ExpansionCache()
         self._states = StateCache()
-
-    # ------------------------------------------------------------------ introspection
-    def comm_summary(self) -> Any:
-        """Collectives of the last compiled graph per kind, axis and phase (per rank per step)."""
-        from ..dump.summary import comm_summary
-
-        if self.last is None:
-            raise RuntimeError("the step has not been compiled yet; call it once first")
-        return comm_summary(self.last.gm)
-
-    def memory_trace(self) -> Any:
-        """Static memory trace of the last compiled graph: bytes alive per node and the
-        peak per rank per step (:func:`spmd_compiler.dump.memory_trace`); a symbolic
-        program's (dynamic=True) at the batch sizes of the last call."""
-        from ..dump.memory import memory_trace
-        from ..dump.sizes import SizeContext
-
-        if self.last is None:
-            raise RuntimeError("the step has not been compiled yet; call it once first")
-        sizes = SizeContext(self.last, self._feed) if self.last.size_symbols and self._feed else None
-        return memory_trace(self.last.gm, backend=dist.get_backend() if dist.is_initialized() else None, sizes=sizes)
-
-    def timings(self) -> dict[str, float]:
-        """Seconds per compile phase of the last compile (trace, expand, rebuild, passes, total)."""
-        if self._current is None:
-            return {}
-        return dict(self._current.timings)
