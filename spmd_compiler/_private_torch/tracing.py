@@ -215,7 +215,7 @@ def inductor_compile(gm: "torch.fx.GraphModule", example_inputs: Sequence[Any], 
 
 
 def _compile_fx(gm: "torch.fx.GraphModule", fakes: list[Any], *, vectorize: bool, overlap: bool, cpp_wrapper: bool,
-                oblivious: bool = False) -> Callable[..., Any]:
+                symbolic: bool = False) -> Callable[..., Any]:
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
     from torch.fx.experimental import _config as shapes_config
 
@@ -226,19 +226,21 @@ def _compile_fx(gm: "torch.fx.GraphModule", fakes: list[Any], *, vectorize: bool
     patch: dict[str, Any] = {"size_asserts": False}
     if not vectorize:
         patch["cpp.simdlen"] = 1  # no ISA is 1 bit wide: scalar kernels
-    inner = compile_fx_inner
-    if cpp_wrapper and not oblivious:
+    def wrapped_inner(*args: Any, **kwargs: Any) -> Any:
+        with torch._inductor.config.patch(cpp_wrapper=True):
+            return compile_fx_inner(*args, **{**kwargs, "cpp_wrapper": True})
+
+    inner: Callable[..., Any] = compile_fx_inner
+    if cpp_wrapper and not symbolic:
         patch["cpp_wrapper"] = True
     elif cpp_wrapper:
         # compile_fx's cpp_wrapper entry replaces int inputs by None (symbolic ones too: "not
         # supported"); switched on for the inner compile only, the symbolic ints stay inputs
-        def inner(*args: Any, **kwargs: Any) -> Any:
-            with torch._inductor.config.patch(cpp_wrapper=True):
-                return compile_fx_inner(*args, **{**kwargs, "cpp_wrapper": True})
+        inner = wrapped_inner
     if overlap:
         patch.update(_OVERLAP_CONFIG)
     with torch._dynamo.config.patch(capture_scalar_outputs=True), torch._inductor.config.patch(patch), \
-            shapes_config.patch(backed_size_oblivious=oblivious), torch.no_grad():
+            shapes_config.patch(backed_size_oblivious=symbolic), torch.no_grad():
         return compile_fx(gm, fakes, inner_compile=inner)
 
 
@@ -247,7 +249,8 @@ def inductor_compile_symbolic(gm: "torch.fx.GraphModule", example_inputs: Sequen
                               cpp_wrapper: bool = False) -> tuple[Callable[..., Any], list[Any]]:
     """``gm`` compiled by inductor once for every value of some size symbols (``dynamic=True``),
     as :func:`inductor_compile` otherwise. ``templates`` says, per input: None (static, as
-    :func:`inductor_compile`), a sympy symbol (an int input: that size, as a symbol), or
+    :func:`inductor_compile`), a sympy symbol (an int input: that size, as a symbol), an int
+    (an int input the graph no longer reads: the caller put it in its uses), or
     ``(shape, stride)`` (a tensor whose sizes and strides are those int/sympy expressions of
     the symbols). The symbols get fresh symbols of a ShapeEnv, with the example inputs'
     values as hints, and no 0/1 specialization; inductor then reasons size-obliviously.
@@ -273,6 +276,10 @@ def inductor_compile_symbolic(gm: "torch.fx.GraphModule", example_inputs: Sequen
                 fresh[t], hints[sym] = sym, sympy.Integer(int(x))
             fakes[i] = shape_env.create_symintnode(sym, hint=int(x), source=source)
 
+    for i, t in enumerate(templates):
+        if isinstance(t, int) and not isinstance(example_inputs[i], torch.Tensor):
+            fakes[i] = t  # a constant the caller put in the graph's uses
+
     def symint(expr: Any) -> Any:
         e = sympy.sympify(expr).xreplace(fresh)
         if not e.free_symbols:
@@ -288,7 +295,7 @@ def inductor_compile_symbolic(gm: "torch.fx.GraphModule", example_inputs: Sequen
             with mode:
                 fakes[i] = torch.empty_strided([symint(e) for e in t[0]], [symint(e) for e in t[1]], dtype=x.dtype,
                                                device=x.device)
-    fn = _compile_fx(gm, fakes, vectorize=vectorize, overlap=overlap, cpp_wrapper=cpp_wrapper, oblivious=True)
+    fn = _compile_fx(gm, fakes, vectorize=vectorize, overlap=overlap, cpp_wrapper=cpp_wrapper, symbolic=True)
     back = {v: k for k, v in fresh.items()}
     guards = [g.expr for g in shape_env.guards]
     guards += [sympy.Eq(s, r) for s, r in shape_env.replacements.items() if s in back and s != r]

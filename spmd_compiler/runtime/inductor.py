@@ -72,7 +72,7 @@ from ..driver.guard import first_effect
 from ..optimize.graph_utils import is_collective, is_wait
 from .executor import compile_runner
 from .failed_collective import collective_groups, generated_collective, last_launched
-from .inductor_dynamic import SymbolicSegment, SymbolicSizes, sym_size_ops
+from .inductor_dynamic import SymbolicSegment, SymbolicSizes, inline_coordinates, sym_size_ops
 from .segments import Segment, split_segments
 
 __all__ = ["InductorRunner", "bool_collectives_as_uint8", "piece_runner", "scalars_as_tensors"]
@@ -290,6 +290,7 @@ class InductorRunner:
                     fn = pt.inductor_compile(copy, inputs, vectorize=vectorize, overlap=overlap, cpp_wrapper=wrapper)
                 else:
                     sym_size_ops(copy)
+                    inline_coordinates(copy, templates)
                     fn, guards = pt.inductor_compile_symbolic(copy, inputs, templates, vectorize=vectorize, overlap=overlap,
                                                               cpp_wrapper=wrapper)
                 if wrapper:

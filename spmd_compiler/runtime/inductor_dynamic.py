@@ -38,7 +38,7 @@ import torch.fx as fx
 from .. import _private_torch as pt
 from ..expand.symbolic import resolve
 
-__all__ = ["SymbolicSizes", "SymbolicSegment", "sym_size_ops"]
+__all__ = ["SymbolicSizes", "SymbolicSegment", "sym_size_ops", "inline_coordinates"]
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,22 @@ def sym_size_ops(gm: fx.GraphModule) -> int:
     return done
 
 
+def inline_coordinates(gm: fx.GraphModule, templates: list[Any]) -> int:
+    """Put this rank's coordinate (an int template, :meth:`SymbolicSizes.templates`) in place
+    of its placeholder's uses: given as an int input, AOTAutograd would make it a symbol of
+    its own, and guards on it no size check could evaluate. Returns how many placeholders."""
+    done = 0
+    for n, t in zip([n for n in gm.graph.nodes if n.op == "placeholder"], templates):
+        if isinstance(t, int) and not isinstance(t, bool) and n.users:
+            for user in list(n.users):
+                user.args = fx.map_arg(user.args, lambda a, n=n, t=t: t if a is n else a)
+                user.kwargs = fx.map_arg(user.kwargs, lambda a, n=n, t=t: t if a is n else a)
+            done += 1
+    if done:
+        gm.recompile()
+    return done
+
+
 class SymbolicSizes:
     """How the inputs of a symbolic program's graphs depend on its size symbols: ``symbols``
     (the trace's, one ``size_<symbol>`` input each), ``definitions`` (local size symbols,
@@ -63,6 +79,7 @@ class SymbolicSizes:
 
     def __init__(self, symbols: list[Any], definitions: dict, coordinates: dict) -> None:
         self.by_input = {f"size_{s}": s for s in symbols}
+        self.by_coordinate = {str(k): int(v) for k, v in coordinates.items()}  # coord_<axis>: this rank's
         self.definitions = dict(definitions)
         self.coordinates = {k: sympy.Integer(v) for k, v in coordinates.items()}
         self.symbols = list(symbols)
@@ -76,10 +93,11 @@ class SymbolicSizes:
         e = resolve(pt.sym_expr(value), self.definitions).xreplace(self.coordinates)
         if not e.free_symbols:
             return int(e)
-        return e if e.free_symbols <= set(self.symbols) else None
+        return _without_min_max(e) if e.free_symbols <= set(self.symbols) else None
 
     def templates(self, gm: fx.GraphModule) -> list[Any] | None:
-        """Per placeholder of ``gm``: a size symbol (a ``size_*`` input), ``(shape, strides)``
+        """Per placeholder of ``gm``: a size symbol (a ``size_*`` input), an int (this rank's
+        coordinate, a ``coord_*`` input: inlined, :func:`inline_coordinates`), ``(shape, strides)``
         (strides: the candidates, see :meth:`strides`) for a tensor of symbolic shape, or
         None (static). None if ``gm`` has no symbolic input or one this cannot describe."""
         out: list[Any] = []
@@ -89,6 +107,8 @@ class SymbolicSizes:
             val = n.meta.get("val")
             if n.name in self.by_input:
                 out.append(self.by_input[n.name])
+            elif n.name in self.by_coordinate:
+                out.append(self.by_coordinate[n.name])
             elif isinstance(val, torch.Tensor) and any(pt.is_symbolic(d) for d in (*val.shape, *val.stride())):
                 shape, stride = [self.expr(d) for d in val.shape], [self.expr(d) for d in val.stride()]
                 if any(e is None for e in (*shape, *stride)):
@@ -98,7 +118,7 @@ class SymbolicSizes:
                 return None  # a size crossing segments (they are recomputed): not expected
             else:
                 out.append(None)
-        return out if any(t is not None for t in out) else None
+        return out if any(t is not None and not isinstance(t, int) for t in out) else None
 
     @staticmethod
     def strides(shape: list[Any], graph_strides: list[Any]) -> list[list[Any]]:
@@ -192,13 +212,45 @@ class SymbolicSegment:
         return fn
 
 
+_SAMPLE = range(0, 4097)
+
+
+def _without_min_max(expr: Any) -> Any:
+    """``expr`` with each ``Min``/``Max`` of one size symbol replaced by the argument that
+    equals it at every size 0..4096 (this rank's torch.chunk rows with its coordinate put in:
+    rank 0 of 2 holds ``Min(s, (s + 1)//2) = (s + 1)//2`` rows, rank 1 ``s - (s + 1)//2``).
+    Left as they are, inductor resolves them on the example size (the guard ``(s + 1)//2 <
+    s``: another compile for even and odd sizes). Only a template: every call checks the
+    inputs' shapes against it (:meth:`SymbolicSegment.layout`)."""
+    if len(expr.free_symbols) != 1:
+        return expr
+    (sym,) = expr.free_symbols
+    for _ in range(8):
+        nodes = [a for a in sympy.preorder_traversal(expr) if type(a).__name__ in ("Min", "Max")]
+        for node in nodes:
+            f = pt.sympy_as_python(node, [sym])
+            for arg in node.args:
+                g = pt.sympy_as_python(arg, [sym]) if arg.free_symbols else (lambda v, arg=arg: int(arg))
+                if f is not None and g is not None and all(f(v) == g(v) for v in _SAMPLE):
+                    expr = expr.xreplace({node: arg})
+                    break
+            else:
+                continue
+            break  # replaced one: walk the new expression
+        else:
+            return expr
+    return expr
+
+
 def _predicate(guards: list[Any], symbols: list[Any], values: list[int]) -> Callable[..., bool]:
     """The guards as a Python function of the symbols' values; if one cannot be printed,
     the exact sizes it was compiled for."""
     if not guards:
         return lambda *v: True
-    fn = pt.sympy_as_python(sympy.And(*guards), symbols)
-    if fn is None:
+    cond = sympy.And(*guards)
+    fn = pt.sympy_as_python(cond, symbols) if cond.free_symbols <= set(symbols) else None
+    if fn is None:  # a guard on another symbol (or unprintable): these sizes only
+        log.info("guards %s are not a function of the sizes %s: this variant serves sizes %s only", guards, symbols, values)
         fixed = list(values)
         return lambda *v: list(v) == fixed
     return lambda *v: bool(fn(*v))
