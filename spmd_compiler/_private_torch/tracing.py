@@ -7,7 +7,10 @@ Touches ``torch._subclasses.fake_tensor`` (FakeTensorMode, data-dependent except
 ``torch._functorch._aot_autograd.logging_utils``, ``torch.nn.utils.stateless._reparametrize_module``,
 ``torch.nn.modules.batchnorm._BatchNorm``, OpOverload's ``_schema`` / ``_op``,
 ``DTensor._local_tensor``, the optimizer's ``_opt_called`` flag, and
-``torch._inductor.compile_fx`` with dynamo/inductor configs and counters. Checked against torch 2.13.0 and 2.14.1.
+``torch._inductor.compile_fx`` (``compile_fx``, ``compile_fx_inner``) with dynamo/inductor configs
+and counters, and for a symbolic compile ``ShapeEnv.create_symbol`` / ``create_symintnode``,
+``DimDynamic``, ``var_to_range``, ``replacements``, ``guards`` and ``_config.backed_size_oblivious``.
+Checked against torch 2.13.0 and 2.14.1 (the symbolic compile against 2.13.0 only).
 """
 
 from __future__ import annotations
