@@ -323,16 +323,7 @@ class InductorRunner:
         templates = self.sizes.templates(gm) if self.sizes is not None else None
         if templates is None:
             return self.compile(gm, inputs, name) or compile_runner(gm)
-        eager = compile_runner(gm)
-        per_shape: dict[tuple, Callable[..., Any]] = {}
-
-        def static(*args: Any) -> Any:  # an input laid out unlike the graph's metadata
-            key = tuple((tuple(x.shape), x.stride(), x.dtype) if isinstance(x, torch.Tensor) else x for x in args)
-            if key not in per_shape:
-                per_shape[key] = self.compile(gm, args, f"{name} (for its input shapes)") or eager
-            return per_shape[key](*args)
-
-        return SymbolicSegment(gm, templates, self.sizes, name, lambda g, a, t: self._compile(g, a, name, t), static, eager)
+        return SymbolicSegment(gm, templates, self.sizes, name, lambda a, t, n: self._compile(gm, a, n, t), compile_runner(gm))
 
     def failed_node(self, error: BaseException) -> fx.Node | None:
         """The collective (or wait) node of ``gm`` whose call raised ``error`` (a dead peer,

@@ -118,7 +118,14 @@ class SymbolicSizes:
                 return None  # a size crossing segments (they are recomputed): not expected
             else:
                 out.append(None)
-        return out if any(t is not None and not isinstance(t, int) for t in out) else None
+        if not any(isinstance(t, tuple) or isinstance(t, sympy.Symbol) for t in out):
+            return None
+        read = {t for t in out if isinstance(t, sympy.Symbol)}
+        used = {sym for t in out if isinstance(t, tuple) for e in (*t[0], *t[1][0]) for sym in getattr(e, "free_symbols", ())}
+        if not used <= read:  # a batch-shaped input without its size input: inductor could not bind it
+            log.debug("%s reads batch-shaped inputs of sizes %s without the size inputs: compiled per shape", gm, used - read)
+            return None
+        return out
 
     @staticmethod
     def strides(shape: list[Any], graph_strides: list[Any]) -> list[list[Any]]:
@@ -148,16 +155,16 @@ class SymbolicSegment:
     """A graph of a symbolic program compiled by inductor once for every size its guards
     allow: ``variants`` are ``(layout, guards, holds, fn)`` (``layout``: which stride
     template each batch-shaped input matched; ``holds(*sizes)``: the guards as a Python
-    predicate). ``compile(gm, inputs, templates)`` returns ``(fn, guards)`` or None (then
-    the segment runs on the eager runner for that layout); ``static(inputs)`` runs an
-    input laid out unlike every template (compiled per shape)."""
+    predicate). ``compile(inputs, templates, name)`` returns ``(fn, guards)`` or None (then
+    the segment runs on ``eager`` for that layout); with ``templates=None`` it compiles for
+    the inputs' shapes: what runs an input laid out unlike every template (``per_shape``)."""
 
     def __init__(self, gm: fx.GraphModule, templates: list[Any], sizes: SymbolicSizes, name: str,
-                 compile: Callable[..., Any], static: Callable[..., Any], eager: Callable[..., Any]) -> None:
+                 compile: Callable[..., Any], eager: Callable[..., Any]) -> None:
         self.gm, self.templates, self.sizes, self.name = gm, templates, sizes, name
-        self._compile, self._static, self._eager = compile, static, eager
+        self._compile, self._eager = compile, eager
         self.variants: list[tuple[tuple, list[Any], Callable[..., bool], Callable[..., Any]]] = []
-        self.cpp_wrapped = False
+        self.per_shape: dict[tuple, Callable[..., Any]] = {}
         self.last: Callable[..., Any] | None = None  # the function the last call ran
 
     def values(self, inputs: tuple) -> list[int]:
@@ -184,9 +191,13 @@ class SymbolicSegment:
         values = self.values(inputs)
         layout = self.layout(inputs, values)
         if layout is None:
-            log.debug("%s: an input is laid out unlike the program's metadata; compiled for its shapes", self.name)
-            self.last = self._static
-            return self._static(*inputs)
+            key = tuple((tuple(x.shape), x.stride(), x.dtype) if isinstance(x, torch.Tensor) else x for x in inputs)
+            if key not in self.per_shape:
+                log.info("%s: an input is laid out unlike the program's metadata; compiled for its shapes", self.name)
+                got = self._compile(inputs, None, f"{self.name} (for its input shapes)")
+                self.per_shape[key] = self._eager if got is None else got[0]
+            self.last = self.per_shape[key]
+            return self.last(*inputs)
         for lay, _, holds, fn in self.variants:
             if lay == layout and holds(*values):
                 self.last = fn
@@ -202,7 +213,7 @@ class SymbolicSegment:
                      dict(zip(self.sizes.symbols, values)), len(self.variants), "; ".join(broken) or "another layout")
         it = iter(layout)
         templates = [(t[0], t[1][next(it)]) if isinstance(t, tuple) else t for t in self.templates]
-        got = self._compile(self.gm, inputs, templates)
+        got = self._compile(inputs, templates, self.name)
         if got is None:  # inductor could not (one WARNING already): eager, for every size of this layout
             fn, guards = self._eager, []
         else:

@@ -121,12 +121,11 @@ def _box_floats(seg: Segment) -> None:
     placeholders = [n for n in g.nodes if n.op == "placeholder"]
     tensors = [n.meta["val"] for n in placeholders if isinstance(n.meta.get("val"), torch.Tensor)]
     seg.device = tensors[0].device if tensors else torch.device("cpu")
-    first = next(n for n in g.nodes if n.op != "placeholder")
     for p in placeholders:
         val = p.meta.get("val")
         if not isinstance(val, (float, torch.SymFloat)) or not p.users:
             continue
-        with g.inserting_before(first):
+        with g.inserting_after(p):  # placeholders and nodes interleave (cut_graph adds inputs as read)
             item = g.call_function(torch.ops.aten._local_scalar_dense.default, (p,))
         p.replace_all_uses_with(item, delete_user_cb=lambda u, item=item: u is not item)
         item.meta["val"] = val
