@@ -26,6 +26,11 @@ program run directly on the fake process group, interleaved repetitions, median 
 the collectives of both); writes benchmarks/results/compile_time_dynamic.md:
 
     python benchmarks/compile_time.py --dynamic [--world 4] [--reps 31] [--plans dp,fsdp,tp_seq,2d]
+
+``--dynamic --backend inductor`` runs the DP MLP on ``--world`` real gloo ranks (default 2)
+with ``backend="inductor"`` instead: expansions, inductor compiles and seconds over the 10
+sizes, ``dynamic=True`` against per shape (``compile_time_inductor_dynamic.py``; writes
+benchmarks/results/compile_time_inductor_dynamic.md).
 """
 
 from __future__ import annotations
@@ -158,15 +163,22 @@ def main() -> None:
                    help="plans, space or comma separated: fsdp 2d (default); --dynamic: mlp dp fsdp tp_seq 2d (default all)")
     p.add_argument("--skip-retrace-above", type=int, default=32, help="skip the slow re-trace column above this depth")
     p.add_argument("--dynamic", action="store_true", help="measure dynamic=True against per-shape compiles instead")
-    p.add_argument("--world", type=int, default=4, help="--dynamic: ranks of the simulated data-parallel mesh")
+    p.add_argument("--world", type=int, default=None, help="--dynamic: ranks of the simulated data-parallel mesh (4; inductor: gloo ranks, 2)")
+    p.add_argument("--backend", choices=["eager", "inductor"], default="eager",
+                   help="--dynamic: 'inductor' measures compile(backend='inductor') on gloo ranks (dp plan only)")
     p.add_argument("--reps", type=int, default=31, help="--dynamic: interleaved step-time repetitions")
     args = p.parse_args()
     torch.set_num_threads(1)
     plans = [x for arg in args.plans for x in arg.split(",") if x] if args.plans else None
+    if args.dynamic and args.backend == "inductor":
+        from compile_time_inductor_dynamic import run_inductor_dynamic
+
+        run_inductor_dynamic(args.world or 2)
+        return
     if args.dynamic:
         from compile_time_dynamic import run_dynamic
 
-        run_dynamic(args.world, args.reps, plans)
+        run_dynamic(args.world or 4, args.reps, plans)
         return
     rows = []
     for plan in plans or ["fsdp", "2d"]:

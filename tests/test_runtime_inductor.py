@@ -303,3 +303,22 @@ def test_step_check_runs_between_compiled_segments():
     assert seen == [[True, False]]  # the first segment compiled and ran, the second not yet
     assert "t" not in runner.segments[0].outputs and runner.segments[1].inputs == ["w_1", "mul", "x_1"]
     assert runner.failed is None and torch.equal(w_eager, w_ind) and torch.equal(want[0], got[0])
+
+
+def _sgd_update(p, g, lr_t):
+    p.add_(g, alpha=-lr_t.item())  # what the traced SGD does
+    return p.mul(2)
+
+
+def test_sgd_alpha_becomes_a_float64_tensor():
+    """SGD's ``add_(grad, alpha=-lr)``: ``alpha`` has no Tensor overload, so the rewrite makes
+    it ``p + grad * (-lr)`` (before, its ``.item()`` stayed: a 32-bit float in inductor's
+    kernels, and on 2 gloo ranks SGD under inductor was off by 0.34 at a size-1 batch)."""
+    args = [torch.rand(8, dtype=torch.float64), torch.rand(8, dtype=torch.float64), torch.tensor(0.1, dtype=torch.float64)]
+    gm = make_fx(_sgd_update, tracing_mode="fake")(*[a.clone() for a in args])
+    assert scalars_as_tensors(gm) == 1
+    assert not [n for n in gm.graph.nodes if n.target is aten._local_scalar_dense.default], gm.code
+    assert not any(n.kwargs.get("alpha") is not None for n in gm.graph.nodes if n.op == "call_function"), gm.code
+    a, b = [x.clone() for x in args], [x.clone() for x in args]
+    want, got = _sgd_update(*a), gm(*b)
+    assert (want - got).abs().max() < 1e-16 and (a[0] - b[0]).abs().max() < 1e-16  # eager's add may fuse the multiply

@@ -7,7 +7,10 @@ Touches ``torch._subclasses.fake_tensor`` (FakeTensorMode, data-dependent except
 ``torch._functorch._aot_autograd.logging_utils``, ``torch.nn.utils.stateless._reparametrize_module``,
 ``torch.nn.modules.batchnorm._BatchNorm``, OpOverload's ``_schema`` / ``_op``,
 ``DTensor._local_tensor``, the optimizer's ``_opt_called`` flag, and
-``torch._inductor.compile_fx`` with dynamo/inductor configs and counters. Checked against torch 2.13.0 and 2.14.1.
+``torch._inductor.compile_fx`` (``compile_fx``, ``compile_fx_inner``) with dynamo/inductor configs
+and counters, and for a symbolic compile ``ShapeEnv.create_symbol`` / ``create_symintnode``,
+``DimDynamic``, ``var_to_range``, ``replacements``, ``guards`` and ``_config.backed_size_oblivious``.
+Checked against torch 2.13.0 and 2.14.1 (the symbolic compile against 2.13.0 only).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ __all__ = [
     "reparametrize_module", "static_fake_mode", "example_tensor", "local_tensor", "tracing_graph", "rename_node",
     "preserve_node_meta", "link_backward_to_forward", "record_stack_traces_of", "data_dependent_exceptions",
     "batchnorm_base", "is_view_op", "written_args", "writes_first_arg", "raw_operator", "mark_optimizer_stepped",
-    "inductor_compile", "inductor_cache_counts", "inductor_cache_dir",
+    "inductor_compile", "inductor_compile_symbolic", "inductor_cache_counts", "inductor_cache_dir",
 ]
 
 
@@ -209,24 +212,103 @@ def inductor_compile(gm: "torch.fx.GraphModule", example_inputs: Sequence[Any], 
     compile. Inductor's size and stride asserts on the inputs are off: callers compile once per
     input shape and stride (runtime/inductor.py keys on them).
     """
-    from torch._inductor.compile_fx import compile_fx
-
     mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=False)
     fakes = [mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x for x in example_inputs]
+    return _compile_fx(gm, fakes, vectorize=vectorize, overlap=overlap, cpp_wrapper=cpp_wrapper)
+
+
+def _compile_fx(gm: "torch.fx.GraphModule", fakes: list[Any], *, vectorize: bool, overlap: bool, cpp_wrapper: bool,
+                symbolic: bool = False) -> Callable[..., Any]:
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+    from torch.fx.experimental import _config as shapes_config
+
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for n, fake in zip(placeholders, fakes):  # cpp_wrapper reads its inputs here: all of one fake mode
-        if isinstance(fake, torch.Tensor):
+        if isinstance(fake, (torch.Tensor, torch.SymInt)):
             n.meta["val"] = fake
     patch: dict[str, Any] = {"size_asserts": False}
     if not vectorize:
         patch["cpp.simdlen"] = 1  # no ISA is 1 bit wide: scalar kernels
-    if cpp_wrapper:
+    def wrapped_inner(*args: Any, **kwargs: Any) -> Any:
+        with torch._inductor.config.patch(cpp_wrapper=True):
+            return compile_fx_inner(*args, **{**kwargs, "cpp_wrapper": True})
+
+    inner: Callable[..., Any] = compile_fx_inner
+    if cpp_wrapper and not symbolic:
         patch["cpp_wrapper"] = True
+    elif cpp_wrapper:
+        # compile_fx's cpp_wrapper entry replaces int inputs by None (symbolic ones too: "not
+        # supported"); switched on for the inner compile only, the symbolic ints stay inputs
+        inner = wrapped_inner
     if overlap:
         patch.update(_OVERLAP_CONFIG)
-    with torch._dynamo.config.patch(capture_scalar_outputs=True), torch._inductor.config.patch(patch), torch.no_grad():
-        return compile_fx(gm, fakes)
+    with torch._dynamo.config.patch(capture_scalar_outputs=True), torch._inductor.config.patch(patch), \
+            shapes_config.patch(backed_size_oblivious=symbolic), torch.no_grad():
+        return compile_fx(gm, fakes, inner_compile=inner)
 
+
+def inductor_compile_symbolic(gm: "torch.fx.GraphModule", example_inputs: Sequence[Any], templates: Sequence[Any], *,
+                              vectorize: bool = True, overlap: bool = False,
+                              cpp_wrapper: bool = False) -> tuple[Callable[..., Any], list[Any]]:
+    """``gm`` compiled by inductor once for every value of some size symbols (``dynamic=True``),
+    as :func:`inductor_compile` otherwise. ``templates`` says, per input: None (static, as
+    :func:`inductor_compile`), a sympy symbol (an int input: that size, as a symbol), an int
+    (an int input the graph no longer reads: the caller put it in its uses), or
+    ``(shape, stride)`` (a tensor whose sizes and strides are those int/sympy expressions of
+    the symbols). The symbols get fresh symbols of a ShapeEnv, with the example inputs'
+    values as hints, and no 0/1 specialization; inductor then reasons size-obliviously.
+
+    Returns ``(fn, guards)``: ``guards`` are the conditions on the symbols (sympy, in the
+    templates' symbols) that inductor's decisions relied on (a size it made a constant, a
+    branch on a hint): ``fn`` computes the right thing only for sizes that satisfy them all.
+    Size asserts are off: the caller checks the inputs against the templates."""
+    import sympy
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic
+
+    shape_env = ShapeEnv(duck_shape=False, specialize_zero_one=False)
+    mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=False)
+    fresh: dict[Any, Any] = {}  # template symbol -> its ShapeEnv symbol
+    hints: dict[Any, Any] = {}  # ShapeEnv symbol -> example value
+    fakes: list[Any] = list(example_inputs)
+    for i, (x, t) in enumerate(zip(example_inputs, templates)):
+        if isinstance(t, sympy.Symbol) and not isinstance(x, torch.Tensor):
+            source = ConstantSource(f"spmd_size_{i}")
+            sym = shape_env.create_symbol(int(x), source, dynamic_dim=DimDynamic.DYNAMIC)
+            if isinstance(sym, sympy.Symbol):
+                fresh[t], hints[sym] = sym, sympy.Integer(int(x))
+            fakes[i] = shape_env.create_symintnode(sym, hint=int(x), source=source)
+
+    for i, t in enumerate(templates):
+        if isinstance(t, int) and not isinstance(example_inputs[i], torch.Tensor):
+            fakes[i] = t  # a constant the caller put in the graph's uses
+
+    def symint(expr: Any) -> Any:
+        e = sympy.sympify(expr).xreplace(fresh)
+        if not e.free_symbols:
+            return int(e)
+        return shape_env.create_symintnode(e, hint=int(e.xreplace(hints)))
+
+    for i, (x, t) in enumerate(zip(example_inputs, templates)):
+        if not isinstance(x, torch.Tensor):
+            continue
+        if t is None:
+            fakes[i] = mode.from_tensor(x, static_shapes=True)
+        else:
+            with mode:
+                fakes[i] = torch.empty_strided([symint(e) for e in t[0]], [symint(e) for e in t[1]], dtype=x.dtype,
+                                               device=x.device)
+    fn = _compile_fx(gm, fakes, vectorize=vectorize, overlap=overlap, cpp_wrapper=cpp_wrapper, symbolic=True)
+    back = {v: k for k, v in fresh.items()}
+    guards = [g.expr for g in shape_env.guards]
+    guards += [sympy.Eq(s, r) for s, r in shape_env.replacements.items() if s in back and s != r]
+    for s in back:
+        vr = shape_env.var_to_range.get(s)
+        if vr is not None and isinstance(vr.lower, sympy.Integer) and vr.lower > 0:  # torch's int_oo is no Integer
+            guards.append(s >= int(vr.lower))
+        if vr is not None and isinstance(vr.upper, sympy.Integer):
+            guards.append(s <= int(vr.upper))
+    return fn, [sympy.sympify(g).xreplace(back) for g in guards]
 
 
 def inductor_cache_counts() -> tuple[int, int]:

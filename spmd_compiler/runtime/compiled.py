@@ -31,6 +31,7 @@ from ..plan import Plan
 from ..trace.tracer import flatten_batch
 from .executor import compile_runner
 from .inductor import InductorRunner, piece_runner
+from .inductor_dynamic import SymbolicSizes
 
 __all__ = ["compile", "CompiledStep"]
 
@@ -52,8 +53,6 @@ class CompiledStep(StepDriver):
     fold_guard = True
 
     def _per_shape(self) -> str | None:
-        if self.options.backend == "inductor":
-            return "backend='inductor'"
         return "explain mode" if self.explain else None
 
     def _build(self, model: Any, optimizer: Any, batch: tuple, kwargs: dict) -> tuple[Any, dict[str, Any]]:
@@ -70,7 +69,9 @@ class CompiledStep(StepDriver):
         """The runner of ``gm`` (the program, or its variant carrying the step check)."""
         eager = compile_runner(gm, guard=True, check_before=first_effect(gm))
         if self.options.backend == "inductor":
-            return InductorRunner(gm, eager, timings=step.timings)
+            sizes = SymbolicSizes(symbols=[s.symbol for s in step.size_symbols], definitions=step.size_definitions,
+                                  coordinates=step.size_coordinates) if step.size_symbols else None
+            return InductorRunner(gm, eager, timings=step.timings, sizes=sizes)
         return eager
 
     def _run(self, step: Any, model: Any, optimizer: Any, batch: tuple, kwargs: dict, check: Callable[[], None]) -> Any:
@@ -162,8 +163,9 @@ def compile(fn: Callable[..., Any] | None = None, *, mesh: Any, plan: Plan | Non
             :mod:`spmd_compiler.runtime.inductor`), ``rng`` ("exact" | "fast": how random ops
             draw, docs/randomness.md; default "exact", the single-device numbers); ``dynamic`` (one
             program for every size of the sharded batch dims, docs/dynamic_shapes.md; default
-            False; the ranks agree on the global sizes in the step check; pipelines and
-            backend="inductor" keep one program per shape); and ``pipeline`` (a :class:`spmd_compiler.Pipeline`: run
+            False; the ranks agree on the global sizes in the step check; pipelines keep one
+            program per shape; backend="inductor" compiles each segment once for every size,
+            :mod:`spmd_compiler.runtime.inductor_dynamic`); and ``pipeline`` (a :class:`spmd_compiler.Pipeline`: run
             the step as a pipeline over one mesh axis; the plan then gives placements for
             the other axes).
     """

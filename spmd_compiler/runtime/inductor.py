@@ -73,6 +73,7 @@ from ..expand.emit_sizes import true_divide
 from ..optimize.graph_utils import is_collective, is_wait
 from .executor import compile_runner
 from .failed_collective import collective_groups, generated_collective, last_launched
+from .inductor_dynamic import SymbolicSegment, SymbolicSizes, inline_coordinates, sym_size_ops
 from .segments import Segment, split_segments
 
 __all__ = ["InductorRunner", "bool_collectives_as_uint8", "piece_runner", "scalars_as_tensors"]
@@ -125,6 +126,16 @@ def _rewrite_consumer(g: fx.Graph, user: fx.Node, tensors: dict[fx.Node, fx.Node
         user.replace_all_uses_with(new)
         g.erase_node(user)
         return True
+    if op in (aten.add_.Tensor, aten.add.Tensor, aten.sub_.Tensor, aten.sub.Tensor) and len(user.args) == 2:
+        alpha = user.kwargs.get("alpha")  # SGD: p.add_(grad, alpha=-lr); eager: self + alpha * other
+        if not (isinstance(alpha, fx.Node) and alpha in tensors) or any(a in tensors for a in user.args) or len(user.kwargs) > 1:
+            return False
+        with g.inserting_before(user):
+            term = g.call_function(aten.mul.Tensor, (user.args[1], tensors[alpha]))
+            new = g.call_function(op, tuple(user.args[:1]) + (term,))
+        user.replace_all_uses_with(new)
+        g.erase_node(user)
+        return True
     args = op._schema.arguments
     positions = {a.name: i for i, a in enumerate(args)}
     flat = list(user.args) + [None] * (len(args) - len(user.args))
@@ -149,11 +160,21 @@ def scalars_as_tensors(gm: fx.GraphModule) -> int:
     g = gm.graph
     tensors: dict[fx.Node, fx.Node] = {}
     devices: dict[fx.Node, torch.device] = {}
+    default = next((p.meta["val"].device for p in g.nodes if p.op == "placeholder" and isinstance(p.meta.get("val"), torch.Tensor)),
+                   torch.device("cpu"))
     for n in list(g.nodes):
         if _is_float_item(n):
             devices[n] = n.args[0].meta["val"].device
             with g.inserting_after(n):
                 tensors[n] = g.call_function(aten._to_copy.default, (n.args[0],), {"dtype": torch.float64})
+        elif n.op == "call_function" and n.target is float and len(n.args) == 1 and isinstance(n.args[0], fx.Node):
+            src = n.args[0]  # float() of a size (dynamic=True: emit_sizes)
+            devices[n] = devices.get(src, default)
+            if src in tensors:
+                tensors[n] = tensors[src]
+            else:
+                with g.inserting_after(n):
+                    tensors[n] = g.call_function(aten.scalar_tensor.default, (src,), {"dtype": torch.float64, "device": devices[n]})
         elif n.op == "call_function" and n.target in _SCALAR_OPS and any(a in tensors for a in n.all_input_nodes):
             if not all(isinstance(a, (int, float)) or a in tensors for a in n.args) or n.kwargs:
                 continue
@@ -208,8 +229,10 @@ class InductorRunner:
     what ``gm`` is in logs."""
 
     def __init__(self, gm: fx.GraphModule, eager: Callable[..., Any], *, timings: dict[str, float] | None = None,
-                 name: str = "the per-rank program") -> None:
+                 name: str = "the per-rank program", sizes: SymbolicSizes | None = None) -> None:
         self.gm, self.eager, self.timings, self.name = gm, eager, timings if timings is not None else {}, name
+        self.sizes = sizes  # dynamic=True: segments compiled once for every size (.inductor_dynamic)
+        self.compiles = 0  # inductor compiles that succeeded (each segment, each variant)
         self.compiled: dict[tuple, list[Callable[..., Any] | None]] = {}  # per signature, per segment
         self.failed: str | None = None
         self.node_at_line = getattr(eager, "node_at_line", {})
@@ -220,11 +243,15 @@ class InductorRunner:
         self._running: tuple[int, Any, dict[str, int | None]] | None = None
         self.cpp_wrapped: set[Callable[..., Any]] = set()  # compiled with inductor's C++ wrapper
         self._groups: dict[int, list[str]] = {}  # per segment: the process groups of its collectives
+        templates = sizes.templates(gm) if sizes is not None else None
+        self._symbolic = [t is not None for t in templates] if templates else [False] * len(self._params)
 
-    @staticmethod
-    def _key(inputs: tuple) -> tuple:
-        # strides too: the compiled code asserts its inputs' (a stage piece may get a transposed view)
-        return tuple((tuple(x.shape), x.stride(), x.dtype, x.device) if isinstance(x, torch.Tensor) else x for x in inputs)
+    def _key(self, inputs: tuple) -> tuple:
+        # strides too: the compiled code asserts its inputs' (a stage piece may get a transposed view);
+        # dynamic=True: not the sizes nor the batch's shapes (each SymbolicSegment checks them)
+        return tuple((x.dim(), x.dtype, x.device) if sym and isinstance(x, torch.Tensor) else None if sym else
+                     (tuple(x.shape), x.stride(), x.dtype, x.device) if isinstance(x, torch.Tensor) else x
+                     for x, sym in zip(inputs, self._symbolic))
 
     def _segments(self, checked: bool) -> list[Segment]:
         if self.segments is None:
@@ -240,7 +267,15 @@ class InductorRunner:
 
     def compile(self, gm: fx.GraphModule, inputs: tuple, name: str) -> Callable[..., Any] | None:
         """``gm`` compiled for ``inputs``' shapes; None (after one WARNING) if inductor cannot."""
+        got = self._compile(gm, inputs, name, None)
+        return None if got is None else got[0]
+
+    def _compile(self, gm: fx.GraphModule, inputs: tuple, name: str, templates: list[Any] | None) -> tuple[Any, list[Any]] | None:
+        """``(fn, guards)``: ``gm`` compiled for ``inputs``' shapes, or with ``templates`` for every
+        size of the symbols (:func:`~spmd_compiler._private_torch.inductor_compile_symbolic`; the
+        guards it relies on); None (after one WARNING) if inductor cannot."""
         t0 = time.perf_counter()
+        guards: list[Any] = []
         hits, misses = pt.inductor_cache_counts()
         fn, reason = None, ""
         overlap = any(is_collective(n) for n in gm.graph.nodes)  # keep the schedule pass's overlap
@@ -252,7 +287,13 @@ class InductorRunner:
                 copy = fx.GraphModule(gm, gm.graph.__deepcopy__())  # the reference graph stays as it is
                 scalars_as_tensors(copy)
                 bool_collectives_as_uint8(copy)
-                fn = pt.inductor_compile(copy, inputs, vectorize=vectorize, overlap=overlap, cpp_wrapper=wrapper)
+                if templates is None:
+                    fn = pt.inductor_compile(copy, inputs, vectorize=vectorize, overlap=overlap, cpp_wrapper=wrapper)
+                else:
+                    sym_size_ops(copy)
+                    inline_coordinates(copy, templates)
+                    fn, guards = pt.inductor_compile_symbolic(copy, inputs, templates, vectorize=vectorize, overlap=overlap,
+                                                              cpp_wrapper=wrapper)
                 if wrapper:
                     self.cpp_wrapped.add(fn)
                 break
@@ -271,9 +312,19 @@ class InductorRunner:
         seconds = time.perf_counter() - t0
         hit = pt.inductor_cache_counts()[0] > hits
         self.timings["backend inductor"] = self.timings.get("backend inductor", 0.0) + seconds
-        log.info("inductor compiled %s in %.2fs (FX graph cache %s)", name, seconds,
-                 "hit" if hit else ("miss" if pt.inductor_cache_counts()[1] > misses else "unused"))
-        return fn
+        self.compiles += 1
+        log.info("inductor compiled %s%s in %.2fs (FX graph cache %s)", name,
+                 "" if templates is None else f" for every batch size ({'; '.join(map(str, guards)) or 'no guard'})",
+                 seconds, "hit" if hit else ("miss" if pt.inductor_cache_counts()[1] > misses else "unused"))
+        return fn, guards
+
+    def _segment_fn(self, gm: fx.GraphModule, inputs: tuple, name: str) -> Callable[..., Any]:
+        """What runs segment ``gm``: compiled for ``inputs``' shapes, or (dynamic=True) a
+        :class:`~.inductor_dynamic.SymbolicSegment` compiled once for every size."""
+        templates = self.sizes.templates(gm) if self.sizes is not None else None
+        if templates is None:
+            return self.compile(gm, inputs, name) or compile_runner(gm)
+        return SymbolicSegment(gm, templates, self.sizes, name, lambda a, t, n: self._compile(gm, a, n, t), compile_runner(gm))
 
     def failed_node(self, error: BaseException) -> fx.Node | None:
         """The collective (or wait) node of ``gm`` whose call raised ``error`` (a dead peer,
@@ -330,6 +381,9 @@ class InductorRunner:
                 pending()  # the ops before the first effect ran meanwhile
                 pending = None
             args = [env[name] for name in seg.inputs]
+            if seg.boxed:  # host floats as float64 tensors (runtime/segments.py)
+                args = [torch.tensor(a, dtype=torch.float64, device=seg.device) if name in seg.boxed else a
+                        for name, a in zip(seg.inputs, args)]
             if seg.host is not None:
                 host = seg.host
                 env[host.name] = host.target(*fx.map_arg(host.args, lambda a: env[a.name]),
@@ -338,8 +392,8 @@ class InductorRunner:
                 fn = fns[i]
                 if fn is None:
                     part = self.name if len(segments) == 1 else f"{self.name} (segment {i + 1} of {len(segments)})"
-                    fn = fns[i] = self.compile(seg.gm, tuple(args), part) or compile_runner(seg.gm)
-                groups = self._groups.get(i) if fn in self.cpp_wrapped else ()
+                    fn = fns[i] = self._segment_fn(seg.gm, tuple(args), part)
+                groups = self._groups.get(i) if fn in self.cpp_wrapped or isinstance(fn, SymbolicSegment) else ()
                 if groups is None:
                     groups = self._groups[i] = collective_groups(seg.gm)
                 self._running = (i, fn, {g: pt.collectives_launched(g) for g in groups})

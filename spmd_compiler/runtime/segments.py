@@ -43,6 +43,8 @@ class Segment:
     outputs: list[str]
     check_before: bool = False
     free: list[str] = field(default_factory=list)
+    boxed: list[str] = field(default_factory=list)  # float inputs ``gm`` takes as 0-d float64 tensors
+    device: torch.device = torch.device("cpu")  # where those tensors go
     made: dict[str, fx.Node] = field(default_factory=dict)  # original name -> node of ``gm``
 
 
@@ -50,6 +52,12 @@ def _input_view(n: fx.Node) -> bool:
     """A view op whose inputs are program inputs or such views (cheap to recompute)."""
     return (n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and pt.is_view_op(n.target)
             and all(a.op == "placeholder" or _input_view(a) for a in n.all_input_nodes))
+
+
+def _size_node(n: fx.Node) -> bool:
+    """An integer node computing a size from the ``size_*`` inputs (dynamic=True: so that
+    only those ints cross segments, expand/emit_sizes.py)."""
+    return n.op == "call_function" and bool(n.meta.get("spmd_size_expr"))
 
 
 def split_segments(gm: fx.GraphModule, *, host: Callable[[fx.Node], bool], check_before: fx.Node | None) -> list[Segment]:
@@ -96,7 +104,32 @@ def _extract(gm: fx.GraphModule, nodes: list[fx.Node], check: bool, host: Callab
         n = nodes[0]
         return Segment(None, n, [a.name for a in n.all_input_nodes], [], check)
     inside = set(nodes)
-    # a get_attr, or a view of the program's inputs read here, is recomputed here
-    piece, inputs, env = cut_graph(gm, nodes, recompute=lambda a: a not in inside and _input_view(a))
+    # a get_attr, a view of the program's inputs or a size (dynamic=True) read here is recomputed here
+    piece, inputs, env = cut_graph(gm, nodes, recompute=lambda a: a not in inside and (_input_view(a) or _size_node(a)))
     made = {n.name: env[n] for n in nodes if n.op == "call_function"}
-    return Segment(piece, None, inputs, [], check, made=made)
+    seg = Segment(piece, None, inputs, [], check, made=made)
+    _box_floats(seg)
+    return seg
+
+
+def _box_floats(seg: Segment) -> None:
+    """A host float read from an earlier segment (the optimizer's ``-lr``) enters ``seg.gm``
+    as a 0-d float64 tensor read with ``.item()``: inductor passes a float input to its
+    kernels as a 32-bit ``float``, and ``scalars_as_tensors`` turns the ``.item()`` into a
+    float64 tensor read (runtime/inductor.py)."""
+    g = seg.gm.graph
+    placeholders = [n for n in g.nodes if n.op == "placeholder"]
+    tensors = [n.meta["val"] for n in placeholders if isinstance(n.meta.get("val"), torch.Tensor)]
+    seg.device = tensors[0].device if tensors else torch.device("cpu")
+    for p in placeholders:
+        val = p.meta.get("val")
+        if not isinstance(val, (float, torch.SymFloat)) or not p.users:
+            continue
+        with g.inserting_after(p):  # placeholders and nodes interleave (cut_graph adds inputs as read)
+            item = g.call_function(torch.ops.aten._local_scalar_dense.default, (p,))
+        p.replace_all_uses_with(item, delete_user_cb=lambda u, item=item: u is not item)
+        item.meta["val"] = val
+        p.meta["val"] = torch.empty((), dtype=torch.float64, device=seg.device)
+        seg.boxed.append(p.name)
+    if seg.boxed:
+        seg.gm.recompile()
