@@ -60,8 +60,8 @@ def test_dynamic_false_compiles_per_batch_shape():
     model = _gpt()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     step = sc.compile(train_step, mesh=fake_mesh((2,), ["pp"]), pipeline=sc.Pipeline(chunks=2, split={"blocks.1": S}))
-    _run_sizes(step, model, opt, SIZES)
-    assert step.compiles == len(SIZES)  # 8 (first call), 6 (state and shape), 4, 12, 10
+    _run_sizes(step, model, opt, SIZES[:3])
+    assert step.compiles == 3  # 8 (first call), 6 (state and shape), 4: one per shape
     assert not step.last.size_symbols
 
 

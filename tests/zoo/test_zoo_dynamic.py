@@ -157,7 +157,9 @@ def padded(sizes: list[int]) -> list:
 HF_LOSS = {"atol": 1e-6, "rtol": 1e-6}
 
 
-@pytest.mark.parametrize("name,plan,ranks", [("gpt2", "dp", 2), ("gpt2", "dp", 3), ("gpt2", "fsdp", 2), ("llama", "dp", 2), ("gpt2-eager", "dp", 2)])
+# GPT-2 on 3 ranks (uneven shards), eager attention (the transposed key's view), Llama
+# under FSDP; ad hoc the same passed for GPT-2 dp/fsdp on 2 ranks, Llama dp, BERT
+@pytest.mark.parametrize("name,plan,ranks", [("gpt2", "dp", 3), ("gpt2-eager", "dp", 2), ("llama", "fsdp", 2)])
 def test_model_loss_with_labels_and_padding_mask_one_program(name, plan, ranks, caplog):
     """``model(input_ids, attention_mask, labels).loss`` with a partial last batch: one
     program for sizes 8, 8, 5, 3 and no gather. Before, three things each made it one
