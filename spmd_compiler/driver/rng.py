@@ -13,6 +13,7 @@ so their own streams (augmentation) are untouched; rank 0's advance as one devic
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import zlib
 from typing import Any
@@ -60,7 +61,8 @@ class RngSync:
         all_reduce(MAX), ``max(h) + max(-h)`` is 0 exactly when every rank's ``h`` is equal."""
         h = 0
         for s in _states(self.cuda):
-            h = zlib.crc32(s.numpy().tobytes(), h)
+            s = s.contiguous()  # CPU byte tensors; read without numpy (not a dependency)
+            h = zlib.crc32(ctypes.string_at(s.data_ptr(), s.numel() * s.element_size()), h)
         h &= 0x7FFFFFFF
         return [h, -h]
 
