@@ -16,7 +16,7 @@ import torch
 
 import spmd_compiler as sc
 from spmd_compiler.driver.sizes import ShardedDim, global_sizes, sharded_dims
-from spmd_compiler.runtime.launch import run_processes
+from gloo_launch import run_processes
 from spmd_compiler.testing.models import MLP, megatron_mlp_plan
 
 DIM = ShardedDim(leaf=0, dim=0, axis=0, path="batch[0]")

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 import spmd_compiler as sc
-from spmd_compiler.runtime.launch import run_processes
+from gloo_launch import run_processes
 from spmd_compiler.testing import SimulatedTraining, fake_mesh
 
 VOCAB = 10

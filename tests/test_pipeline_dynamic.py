@@ -159,7 +159,7 @@ def _worker(rank: int, world: int) -> dict:
 
 @pytest.mark.gloo
 def test_gloo_one_program_equals_one_device():
-    from spmd_compiler.runtime.launch import run_processes
+    from gloo_launch import run_processes
 
     per_rank = run_processes(_worker, 2, timeout=900)
     for rank, res in enumerate(per_rank):

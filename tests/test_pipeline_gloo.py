@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 import spmd_compiler as sc
-from spmd_compiler.runtime.launch import run_processes
+from gloo_launch import run_processes
 from spmd_compiler.testing import distribution_of
 from spmd_compiler.testing.models import GPT, SkipNet, gpt_tp_plan, mse_train_step, train_step
 

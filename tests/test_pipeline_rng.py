@@ -16,7 +16,7 @@ import torch
 from torch.distributed.tensor import Replicate
 
 import spmd_compiler as sc
-from spmd_compiler.runtime.launch import run_processes
+from gloo_launch import run_processes
 from spmd_compiler.testing.models import megatron_mlp_plan, mse_train_step
 
 from test_runtime_rng import DropMLP, _batches

@@ -14,7 +14,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 import spmd_compiler as sc
 from spmd_compiler.dump.summary import comm_summary
-from spmd_compiler.runtime.launch import run_processes
+from gloo_launch import run_processes
 from spmd_compiler.testing import SimulatedTraining
 from spmd_compiler.testing.models import MLP
 from spmd_compiler.testing.models import accumulating_mse_step as accumulating_step

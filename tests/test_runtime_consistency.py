@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import spmd_compiler as sc
-from spmd_compiler.runtime.launch import WorkerError, run_processes
+from gloo_launch import WorkerError, run_processes
 from spmd_compiler.testing import assert_distributed
 from spmd_compiler.testing.models import MLP, megatron_mlp_plan
 from spmd_compiler.testing.models import accumulating_mse_step as accumulating_step

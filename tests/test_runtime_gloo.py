@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import spmd_compiler as sc
-from spmd_compiler.runtime.launch import WorkerError, run_processes
+from gloo_launch import WorkerError, run_processes
 from spmd_compiler.testing import assert_distributed
 from spmd_compiler.testing.models import MLP, backward_step, megatron_mlp_plan, mse_train_step, optimizer_step
 

@@ -24,7 +24,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import spmd_compiler as sc
 from spmd_compiler.runtime.executor import compile_runner
 from spmd_compiler.runtime.inductor import InductorRunner, bool_collectives_as_uint8, scalars_as_tensors
-from spmd_compiler.runtime.launch import WorkerError, run_processes
+from gloo_launch import WorkerError, run_processes
 from spmd_compiler.testing.models import GPT, MLP, gpt_tp_plan, mse_train_step, train_step
 
 aten = torch.ops.aten

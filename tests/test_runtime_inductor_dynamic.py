@@ -24,7 +24,7 @@ from spmd_compiler import _private_torch as pt
 from spmd_compiler.runtime.executor import compile_runner
 from spmd_compiler.runtime.inductor import InductorRunner
 from spmd_compiler.runtime.inductor_dynamic import SymbolicSegment, SymbolicSizes
-from spmd_compiler.runtime.launch import run_processes
+from gloo_launch import run_processes
 from spmd_compiler.testing.models import GPT, MLP, mse_train_step, train_step
 
 aten = torch.ops.aten

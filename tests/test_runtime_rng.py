@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 import spmd_compiler as sc
-from spmd_compiler.runtime.launch import run_processes
+from gloo_launch import run_processes
 from spmd_compiler.testing.models import megatron_mlp_plan, mse_train_step
 
 pytestmark = pytest.mark.gloo

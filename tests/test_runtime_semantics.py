@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import spmd_compiler as sc
-from spmd_compiler.runtime.launch import run_processes
+from gloo_launch import run_processes
 from spmd_compiler.testing.models import MLP, megatron_mlp_plan
 
 pytestmark = pytest.mark.gloo

@@ -12,11 +12,18 @@ autograd's threading in combination with fork-based multiprocessing"). The fork 
 is a fresh interpreter that imports torch and spmd_compiler once and forks the workers,
 so they start about as fast as forked ones. ``fn`` and ``args`` are therefore pickled:
 ``fn`` must be importable (a module-level function), as with ``spawn``.
+
+A worker killed by a signal (a native crash: glibc's heap checks abort with SIGABRT)
+prints every thread's Python stack to stderr (:mod:`faulthandler`), and the
+:class:`WorkerError` names the signal and lists the ranks in ``crashed`` (the test
+suite reruns such a launch once, with a warning: tests/gloo_launch.py).
 """
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import signal
 import socket
 import time
 import traceback
@@ -31,7 +38,21 @@ __all__ = ["run_processes", "free_port", "WorkerError"]
 
 
 class WorkerError(RuntimeError):
-    """A worker process raised; the message holds its rank and traceback."""
+    """A worker process raised, crashed or timed out; the message holds its rank and
+    traceback. ``crashed``: the ranks killed by a signal before reporting."""
+
+    def __init__(self, message: str, crashed: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.crashed = list(crashed or [])
+
+
+def _exit_text(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            return signal.Signals(-code).name
+        except ValueError:
+            return f"signal {-code}"
+    return str(code)
 
 
 def free_port() -> int:
@@ -42,6 +63,7 @@ def free_port() -> int:
 
 def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable[..., Any], args: tuple, queue: Any, threads: int) -> None:
     try:
+        faulthandler.enable(all_threads=True)  # a native crash prints the Python stacks
         torch.set_num_threads(threads)
         if dist.is_initialized():  # inherited from the parent through fork (e.g. a fake group)
             dist.destroy_process_group()
@@ -97,7 +119,10 @@ def run_processes(
                 raise WorkerError(f"timed out after {timeout:.0f}s waiting for ranks {sorted(set(range(world_size)) - set(results) - set(errors))}")
             if all(not p.is_alive() for p in procs) and queue.empty():
                 missing = sorted(set(range(world_size)) - set(results) - set(errors))
-                raise WorkerError(f"ranks {missing} exited without reporting (exit codes {[p.exitcode for p in procs]})")
+                crashed = [r for r in missing if (procs[r].exitcode or 0) < 0]
+                raise WorkerError(
+                    f"ranks {missing} exited without reporting (exit codes {[_exit_text(p.exitcode) for p in procs]}"
+                    f"{'; a native crash: its stack is on stderr above' if crashed else ''})", crashed=crashed)
             time.sleep(0.01)
             continue
         rank, status, value = queue.get()

@@ -13,7 +13,7 @@ from test_zoo_hf import SDPA, batches, gpt2, megatron_params
 from zoo_common import adamw, lm_step
 
 import spmd_compiler as sc
-from spmd_compiler.runtime.launch import run_processes
+from gloo_launch import run_processes
 
 pytestmark = pytest.mark.gloo
 
