@@ -1,7 +1,7 @@
 """The suite's gloo launches: ``run_processes`` with one rerun after a native crash.
 
 A worker killed by a signal before it reports (glibc's heap check aborting inside torch's
-C++ code, seen once in about 200 launches of CI, in a test that passed 60 times in a row
+C++ code, seen once in about 200 launches of CI, in a test that passed 34 times in a row
 here) is not a result of the code under test: the launch runs once more, with a warning
 in pytest's summary that carries the crash message (faulthandler printed the worker's
 Python stacks to stderr). An exception, a wrong number or a timeout is never rerun.
