@@ -3,9 +3,8 @@
 A worker killed by a signal before it reports (glibc's heap check aborting inside torch's
 C++ code, seen once in about 200 launches of CI, in a test that passed 34 times in a row
 here) is most likely torch's own (the code under test runs Python and torch ops only): the
-launch runs once more, with a warning
-in pytest's summary that carries the crash message (faulthandler printed the worker's
-Python stacks to stderr). An exception, a wrong number or a timeout is never rerun.
+launch runs once more, with a warning in pytest's summary that carries the crash message
+(faulthandler printed the worker's Python stacks to stderr). An exception, a wrong number or a timeout is never rerun.
 """
 
 from __future__ import annotations
