@@ -44,6 +44,7 @@ from .tracing import (
     preserve_node_meta, link_backward_to_forward, record_stack_traces_of, data_dependent_exceptions,
     batchnorm_base, is_view_op, written_args, writes_first_arg, raw_operator, mark_optimizer_stepped,
     inductor_compile, inductor_compile_symbolic, inductor_cache_counts, inductor_cache_dir,
+    storage_owner, written_storages,
 )
 from .distributed import (
     world_info, group_name, set_group_timeout, default_store, pipeline_order, collectives_launched,
@@ -64,4 +65,5 @@ __all__ = [
     "symbol_of", "unbacked_symbols", "branch_atom", "sympy_as_python", "set_real_value",
     "propagating_real_values", "real_value_branches", "is_real_value_log", "record_stack_traces_of",
     "data_dependent_exceptions", "batchnorm_base", "collectives_launched", "inductor_compile", "inductor_compile_symbolic", "inductor_cache_counts", "inductor_cache_dir",
+    "storage_owner", "written_storages",
 ]

@@ -27,7 +27,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 __all__ = [
     "reparametrize_module", "static_fake_mode", "example_tensor", "local_tensor", "tracing_graph", "rename_node",
     "preserve_node_meta", "link_backward_to_forward", "record_stack_traces_of", "data_dependent_exceptions",
-    "batchnorm_base", "is_view_op", "written_args", "writes_first_arg", "raw_operator", "mark_optimizer_stepped",
+    "batchnorm_base", "is_view_op", "written_args", "storage_owner", "written_storages", "writes_first_arg", "raw_operator", "mark_optimizer_stepped",
     "inductor_compile", "inductor_compile_symbolic", "inductor_cache_counts", "inductor_cache_dir",
 ]
 
@@ -154,6 +154,35 @@ def written_args(op: Any) -> tuple[tuple[int, str], ...]:
     return tuple(
         (i, a.name) for i, a in enumerate(op._schema.arguments) if a.alias_info is not None and a.alias_info.is_write
     )
+
+
+
+def storage_owner(node: Any) -> Any:
+    """The fx node that owns ``node``'s storage: through every op whose result is a view
+    of its first argument (``unsqueeze``, ``slice``, ``expand``, ``alias``...: a single
+    return with a non-writing alias annotation in the op's schema)."""
+    while node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and node.args:
+        returns = node.target._schema.returns
+        alias = returns[0].alias_info if len(returns) == 1 else None
+        if alias is None or alias.is_write or not isinstance(node.args[0], torch.fx.Node):
+            break
+        node = node.args[0]
+    return node
+
+
+def written_storages(graph: Any) -> set:
+    """The owners (:func:`storage_owner`) of every tensor some op of the fx ``graph``
+    writes in place (directly or through a view)."""
+    out = set()
+    for n in graph.nodes:
+        if n.op != "call_function":
+            continue
+        for pos, name in written_args(n.target):
+            arg = n.args[pos] if pos < len(n.args) else n.kwargs.get(name)
+            for a in arg if isinstance(arg, (list, tuple)) else [arg]:
+                if isinstance(a, torch.fx.Node):
+                    out.add(storage_owner(a))
+    return out
 
 
 

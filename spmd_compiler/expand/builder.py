@@ -101,11 +101,18 @@ class SubgraphBuilder:
             self.coord_dependent = True
         return local_size(size, n, self.mctx.coordinate[axis])
 
-    def shard_offset(self, size: int, axis: int, uneven: bool) -> Any:
+    def shard_offset(self, size: int, axis: int, uneven: bool | None = None) -> Any:
         """Where this rank's chunk of a dim of ``size`` split over ``axis`` starts: a
-        run-time int of the recipe, ``coord * chunk``, clamped to ``size`` when ``uneven``
-        (decided by the caller from global sizes, so every rank emits the same ops)."""
+        run-time int of the recipe, ``coord * chunk``, clamped to ``size`` when ``uneven``.
+
+        ``uneven`` is decided from global sizes, so every rank emits the same ops. Left
+        ``None`` it is computed here from ``size`` alone: a symbolic size (dynamic=True)
+        counts as uneven (clamped with ``sym_min``, no guard), a static one when ``n``
+        does not divide it. Callers whose split depends on more (earlier shards of the
+        tensor, as in ``redistribute``) pass it explicitly."""
         n = self.mctx.shape[axis]
+        if uneven is None:
+            uneven = pt.is_symbolic(size) or size % n != 0
         if pt.is_symbolic(size):  # in units of size_unit(size) elements (see expand/symbolic.py)
             from .symbolic import size_unit
 

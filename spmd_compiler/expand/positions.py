@@ -111,30 +111,9 @@ _TRANSFER: dict[Any, Callable[[tuple, dict, Any], int | None]] = {
 }
 
 
-def _storage(node: fx.Node) -> fx.Node:
-    """The traced node that owns ``node``'s storage: through every op whose result is a
-    view of its first argument (``unsqueeze``, ``slice``, ``expand``, ``alias``...)."""
-    while node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and node.args:
-        returns = node.target._schema.returns
-        alias = returns[0].alias_info if len(returns) == 1 else None
-        if alias is None or alias.is_write or not isinstance(node.args[0], fx.Node):
-            break
-        node = node.args[0]
-    return node
-
-
 def written_storages(graph: fx.Graph) -> set[fx.Node]:
-    """The owners (:func:`_storage`) of every tensor some op of ``graph`` writes in place."""
-    out = set()
-    for n in graph.nodes:
-        if n.op != "call_function":
-            continue
-        for pos, name in pt.written_args(n.target):
-            arg = n.args[pos] if pos < len(n.args) else n.kwargs.get(name)
-            for a in arg if isinstance(arg, (list, tuple)) else [arg]:
-                if isinstance(a, fx.Node):
-                    out.add(_storage(a))
-    return out
+    """The owners (:func:`pt.storage_owner`) of every tensor some op of ``graph`` writes in place."""
+    return pt.written_storages(graph)
 
 
 def follow(op: Any, args: tuple, kwargs: dict, result: Any, node: fx.Node, written: set[fx.Node]) -> None:
@@ -144,7 +123,7 @@ def follow(op: Any, args: tuple, kwargs: dict, result: Any, node: fx.Node, writt
     fn = _TRANSFER.get(op)
     if fn is None or not isinstance(result, DValue) or result.spec.tensor_meta.dtype not in _INDEX_DTYPES:
         return
-    if _storage(node) in written:
+    if pt.storage_owner(node) in written:
         return
     dim = fn(args, kwargs, op)
     if dim is not None and 0 <= dim < len(result.spec.shape):

@@ -15,9 +15,10 @@ a guard); nobody checks such guards for a graph compiled outside dynamo, so
 :class:`SymbolicSegment` does: every compiled variant keeps its guards as a Python
 predicate of the sizes, and a call whose sizes break every variant's guards compiles
 another one (logged at INFO with the guard). ``float(size)`` becomes a 0-d float64
-tensor before inductor sees it (:func:`~.inductor.scalars_as_tensors`): inductor passes a
-symbolic float to its C++ kernels as a 32-bit ``float`` (and ``float()`` of a symbolic
-int is a guard pinning it); ``max``/``min`` of sizes become ``torch.sym_max``/``sym_min``.
+tensor before inductor sees it (:func:`~.inductor_rewrites.scalars_as_tensors`):
+inductor passes a symbolic float to its C++ kernels as a 32-bit ``float`` (and
+``float()`` of a symbolic int is a guard pinning it); ``max``/``min`` of sizes become
+``torch.sym_max``/``sym_min``.
 
 **Inputs.** Inductor's size asserts stay off; instead each call checks every batch-shaped
 input against the templates (its shape, and its strides against the graph's strides or

@@ -192,21 +192,7 @@ def contiguous_copies_written(mode: Any, gm: Any) -> str | None:
     if not isinstance(mode, _SymbolicSizesMode) or not mode.copies:
         return None
 
-    def owner(node: Any) -> Any:  # through every op whose result is a view of its first argument
-        while node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and node.args:
-            returns = node.target._schema.returns
-            alias = returns[0].alias_info if len(returns) == 1 else None
-            if alias is None or alias.is_write or not hasattr(node.args[0], "op"):
-                break
-            node = node.args[0]
-        return node
-
-    written = set()
-    for n in gm.graph.nodes:
-        if n.op == "call_function":
-            for pos, name in pt.written_args(n.target):
-                arg = n.args[pos] if pos < len(n.args) else n.kwargs.get(name)
-                written.update(owner(a) for a in (arg if isinstance(arg, (list, tuple)) else [arg]) if hasattr(a, "op"))
+    written = pt.written_storages(gm.graph)  # owners of storages some op writes, through views
     # the copies' nodes: make_fx keeps a snapshot of each value, so they are found by
     # form (a contiguous clone of a value torch cannot prove contiguous; a user's own such
     # clone counts too, which only costs the symbolic program)
@@ -217,6 +203,6 @@ def contiguous_copies_written(mode: Any, gm: Any) -> str | None:
         if not hasattr(source, "op") or pt.definitely_contiguous(source.meta["val"]):
             continue
         for n in (source, node):
-            if owner(n) in written:
+            if pt.storage_owner(n) in written:
                 return f"an op writes in place into {n.name}, a contiguous() of a batch-sized view (one device aliases it for one row)"
     return None

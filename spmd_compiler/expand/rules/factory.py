@@ -137,7 +137,7 @@ def _arange(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs
     axis = end.axes[0]
     total = end.global_value
     local = b.local_chunk(total, axis)
-    offset = b.shard_offset(total, axis, pt.is_symbolic(total) or total % ctx.mctx.shape[axis] != 0)  # symbolic: clamped, no guard
+    offset = b.shard_offset(total, axis)  # uneven or symbolic: clamped (no guard)
     stop = b.call(operator.add, offset, local)
     node = b.call(aten.arange.start_step, offset, stop, 1, **kwargs)
     placements = [pt.Replicate()] * ctx.mctx.ndim

@@ -74,7 +74,7 @@ def _local_indices(ctx: ExpandContext, b: SubgraphBuilder, x: TensorArg, indices
     """The recipe's index list with ``indices[d]`` turned into this rank's local rows."""
     size = x.spec.shape[d]  # a symbolic batch size (dynamic=True) stays one: clamped as if uneven
     b.local_chunk(size, axis)  # marks the recipe per-rank when the split is uneven
-    offset = b.shard_offset(size, axis, pt.is_symbolic(size) or size % ctx.mctx.shape[axis] != 0)
+    offset = b.shard_offset(size, axis)
     local_rows = b.call(aten.sub.Tensor, indices[d].node, offset)
     return [local_rows if j == d else (i.node if i is not None else None) for j, i in enumerate(indices)]
 
