@@ -1,0 +1,61 @@
+"""Norms of a value with a pending sum: reduce the sum, keep the shards.
+
+Under 2-D data x tensor parallelism, ``clip_grad_norm_`` reads each gradient of a
+tensor-parallel weight while it is ``Partial(sum)`` on the data axis (its reduction is
+still pending) and ``Shard`` on the tensor axis. DTensor's norm strategy
+(``common_reduction_strategy``) sees a Partial whose reduce op is not the norm's and
+clears every pending sum *and every shard on the reduced dims*: the gradient is
+all-gathered whole on the tensor axis, a parameter's worth of bytes per gradient where
+a number per gradient is enough. The norm needs only the sum: this rule all-reduces the
+Partial axes (``Partial -> Replicate``, the gradient's own reduction, which later readers
+such as the optimizer reuse), keeps every Shard, and hands the rest to DTensor, which then
+takes each rank's norm of its shard (``Partial(norm)``, combined by one small reduction).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ... import _private_torch as pt
+from ..args import ExpandContext, TensorArg
+from ..builder import OutTensor, SubgraphBuilder
+from ..dispatch import _reduces_partial, generic_expand
+from ..redistribute import emit_redistribute
+from ..registry import register_rule
+
+aten = torch.ops.aten
+
+__all__: list[str] = []
+
+_NORMS = [aten.linalg_vector_norm.default, aten._foreach_norm.Scalar]
+
+
+def _sums_reduced(ctx: ExpandContext, b: SubgraphBuilder, x: Any, name: str) -> Any:
+    """``x`` with its Partial(sum/avg) axes reduced to Replicate, its shards kept."""
+    if not isinstance(x, TensorArg):
+        return x
+    placements = x.spec.placements
+    if not any(p.is_partial() and p.reduce_op in ("sum", "avg") and not isinstance(p, (pt.NormPartial, pt.MaskPartial))
+               for p in placements):
+        return x
+    kept = [pt.Replicate() if p.is_partial() else p for p in placements]
+    meta = x.spec.tensor_meta
+    dst = pt.make_spec(x.spec.mesh, kept, meta.shape, meta.stride, meta.dtype)
+    node, mask = emit_redistribute(b, x.node, x.spec, dst, mask=x.mask, reason=f"input of {name}: the pending sum only (shards kept)",
+                                   input_index=x.index, value_label=x.label)
+    if node is not x.node and x.index is not None and _reduces_partial(x.spec, dst):
+        b.replacements[x.index] = OutTensor(b.slot(node), dst, b.slot(mask) if mask is not None else None)  # later readers take the reduced value
+    return x.moved(node, dst, mask)
+
+
+@register_rule(*_NORMS)
+def _norm(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: dict) -> Any:
+    name = str(op).replace("aten.", "")
+    first = args[0]
+    if isinstance(first, (list, tuple)):
+        first = type(first)(_sums_reduced(ctx, b, x, name) for x in first)
+    else:
+        first = _sums_reduced(ctx, b, first, name)
+    return generic_expand(ctx, b, op, (first, *args[1:]), kwargs)
