@@ -77,6 +77,27 @@ def test_branch_on_tensor_is_one_clear_error(dp2):
     assert isinstance(info.value, sc.SpmdError) and info.value.source is not None
 
 
+_SCALER = torch.amp.GradScaler("cpu", init_scale=16.0)
+
+
+def scaler_step(model, optimizer, x, y):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = F.mse_loss(model(x).float(), y.float())
+    _SCALER.scale(loss).backward()
+    _SCALER.step(optimizer)  # skips the update with a Python `if` on found-inf
+    _SCALER.update()
+    optimizer.zero_grad()
+    return loss
+
+
+def test_grad_scaler_is_one_clear_error_with_its_own_fix(dp2):
+    with pytest.raises(sc.DataDependentError) as info:
+        assert_training_matches(scaler_step, MLP(), _sgd, [(x.float(), y.float()) for x, y in _batches(1)], dp2)
+    msg = str(info.value)
+    assert _line(scaler_step, "_SCALER.step(optimizer)") in msg
+    assert "GradScaler.step()" in msg and "bfloat16 autocast" in msg and "fixed loss scale" in msg, msg
+
+
 def test_boolean_mask_loss_is_one_clear_error(dp2):
     m = MLP()
     for run in (

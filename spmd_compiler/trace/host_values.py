@@ -52,6 +52,24 @@ _SHAPE_FIX = (
 )
 
 
+_SCALER_FIX = (
+    "torch.amp.GradScaler.step() decides whether to update with a Python `if` on its found-inf "
+    "flag, which a compiled step cannot trace. Use bfloat16 autocast "
+    "(torch.autocast(device, dtype=torch.bfloat16)), which needs no loss scaling, or a fixed "
+    "loss scale: (loss * S).backward(), then divide the gradients by S (or torch.where on a "
+    "finiteness check to zero a step) before optimizer.step()."
+)
+
+
+def _in_grad_scaler(exc: BaseException) -> bool:
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.replace("\\", "/").endswith("amp/grad_scaler.py"):
+            return True
+        tb = tb.tb_next
+    return False
+
+
 def as_data_dependent_error(exc: BaseException) -> DataDependentError:
     """The DataDependentError for one of torch's data-dependent tracing errors."""
     source = user_frame_of(exc)
@@ -71,7 +89,7 @@ def as_data_dependent_error(exc: BaseException) -> DataDependentError:
         f"Python control flow on a tensor's value: `if` / bool() / a comparison needs `{expr}`, "
         f"a number read from a tensor ({_READ}), to decide what the step does"
     )
-    return DataDependentError(what, source, _BRANCH_FIX)
+    return DataDependentError(what, source, _SCALER_FIX if _in_grad_scaler(exc) else _BRANCH_FIX)
 
 
 def check_data_dependent_shapes(gm: fx.GraphModule) -> None:
