@@ -104,6 +104,33 @@ def test_state_becomes_dtensors(mesh4):
     assert set(opt.param_groups[0]["params"]) == set(model.parameters())
 
 
+def test_torch_compiled_model_is_traced_through_its_original_module(mesh4, caplog):
+    """``torch.compile(model)`` (dynamo's wrapper) used to reach make_fx, which raised torch's
+    "symbolically trace a dynamo-optimized function" error: the step now traces the wrapped
+    module, the plan names it without ``_orig_mod.``, one WARNING says so."""
+    model = MLP()
+    compiled = torch.compile(model)
+    opt = torch.optim.Adam(compiled.parameters())
+    step = sc.compile(mse_step, mesh=mesh4, plan=sc.Plan(params={"l1.weight": [Shard(0)]}))
+    with caplog.at_level(logging.WARNING, logger="spmd_compiler"):
+        for _ in range(3):
+            step(compiled, opt, torch.randn(4, 16), torch.randn(4, 16))
+    assert step.compiles == 2  # the first call, then Adam's state: as for the plain model
+    assert model.l1.weight.placements == (Shard(0),) and compiled.l1.weight is model.l1.weight
+    warned = [r for r in caplog.records if "wrapped by torch.compile" in r.getMessage()]
+    assert len(warned) == 1 and 'backend="inductor"' in warned[0].getMessage()
+
+
+def test_torch_compiled_model_trains_like_one_device():
+    from spmd_compiler.testing import assert_training_matches, fake_mesh
+
+    torch.manual_seed(0)
+    batches = [(torch.randn(8, 16, dtype=torch.float64), torch.randn(8, 16, dtype=torch.float64)) for _ in range(2)]
+    res = assert_training_matches(mse_step, torch.compile(MLP().double()), lambda p: torch.optim.SGD(p, lr=0.1), batches,
+                                  fake_mesh((2,), ("dp",)), sc.Plan(params={"l1.weight": [Shard(0)]}, fsdp_axes=(0,)), atol=1e-12)
+    assert res.max_param_error < 1e-12
+
+
 def test_parallel_styles_in_plan(mesh4):
     model = MLP(16, 32)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

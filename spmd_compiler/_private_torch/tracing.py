@@ -27,7 +27,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 __all__ = [
     "reparametrize_module", "static_fake_mode", "example_tensor", "local_tensor", "tracing_graph", "rename_node",
     "preserve_node_meta", "link_backward_to_forward", "record_stack_traces_of", "data_dependent_exceptions",
-    "batchnorm_base", "is_view_op", "written_args", "storage_owner", "written_storages", "writes_first_arg", "raw_operator", "mark_optimizer_stepped",
+    "batchnorm_base", "is_view_op", "written_args", "storage_owner", "written_storages", "compiled_original", "writes_first_arg", "raw_operator", "mark_optimizer_stepped",
     "inductor_compile", "inductor_compile_symbolic", "inductor_cache_counts", "inductor_cache_dir",
 ]
 
@@ -136,6 +136,14 @@ def batchnorm_base() -> type:
 
     return _BatchNorm
 
+
+
+def compiled_original(module: Any) -> Any:
+    """The module ``torch.compile(module)`` wrapped (dynamo's ``OptimizedModule`` keeps it
+    as ``_orig_mod``), or None for a module torch.compile did not wrap."""
+    if type(module).__name__ == "OptimizedModule" and isinstance(getattr(module, "_orig_mod", None), torch.nn.Module):
+        return module._orig_mod
+    return None
 
 
 def is_view_op(op: Any) -> bool:

@@ -31,7 +31,7 @@ from .. import _private_torch as pt
 from ..errors import SpmdError
 from ..expand import ExpansionCache
 from ..plan import Plan
-from ..trace.state import StateCache
+from ..trace.state import StateCache, unwrap_compiled
 from .agreement import check_agreement, exchange
 from .batch import signature, why_recompile
 from .build import Options
@@ -125,6 +125,7 @@ class StepDriver(DriverIntrospection):
 
         Call it before loading a checkpoint, so the state dicts hold DTensors to load into.
         """
+        model = unwrap_compiled(model)
         if not is_distributed(model):
             distribute_state(model, optimizer, self.mesh, self.plan)
 
@@ -134,6 +135,7 @@ class StepDriver(DriverIntrospection):
 
     # ------------------------------------------------------------------ call
     def __call__(self, model: torch.nn.Module, optimizer: Any, *batch: Any, **kwargs: Any) -> Any:
+        model = unwrap_compiled(model)  # a torch.compile'd model: its original module
         state = self._state(model, optimizer)
         if not state.params or not all(isinstance(p, DTensor) for p in state.params.values()):
             self.distribute(model, optimizer)

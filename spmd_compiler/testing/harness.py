@@ -24,7 +24,7 @@ from ..driver.token_ids import embedding_ids_error
 from ..expand import ExpansionCache
 from ..expand.symbolic import concrete_shape
 from ..plan import Plan
-from ..trace.state import StateCache
+from ..trace.state import StateCache, unwrap_compiled
 from ..trace.tracer import flatten_batch
 from .simulate import assemble, check_replicas, group_axes_of, rank_coordinates, run_lockstep, shard_tensor
 
@@ -51,7 +51,7 @@ class SimulatedTraining:
         **options: Any,
     ) -> None:
         self.step_fn = step_fn
-        self.model = model
+        self.model = unwrap_compiled(model)  # a torch.compile'd model: its original module
         self.optimizer = optimizer
         self.mesh = mesh
         self.mesh_shape = tuple(mesh.shape)

@@ -29,7 +29,7 @@ from .. import _private_torch as pt
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ModelState", "StateCache", "collect_state", "swapped_state", "input_value", "hparam_tensor", "is_lifted", "LIFTED_HPARAMS"]
+__all__ = ["ModelState", "StateCache", "collect_state", "unwrap_compiled", "swapped_state", "input_value", "hparam_tensor", "is_lifted", "LIFTED_HPARAMS"]
 
 # per-group optimizer settings fed to the compiled step at every call (schedulers change
 # them: OneCycleLR cycles ``momentum`` / ``betas[0]`` along with ``lr``)
@@ -137,6 +137,29 @@ def hparam_tensor(value: Any) -> torch.Tensor:
     if isinstance(value, (tuple, list)):
         return torch.tensor([float(v) for v in value], dtype=torch.float64)
     return torch.tensor(float(value), dtype=torch.float64)
+
+
+_UNWRAPPED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+
+
+def unwrap_compiled(model: Any) -> Any:
+    """The module to trace for ``model``: a ``torch.compile``'d module's original one.
+
+    The compiled step is traced with make_fx, which cannot run a dynamo-compiled forward;
+    the original module holds the same parameters (the wrapper's ``_orig_mod.`` names are
+    the original ones), so the plan's names match as written for the plain model. Logged
+    once per model, with where compiled kernels come from instead."""
+    original = pt.compiled_original(model)
+    if original is None:
+        return model
+    if original not in _UNWRAPPED:
+        _UNWRAPPED.add(original)
+        log.warning(
+            "the model passed to the step is wrapped by torch.compile; spmd_compiler traces the original module "
+            "(model._orig_mod: the same parameters, plan names without the '_orig_mod.' prefix) and runs its own "
+            "per-rank program. For compiled kernels use spmd_compiler.compile(..., backend=\"inductor\")"
+        )
+    return original
 
 
 def collect_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> ModelState:
