@@ -55,6 +55,7 @@ from .graph_utils import (
     hoist,
     is_collective,
     is_inplace,
+    is_view,
     is_wait,
     move_before,
     new_node,
@@ -222,6 +223,14 @@ def _riders(
     for w in gm.graph.nodes:
         for x in written_inputs(w):
             writes[alias_root(x)].append(pos[w])
+    # a group's collectives complete in issue order: waiting for bucket b where a later
+    # bucket of its group is needed anyway costs nothing
+    needed: dict[int, float] = {}
+    for buckets in planned.values():
+        later = float(len(pos))
+        for b in reversed(buckets):
+            later = min(later, *(first_use(m) for m in b))
+            needed[id(b)] = later
     out: dict[int, list[fx.Node]] = {}
     for n in list(gm.graph.nodes):
         if not is_collective(n) or n in reductions or n.meta["spmd_comm"]["kind"] != "all_reduce" or n.meta.get("spmd_comm", {}).get("op") == "bucket":
@@ -240,18 +249,35 @@ def _riders(
         candidates = [*planned.get(key, ())]
         if op == "sum" and floating:  # a sum can also ride in a reduce_scatter bucket (FSDP), in every row
             candidates += planned.get(("reduce_scatter", *key[1:]), ())
-        use = first_use(n)
+        touch, use = _reads(waits[0], pos)
         written = writes.get(alias_root(src), ())
         for b in candidates:
             issue = max(pos[m] for m in b)
             lo, hi = sorted((pos[n], issue))
-            if pos[src] >= issue or any(lo < w < hi for w in written):
+            if pos[src] >= issue or touch <= issue or any(lo < w < hi for w in written):
                 continue
-            if use < min(first_use(m) for m in b):
+            if use < needed[id(b)]:
                 continue
             out.setdefault(id(b), []).append(n)
             break
     return out
+
+
+def _reads(wait: fx.Node, pos: dict[fx.Node, float]) -> tuple[float, float]:
+    """The first read of ``wait``'s result (views of it included) and the first read of
+    its value (the first reader that is not a view of it)."""
+    touch = min((pos[u] for u in wait.users), default=float(len(pos)))
+    use, stack, seen = float(len(pos)), list(wait.users), set()
+    while stack:
+        u = stack.pop()
+        if u in seen:
+            continue
+        seen.add(u)
+        if is_view(u) and u.args and u.args[0] in seen | {wait}:
+            stack.extend(u.users)
+        else:
+            use = min(use, pos[u])
+    return touch, use
 
 
 def bucket_gradients_pass(
