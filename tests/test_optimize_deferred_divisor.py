@@ -161,3 +161,43 @@ def test_two_losses_are_refused():
     _, gm, colls = _run(two_losses_step, 2, steps=2)
     assert not any((n.meta.get("spmd_origin") or {}).get("op") == PASS for n in gm.graph.nodes)
     assert len(colls) > 2, _ops(colls)
+
+
+def weighted_step(model, optimizer, ids, targets):
+    weight = torch.linspace(0.5, 1.5, 32, dtype=torch.float64)
+    loss = F.cross_entropy(model(ids).flatten(0, 1), targets.flatten(), weight=weight)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def test_class_weights_are_refused():
+    """With class weights, a zero weight sum makes one device's gradients NaN, which no
+    division after the reduction reproduces: the pass keeps the program."""
+    _, gm, colls = _run(weighted_step, 2, steps=2)
+    assert not any((n.meta.get("spmd_origin") or {}).get("op") == PASS for n in gm.graph.nodes)
+    assert _ops(colls)[0] == "mean_pair", _ops(colls)
+
+
+def test_every_target_ignored_leaves_zero_gradients_as_one_device():
+    """C = 0: one device's loss is NaN and its gradients exactly 0 (nll_loss_backward writes
+    nothing); the deferred division divides by 1 there instead of 0/0 = NaN."""
+    import copy
+
+    from spmd_compiler.testing import SimulatedTraining
+
+    model = GPT(vocab=32, seq=8, dim=16, heads=2, layers=1).double()
+    ref = copy.deepcopy(model)
+    make = lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)  # noqa: E731
+    opt, ref_opt = make(model), make(ref)
+    sim = SimulatedTraining(ce_step, model, opt, fake_mesh((2,), ("dp",)), passes=_passes())
+    for i in range(3):
+        ids, targets = _batch(i, 4)
+        if i == 1:
+            targets[:] = -100
+        loss, want = sim.step(ids, targets), ce_step(ref, ref_opt, ids, targets)
+        assert torch.isnan(want) == torch.isnan(loss) and (torch.isnan(want) or abs(loss - want) <= 1e-12), (i, loss, want)
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert torch.isfinite(p).all() and torch.allclose(p, q, rtol=0, atol=1e-12), i
+    assert any((n.meta.get("spmd_origin") or {}).get("op") == PASS for n in sim.expansions[(0,)].gm.graph.nodes)

@@ -8,8 +8,10 @@ cannot ride in a gradient bucket and a DP step makes one launch more than it has
 
 Backward is linear in its seed, so a gradient that comes only from this loss is
 ``G_local / C``, ``G_local`` being the gradient computed with ``C`` replaced by 1. This
-pass (1) replaces ``C`` by 1 where it enters the backward, (2) divides every reduced
-gradient by ``C`` right after its reduction's wait, before any other use (clipping, the
+pass (1) replaces ``C`` by 1 where it enters the backward (``nll_loss_backward``'s
+``total_weight``, mean reduction, no class weights), (2) divides every reduced gradient by
+``C`` (by 1 where ``C = 0``: every target ignored, every gradient exactly 0 on one device
+too) right after its reduction's wait, before any other use (clipping, the
 optimizer), and (3) moves the pair's readers down to their first use, so that
 :mod:`.bucketing` lets the pair ride in the first gradient bucket: launches = buckets.
 Exact in real arithmetic (``sum_r G_r / C = sum_r (G_r / C)``); float64 results equal one
@@ -26,7 +28,8 @@ a scaled and an unscaled value (``ce + 0.01 * (w**2).sum()``), a scaled value re
 the output or an in-place write (gradients kept across calls: ``defer_grad_sync``, grad
 accumulation), a gradient reduction that is not scaled or not a plain all_reduce of the
 pair's group in the optimizer phase (FSDP's reduce_scatters, kept gradients), not exactly
-one entry of ``C`` (two losses or backward passes), a backward value computed from the
+one entry of ``C`` (two losses or backward passes; class weights or ``u / C``'s backward,
+where ``C = 0`` makes one device's gradients inf/NaN), a backward value computed from the
 pair, no or several pairs, symbolic or per-rank sizes, pipeline stages.
 """
 
@@ -184,10 +187,12 @@ def _plan(gm: fx.GraphModule) -> dict[str, Any]:
             raise _Refuse(f"gradient reduction {r.name} has no single wait")
     reduced = set(reductions)
     reduced_waits = {next(iter(r.users)) for r in reductions}
-    entries = [u for u in count.users if (u.target in _NLL_BACKWARD and len(u.args) == 7 and u.args[4] == 1 and u.args[6] is count
-                                          and count not in u.args[:6])
-               or (u.target is aten.div.Tensor and u.args[1] is count and u.args[0] is not count
-                   and u.meta.get("spmd_phase") == "backward")]
+    # nll_loss_backward without class weights, mean reduction: where every target is
+    # ignored (C = 0) its gradient is exactly 0 for any total_weight, so dividing by 1 there
+    # keeps it. (With class weights, or the backward of u / C, C = 0 gives inf/NaN on one
+    # device that no division after the reduction reproduces exactly: refused.)
+    entries = [u for u in count.users if u.target in _NLL_BACKWARD and len(u.args) == 7 and u.args[3] is None and u.args[4] == 1
+               and u.args[6] is count and count not in u.args[:6]]
     if len(entries) != 1:
         raise _Refuse(f"{len(entries)} places where the count enters the backward ({[e.name for e in entries]}), expected 1")
     (entry,) = entries
@@ -269,11 +274,14 @@ def _rewrite(gm: fx.GraphModule, plan: dict[str, Any]) -> None:
     plan["entry"].replace_input_with(count, one)
     for node, src in plan["rewires"].items():
         node.replace_input_with(node.args[0], src)
+    # C (a count of targets: an integer), or 1 where every target is ignored (the gradients are 0 then)
+    with g.inserting_after(count):
+        divisor = new_node(g, aten.clamp_min.default, (count, 1), None, {"spmd_phase": count.meta.get("spmd_phase"), "spmd_origin": origin})
     divisions = set()
     for r in plan["reductions"]:
         r_wait = next(iter(r.users))
         with g.inserting_after(r_wait):
-            d = new_node(g, aten.div.Tensor, (r_wait, count), None, {"spmd_phase": r_wait.meta.get("spmd_phase"), "spmd_origin": origin})
+            d = new_node(g, aten.div.Tensor, (r_wait, divisor), None, {"spmd_phase": r_wait.meta.get("spmd_phase"), "spmd_origin": origin})
         r_wait.replace_all_uses_with(d, delete_user_cb=lambda u: u is not d)
         divisions.add(d)
     g.eliminate_dead_code()
