@@ -72,11 +72,11 @@ def test_folded_variant_makes_the_same_collectives(mesh4, kind):
     gm = _steady(mesh4, kind)
     point = find_fold(gm, world_size=4)
     assert point is not None and point.op == "sum"
-    if kind == "gpt":
-        assert point.shape == (2,)  # the mean cross entropy's loss sum and target count (forward, optimize/mean_reductions.py)
-    else:  # MSE's loss rides in the gradient bucket, the program's only collective
-        coll = next(n for n in gm.graph.nodes if n.name == point.collective)
-        assert coll.meta["spmd_comm"]["op"] == "bucket" and any(m.get("rider") for m in coll.meta["spmd_comm"]["bucket"])
+    # MSE's loss rides in the gradient bucket, the program's only collective; the mean cross
+    # entropy's [loss sum, target count] pair rides in the first gradient bucket
+    # (optimize/mean_reductions.py, optimize/deferred_divisor.py)
+    coll = next(n for n in gm.graph.nodes if n.name == point.collective)
+    assert coll.meta["spmd_comm"]["op"] == "bucket" and any(m.get("rider") for m in coll.meta["spmd_comm"]["bucket"])
     folded = fold_guard_pass(gm, point=point)
     assert _collectives(folded) == _collectives(gm) and sum(_collectives(gm).values()) > 0
     nodes = list(folded.graph.nodes)

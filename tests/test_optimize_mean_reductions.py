@@ -75,10 +75,11 @@ def test_accumulating_call_reduces_count_and_loss_once(mesh4):
 def test_stepping_call_launches_as_many_and_starts_with_the_pair(mesh4):
     """Where the loss would ride in the gradient bucket the launches are the same (the pair
     instead of the count), and the program starts with the collective the accumulating
-    calls start with, so a switch between them needs no standalone step check."""
+    calls start with, so a switch between them needs no standalone step check. (Without
+    defer_mean_divisor: with it, the pair rides in the bucket, see below.)"""
     ids, _ = _batch(0, 8)
     before = _all_reduces(_program(mesh4, train_step, (ids[:2], ids[:2]), OFF))
-    gm = _program(mesh4, train_step, (ids[:2], ids[:2]))
+    gm = _program(mesh4, train_step, (ids[:2], ids[:2]), ("defer_mean_divisor",))
     pair, bucket = _all_reduces(gm)
     assert len(before) == 2 and "target count" in before[0].meta["spmd_comm"]["reason"]
     assert any(m.get("rider") for m in before[1].meta["spmd_comm"]["bucket"])  # the loss rode in the bucket
@@ -86,6 +87,8 @@ def test_stepping_call_launches_as_many_and_starts_with_the_pair(mesh4):
     assert not any(m.get("rider") for m in bucket.meta["spmd_comm"]["bucket"])
     point = find_fold(gm, world_size=4)
     assert point.collective == pair.name and point.shape == (2,)
+    (bucket,) = _all_reduces(_program(mesh4, train_step, (ids[:2], ids[:2])))  # defer_mean_divisor: the pair rides
+    assert [m["value"] for m in bucket.meta["spmd_comm"]["bucket"] if m.get("rider")] == [pair.meta["spmd_comm"]["value"]]
 
 
 def accumulating_classifier_step(model, optimizer, x, targets, do_step):

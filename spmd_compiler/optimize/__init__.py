@@ -1,6 +1,7 @@
 """Stage 4: optimization passes on the per-rank graph (``(gm, *, options) -> gm``)."""
 
 from .bucketing import bucket_gradients_pass
+from .deferred_divisor import defer_mean_divisor_pass
 from .gathers import bucket_parameter_gathers_pass
 from .mean_reductions import fuse_mean_reductions_pass
 from .memory import budget_prefetch_pass, rematerialize_pass
@@ -22,6 +23,7 @@ __all__ = [
     "fold_gather_narrow_pass",
     "bucket_gradients_pass",
     "fuse_mean_reductions_pass",
+    "defer_mean_divisor_pass",
     "bucket_parameter_gathers_pass",
     "overlap_pass",
     "schedule_for_overlap_pass",

@@ -34,8 +34,12 @@ reduce_scatter bucket (FSDP): its whole value goes in every rank's row, so each 
 receives the whole sum, for n times its bytes in the buffer (a scalar loss: n elements
 instead of one all_reduce launch). The step's loss is the usual one:
 a DP step then makes one launch per bucket plus, for a mean over targets (cross entropy),
-the target count the forward divides by at once. ``fuse_other_all_reduces=False`` turns
-this off.
+the target count the forward divides by at once (none where :mod:`.deferred_divisor`
+moved that division after the buckets: the count rides too). A rider may be waited with
+the first bucket of its group where a later bucket of the group is needed anyway (the
+group's collectives complete in issue order), and views or other functions of it alone
+do not count as reads.
+``fuse_other_all_reduces=False`` turns this off.
 """
 
 from __future__ import annotations
@@ -55,6 +59,8 @@ from .graph_utils import (
     hoist,
     is_collective,
     is_inplace,
+    is_pure,
+    is_view,
     is_wait,
     move_before,
     new_node,
@@ -215,13 +221,25 @@ def _riders(
     used (so fusing never makes the bucket be waited earlier, and never delays a value
     that forward or backward needs: a forward all_reduce that backward reads is used
     before the optimizer reads the gradients). Each rides in the earliest bucket that
-    takes it. The step's loss (output phase, read only by the output) is the usual rider."""
+    takes it. The step's loss (output phase, read only by the output) is the usual rider.
+    "Before the bucket's gradients": before the first use of a gradient of this bucket or
+    of a later bucket of its group (waiting for this one then costs nothing: a group's
+    collectives complete in issue order), views and other pure functions of the rider
+    alone not counting as uses (but none before the bucket is issued)."""
     if any(n.target is MARKER for n in gm.graph.nodes):
         return {}  # pipeline stages: a value does not move across a stage boundary
     writes: dict[Any, list[float]] = defaultdict(list)  # every write, any written argument
     for w in gm.graph.nodes:
         for x in written_inputs(w):
             writes[alias_root(x)].append(pos[w])
+    # a group's collectives complete in issue order: waiting for bucket b where a later
+    # bucket of its group is needed anyway costs nothing
+    needed: dict[int, float] = {}
+    for buckets in planned.values():
+        later = float(len(pos))
+        for b in reversed(buckets):
+            later = min(later, *(first_use(m) for m in b))
+            needed[id(b)] = later
     out: dict[int, list[fx.Node]] = {}
     for n in list(gm.graph.nodes):
         if not is_collective(n) or n in reductions or n.meta["spmd_comm"]["kind"] != "all_reduce" or n.meta.get("spmd_comm", {}).get("op") == "bucket":
@@ -240,18 +258,36 @@ def _riders(
         candidates = [*planned.get(key, ())]
         if op == "sum" and floating:  # a sum can also ride in a reduce_scatter bucket (FSDP), in every row
             candidates += planned.get(("reduce_scatter", *key[1:]), ())
-        use = first_use(n)
+        touch, use = _reads(waits[0], pos)
         written = writes.get(alias_root(src), ())
         for b in candidates:
             issue = max(pos[m] for m in b)
             lo, hi = sorted((pos[n], issue))
-            if pos[src] >= issue or any(lo < w < hi for w in written):
+            if pos[src] >= issue or touch <= issue or any(lo < w < hi for w in written):
                 continue
-            if use < min(first_use(m) for m in b):
+            if use < needed[id(b)]:
                 continue
             out.setdefault(id(b), []).append(n)
             break
     return out
+
+
+def _reads(wait: fx.Node, pos: dict[fx.Node, float]) -> tuple[float, float]:
+    """The first read of ``wait``'s result and the first read of its value by something
+    else than a function of it alone (a view of it, a pure op whose only input it is:
+    those can run at that read as well)."""
+    touch = min((pos[u] for u in wait.users), default=float(len(pos)))
+    use, stack, seen = float(len(pos)), list(wait.users), {wait}
+    while stack:
+        u = stack.pop()
+        if u in seen:
+            continue
+        seen.add(u)
+        if (is_view(u) or is_pure(u)) and len(u.all_input_nodes) == 1 and u.all_input_nodes[0] in seen:
+            stack.extend(u.users)
+        else:
+            use = min(use, pos[u])
+    return touch, use
 
 
 def bucket_gradients_pass(

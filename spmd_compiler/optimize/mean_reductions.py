@@ -16,6 +16,10 @@ float rounding differs: one division of the summed numerator instead of a sum of
 per-rank quotients, which is the single device's order (its loss is ``sum / count``), so
 float64 results stay equal to one device's at 1e-12 (``tests/test_optimize_mean_reductions.py``).
 
+Where every gradient is provably proportional to ``1/C`` (plain DP),
+:mod:`.deferred_divisor` then moves the backward's division by ``C`` after the gradient
+reductions, and the pair rides in the first gradient bucket.
+
 It runs before :mod:`.bucketing`, in every program, also where the value would ride in a
 gradient bucket: the launches are the same there (the pair instead of the count), and
 every program of a gradient accumulation window (calls that accumulate, the call that

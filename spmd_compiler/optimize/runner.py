@@ -193,11 +193,13 @@ def default_passes(
     backward_prefetch: int = 1,
 ) -> list[PassSpec]:
     """The default pipeline: remove redundant collectives, reduce a mean's count and value
-    in one all_reduce (:mod:`.mean_reductions`), bucket gradient reductions, gather FSDP
+    in one all_reduce (:mod:`.mean_reductions`), divide the gradients by that count after
+    their reduction so the pair rides in a gradient bucket (:mod:`.deferred_divisor`), bucket gradient reductions, gather FSDP
     parameters per module unit, overlap communication with compute (issue early, wait
     late), then move compute into the gaps (:mod:`.schedule`), recompute cheap saved activations in backward and delay parameter gathers that would raise the peak
     (:mod:`.memory`)."""
     from .bucketing import bucket_gradients_pass
+    from .deferred_divisor import defer_mean_divisor_pass
     from .gathers import bucket_parameter_gathers_pass
     from .mean_reductions import fuse_mean_reductions_pass
     from .memory import budget_prefetch_pass, rematerialize_pass
@@ -208,6 +210,7 @@ def default_passes(
     out = [
         PassSpec("remove_redundant_collectives", remove_redundant_collectives_pass),
         PassSpec("fuse_mean_reductions", fuse_mean_reductions_pass),
+        PassSpec("defer_mean_divisor", defer_mean_divisor_pass),
         PassSpec("bucket_gradients", bucket_gradients_pass, {"bucket_mb": bucket_mb, "first_bucket_mb": first_bucket_mb}),
         PassSpec("bucket_parameter_gathers", bucket_parameter_gathers_pass),
     ]
@@ -221,6 +224,6 @@ def default_passes(
 
 
 DEFAULT_PASSES = (
-    "remove_redundant_collectives", "fuse_mean_reductions", "bucket_gradients", "bucket_parameter_gathers", "overlap", "schedule",
+    "remove_redundant_collectives", "fuse_mean_reductions", "defer_mean_divisor", "bucket_gradients", "bucket_parameter_gathers", "overlap", "schedule",
     "rematerialize", "budget_prefetch",
 )
