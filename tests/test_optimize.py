@@ -270,7 +270,8 @@ def test_runner_logs_disables_and_names_failures(mesh4, caplog):
     with caplog.at_level(logging.INFO, logger="spmd_compiler.optimize"):
         gm, records = run_passes(step.gm, default_passes(), disabled=["overlap", "schedule"])
     assert [r.name for r in records] == [
-        "remove_redundant_collectives", "fuse_mean_reductions", "bucket_gradients", "bucket_parameter_gathers", "rematerialize",
+        "remove_redundant_collectives", "fuse_mean_reductions", "bucket_gradients", "bucket_parameter_gathers", "fuse_all_reduces",
+        "rematerialize",
         "budget_prefetch",
     ]
     assert any("pass overlap: disabled" in r.getMessage() for r in caplog.records)

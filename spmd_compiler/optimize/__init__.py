@@ -1,6 +1,7 @@
 """Stage 4: optimization passes on the per-rank graph (``(gm, *, options) -> gm``)."""
 
 from .bucketing import bucket_gradients_pass
+from .fuse_all_reduces import fuse_all_reduces_pass
 from .gathers import bucket_parameter_gathers_pass
 from .mean_reductions import fuse_mean_reductions_pass
 from .memory import budget_prefetch_pass, rematerialize_pass
@@ -23,6 +24,7 @@ __all__ = [
     "bucket_gradients_pass",
     "fuse_mean_reductions_pass",
     "bucket_parameter_gathers_pass",
+    "fuse_all_reduces_pass",
     "overlap_pass",
     "schedule_for_overlap_pass",
     "rematerialize_pass",
