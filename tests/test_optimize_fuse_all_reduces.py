@@ -6,15 +6,18 @@ exists, an input written in place and different groups stay apart; a DP MLP is u
 
 from __future__ import annotations
 
+import copy
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import Replicate
 
 import spmd_compiler as sc
+from spmd_compiler.driver.fold import find_fold
 from spmd_compiler.optimize.fuse_all_reduces import fuse_all_reduces_pass
 from spmd_compiler.optimize.graph_utils import WAIT, new_node
 from spmd_compiler.testing import assert_distributed, assert_training_matches, fake_mesh
@@ -100,6 +103,8 @@ def test_independent_all_reduces_fuse_and_keep_values():
     assert fused.args[0].meta["val"].shape == (7,)  # 3 + 2*2 elements
     assert "2 independent all_reduces" in fused.meta["spmd_comm"]["reason"] and len(fused.meta["spmd_comm"]["bucket"]) == 2
     assert fused.meta["spmd_phase"] == "optimizer" and other.args[1] == "max"
+    point = find_fold(gm, world_size=2)  # the first collective still carries the per-step check
+    assert point is not None and point.collective == fused.name and point.shape == (7,)
 
 
 def test_dependent_all_reduces_stay_apart():
@@ -196,3 +201,38 @@ def test_dp_mlp_launches_unchanged():
         assert not any(n.meta["spmd_comm"].get("op") == "fused_all_reduce" for n in _all_reduces(gm))
         counts.append(assert_distributed(res).collectives)
     assert counts[0] == counts[1], counts
+
+
+# ---- real gloo: a fused collective as the program's first, carrying the step check ----------
+
+
+def two_sums(model, optimizer, x):
+    """Two batch reductions returned (Partial -> Replicate at the output), independent."""
+    h = model(x)
+    return h.sum(), x.t() @ h
+
+
+def _gloo_two_sums(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    model = MLP().double()
+    ref = copy.deepcopy(model)
+    step = sc.compile(two_sums, mesh=(world,))
+    errs = []
+    for i in range(3):
+        x = torch.randn(8, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
+        got = step(model, None, x.chunk(world)[rank])
+        want = two_sums(ref, None, x)
+        errs.append(max((g.full_tensor() if hasattr(g, "full_tensor") else g).sub(w).abs().max().item() for g, w in zip(got, want)))
+    fused = [n.name for n in _all_reduces(step.last.gm) if n.meta["spmd_comm"]["op"] == "fused_all_reduce"]
+    point = find_fold(step.last.gm, world_size=world)
+    return {"err": max(errs), "launches": len(_all_reduces(step.last.gm)), "fused": fused,
+            "fold": point.collective if point is not None else None, "checks": dict(step.checks)}
+
+
+@pytest.mark.gloo
+def test_gloo_fused_first_collective_carries_the_step_check():
+    from gloo_launch import run_processes
+
+    for res in run_processes(_gloo_two_sums, 2):
+        assert res["err"] < 1e-12 and res["launches"] == 1 and len(res["fused"]) == 1, res
+        assert res["fold"] == res["fused"][0] and res["checks"].get("folded", 0) >= 2, res
