@@ -271,6 +271,7 @@ def test_runner_logs_disables_and_names_failures(mesh4, caplog):
         gm, records = run_passes(step.gm, default_passes(), disabled=["overlap", "schedule"])
     assert [r.name for r in records] == [
         "remove_redundant_collectives", "fuse_mean_reductions", "defer_mean_divisor", "bucket_gradients", "bucket_parameter_gathers",
+        "fuse_all_reduces",
         "rematerialize",
         "budget_prefetch",
     ]

@@ -2,6 +2,7 @@
 
 from .bucketing import bucket_gradients_pass
 from .deferred_divisor import defer_mean_divisor_pass
+from .fuse_all_reduces import fuse_all_reduces_pass
 from .gathers import bucket_parameter_gathers_pass
 from .mean_reductions import fuse_mean_reductions_pass
 from .memory import budget_prefetch_pass, rematerialize_pass
@@ -25,6 +26,7 @@ __all__ = [
     "fuse_mean_reductions_pass",
     "defer_mean_divisor_pass",
     "bucket_parameter_gathers_pass",
+    "fuse_all_reduces_pass",
     "overlap_pass",
     "schedule_for_overlap_pass",
     "rematerialize_pass",

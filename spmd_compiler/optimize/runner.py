@@ -196,10 +196,12 @@ def default_passes(
     in one all_reduce (:mod:`.mean_reductions`), divide the gradients by that count after
     their reduction so the pair rides in a gradient bucket (:mod:`.deferred_divisor`), bucket gradient reductions, gather FSDP
     parameters per module unit, overlap communication with compute (issue early, wait
-    late), then move compute into the gaps (:mod:`.schedule`), recompute cheap saved activations in backward and delay parameter gathers that would raise the peak
+    late), then move compute into the gaps (:mod:`.schedule`), send independent small
+    all_reduces left standalone together (:mod:`.fuse_all_reduces`), recompute cheap saved activations in backward and delay parameter gathers that would raise the peak
     (:mod:`.memory`)."""
     from .bucketing import bucket_gradients_pass
     from .deferred_divisor import defer_mean_divisor_pass
+    from .fuse_all_reduces import fuse_all_reduces_pass
     from .gathers import bucket_parameter_gathers_pass
     from .mean_reductions import fuse_mean_reductions_pass
     from .memory import budget_prefetch_pass, rematerialize_pass
@@ -217,6 +219,7 @@ def default_passes(
     if overlap:
         out.append(PassSpec("overlap", overlap_pass, {"prefetch": prefetch, "backward_prefetch": backward_prefetch}))
         out.append(PassSpec("schedule", schedule_for_overlap_pass))
+    out.append(PassSpec("fuse_all_reduces", fuse_all_reduces_pass))
     out.append(PassSpec("rematerialize", rematerialize_pass))
     if overlap:
         out.append(PassSpec("budget_prefetch", budget_prefetch_pass))
@@ -225,5 +228,5 @@ def default_passes(
 
 DEFAULT_PASSES = (
     "remove_redundant_collectives", "fuse_mean_reductions", "defer_mean_divisor", "bucket_gradients", "bucket_parameter_gathers", "overlap", "schedule",
-    "rematerialize", "budget_prefetch",
+    "fuse_all_reduces", "rematerialize", "budget_prefetch",
 )
