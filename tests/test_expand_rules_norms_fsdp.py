@@ -86,6 +86,23 @@ def test_clip_under_fsdp_x_tp_reduce_scatters_on_dp(foreach):
     scatters = [n for n in opt if "reduce_scatter" in str(n.target)]
     assert len(scatters) == 1 and "3 gradient reduce_scatters" in scatters[0].meta["spmd_comm"]["reason"], _text(opt)
     assert all(_numel(n) <= 17 for n in opt if "all_reduce" in str(n.target)), _text(opt)
+    # the norms, pending on dp, on tp or on both, are stacked as one Partial(norm) value:
+    # one all_reduce of the 4 norms per axis (before the stack rule: 6 scalar all_reduces)
+    norms = [n for n in opt if "all_reduce" in str(n.target) and "norm" in n.meta["spmd_comm"]["reason"]]
+    assert len(norms) == 2 and all(_numel(n) == 4 for n in norms), _text(opt)
+
+
+@pytest.mark.parametrize("foreach", [True, False], ids=["foreach_norm", "vector_norm"])
+def test_clip_under_dp_x_tp_stacks_the_norms_in_one_all_reduce(foreach):
+    """2-D DP x TP (the Megatron MLP): the tensor-parallel norms are Partial(norm) on tp,
+    the others replicated; the replicated ones are lifted to shares (scaled locally), so
+    one all_reduce of the stacked norms on tp replaces one per tensor-parallel gradient."""
+    from spmd_compiler.testing.models import megatron_mlp_plan
+
+    plan = sc.Plan(params=megatron_mlp_plan(ndim=2, axis=1).params, default_input=[sc.Shard(0), sc.Replicate()])
+    _, comms = _run(plan, fake_mesh((2, 2), ("dp", "tp")), clip=True, foreach=foreach)
+    tp = [n for n in comms if n.meta.get("spmd_phase") == "optimizer" and "'tp'" in n.meta["spmd_comm"]["reason"]]
+    assert len(tp) == 1 and _numel(tp[0]) == 4, _text(comms)
 
 
 def test_gradients_are_linked_to_their_parameters_across_calls():

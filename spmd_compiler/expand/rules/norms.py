@@ -76,3 +76,43 @@ def _norm(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: 
     else:
         first = _sums_reduced(ctx, b, first, name)
     return generic_expand(ctx, b, op, (first, *args[1:]), kwargs)
+
+
+def _norm_partial_axes(x: Any) -> dict[int, Any]:
+    return {a: p for a, p in enumerate(x.spec.placements) if isinstance(p, pt.NormPartial)} if isinstance(x, TensorArg) else {}
+
+
+@register_rule(aten.stack.default)
+def _stack(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: dict) -> Any:
+    """``clip_grad_norm_`` stacks the per-gradient norms. Under 2-D each is ``Partial(norm)``
+    on the axes its gradient is sharded on and replicated on the others; a replicated norm
+    is a valid ``Partial(norm)`` share once scaled (``x / n**(1/p)``, local), so every norm
+    is lifted to the axes any of them is pending on: one reduction of the stack instead of
+    one per norm and axis."""
+    tensors = args[0]
+    pending = [_norm_partial_axes(x) for x in tensors]
+    lift: dict[int, Any] = {}
+    for d in pending:
+        for a, p in d.items():
+            lift.setdefault(a, p)
+    ok = (
+        lift and all(isinstance(x, TensorArg) and x.mask is None for x in tensors)
+        and all(p == lift[a] for d in pending for a, p in d.items())  # one norm type per axis
+        and all(x.spec.placements[a].is_replicate() or a in d for x, d in zip(tensors, pending) for a in lift)
+        and all(not p.is_partial() or a in lift for x in tensors for a, p in enumerate(x.spec.placements))
+        and all(getattr(p, "norm_type", 0) not in (0, 0.0) for p in lift.values())
+    )
+    if not ok:
+        return generic_expand(ctx, b, op, args, kwargs)
+    lifted = []
+    for x in tensors:
+        placements = [lift[a] if a in lift else p for a, p in enumerate(x.spec.placements)]
+        if list(placements) == list(x.spec.placements):
+            lifted.append(x)
+            continue
+        meta = x.spec.tensor_meta
+        dst = pt.make_spec(x.spec.mesh, placements, meta.shape, meta.stride, meta.dtype)
+        node, mask = emit_redistribute(b, x.node, x.spec, dst, mask=None, reason="a replicated norm as a share of a pending norm",
+                                       input_index=x.index, value_label=x.label)
+        lifted.append(x.moved(node, dst, mask))
+    return generic_expand(ctx, b, op, (type(tensors)(lifted), *args[1:]), kwargs)
