@@ -120,3 +120,38 @@ def test_gradients_are_linked_to_their_parameters_across_calls():
     (norm,) = [n for n in gm.graph.nodes if n.target is torch.ops.aten._foreach_norm.Scalar]
     assert [a.meta.get(GRAD_OF) for a in norm.args[0]] == ["l1.weight", "l1.bias", "l2.weight", "l2.bias"]
     assert all(a.op != "placeholder" for a in norm.args[0])  # the sum with the kept gradient, not the input
+
+
+@pytest.mark.parametrize("defer", [False, True], ids=["reduced_each_call", "defer_grad_sync"])
+def test_clip_after_accumulation_over_calls_reduce_scatters(defer):
+    """Gradients kept across calls: the stepping call clips the sum of the kept and the new
+    gradient (the node the trace tags); it is reduce_scattered in one bucket, as one device."""
+    import copy
+
+    from spmd_compiler.testing import SimulatedTraining
+
+    def step(model, optimizer, x, y, do_step):
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        if do_step:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5)
+            optimizer.step()
+            optimizer.zero_grad()
+        return loss
+
+    torch.manual_seed(0)
+    model = MLP(16, 32).double()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
+    plan = sc.Plan(params={"*": [sc.Shard(0)]}, fsdp_axes=(0,), defer_grad_sync=defer)
+    sim = SimulatedTraining(step, model, opt, fake_mesh((4,), ("dp",)), plan)
+    for i, (x, y) in enumerate(_batches() * 2):
+        do_step = i % 3 == 2
+        loss, want = sim.step(x, y, do_step), step(ref, ref_opt, x, y, do_step)
+        assert abs(loss.item() - want.item()) < 1e-12
+        assert max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters())) < 1e-12
+        if do_step:
+            comms = [n for n in sim.expansions[(0,)].collectives() if n.meta.get("spmd_phase") != "forward"]
+            scatters = [n for n in comms if "reduce_scatter" in str(n.target)]
+            assert len(scatters) == 1 and "4 gradient reduce_scatters" in scatters[0].meta["spmd_comm"]["reason"], _text(comms)
+            assert all(_numel(n) <= 8 for n in comms if "all_reduce" in str(n.target)), _text(comms)

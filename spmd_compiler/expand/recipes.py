@@ -20,7 +20,7 @@ from ..trace.grad_links import GRAD_OF
 from .cache import abstract_key
 from .splice import splice_recipe
 from .tree import leaves, tree_map
-from .values import DValue, RScalar, placements_text
+from .values import DValue, RScalar, _key, placements_text
 
 __all__ = ["expand_node", "build_recipe", "inputs_by_leaf"]
 
@@ -39,7 +39,7 @@ def expand_node(ex: Any, node: fx.Node, op: Any, args: tuple, kwargs: dict) -> A
     grad_of = _gradient_params(ex, traced_args)
     key = (op, abstract_key(args), abstract_key(kwargs), ex.fallback, ex.activation_sharding, ex.rng)
     if grad_of:  # a rule may lay a gradient out like its parameter
-        key += (tuple((i, tuple(s.placements), tuple(s.shape)) for i, s in grad_of.items()),)
+        key += (tuple((i, tuple(s.placements), tuple(_key(d) for d in s.shape)) for i, s in grad_of.items()),)
     if ex.dynamic:  # recipes hold this trace's fake values: shared by its ranks, not by other traces
         key += (ex.fake_mode,)
     recipe = ex.cache.lookup(key, ex.mctx.coordinate)
