@@ -105,7 +105,10 @@ def test_fsdp_style_with_gradient_clipping(mesh4):
     # the gradient norm of a Shard(0) gradient is a p-norm partial: x^2, sum over ranks, sqrt
     plan = sc.Plan(params={"*": [Shard(0)]})
     res = assert_training_matches(clipped_step, MLP().double(), OPTIMIZERS["sgd_momentum"], mlp_batches(), mesh4, plan)
-    assert_distributed(res, sharded=["l1.weight", "l2.weight"], collectives={"optimizer/all_reduce/dp": 2})  # the norm partials of the 4 gradients, bucketed as compile() does
+    # the gradients are reduce_scattered to their parameters' shards before the norms read
+    # them (one bucket), the norm partials of the 4 gradients all-reduced in one launch
+    # (before expand/rules/norms.py used the parameters' layout: the gradients were all-reduced whole)
+    assert_distributed(res, sharded=["l1.weight", "l2.weight"], collectives={"optimizer/all_reduce/dp": 1, "optimizer/reduce_scatter/dp": 1})
 
 
 @pytest.mark.parametrize("p", [1, 2, 3])

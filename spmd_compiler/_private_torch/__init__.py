@@ -40,7 +40,7 @@ from .shapes import (
     real_value_branches, is_real_value_log, fake_call,
 )
 from .tracing import (
-    reparametrize_module, static_fake_mode, example_tensor, local_tensor, tracing_graph, rename_node,
+    reparametrize_module, static_fake_mode, example_tensor, local_tensor, tracing_graph, traced_node_of, rename_node,
     preserve_node_meta, link_backward_to_forward, record_stack_traces_of, data_dependent_exceptions,
     batchnorm_base, is_view_op, written_args, writes_first_arg, raw_operator, mark_optimizer_stepped,
     inductor_compile, inductor_compile_symbolic, inductor_cache_counts, inductor_cache_dir,
@@ -55,7 +55,7 @@ __all__ = [
     "FakeTensor", "FakeTensorMode", "TransformStep", "StrategyCandidate", "make_spec", "propagate_sharding",
     "transform_steps", "local_shape_and_offset", "reparametrize_module", "symbolic_fake_mode",
     "to_symbolic_fake", "static_fake_mode", "size_hint", "example_tensor", "local_tensor",
-    "custom_handled_ops", "random_ops", "tracing_graph", "group_name", "is_view_op", "written_args",
+    "custom_handled_ops", "random_ops", "tracing_graph", "traced_node_of", "group_name", "is_view_op", "written_args",
     "writes_first_arg", "Partial", "Placement", "Replicate", "Shard", "Placements", "world_info",
     "rename_node", "compiled_original", "preserve_node_meta", "fake_call", "link_backward_to_forward", "pipeline_order",
     "mark_optimizer_stepped", "clear_dtensor_caches", "localized_shape_arg", "raw_operator", "set_group_timeout", "default_store",

@@ -2,7 +2,7 @@
 module hooks, and inductor.
 
 Touches ``torch._subclasses.fake_tensor`` (FakeTensorMode, data-dependent exceptions),
-``torch.fx.experimental.proxy_tensor.get_proxy_mode``, ``torch.fx.Node._rename``,
+``torch.fx.experimental.proxy_tensor.get_proxy_mode`` and ``get_proxy_slot``, ``torch.fx.Node._rename``,
 ``torch.fx.traceback.preserve_node_meta``, ``torch.fx.proxy._register_stack_trace_anchor``,
 ``torch._functorch._aot_autograd.logging_utils``, ``torch.nn.utils.stateless._reparametrize_module``,
 ``torch.nn.modules.batchnorm._BatchNorm``, OpOverload's ``_schema`` / ``_op``,
@@ -77,6 +77,19 @@ def tracing_graph() -> Any:
     mode = get_proxy_mode()
     return None if mode is None else mode.tracer.graph
 
+
+
+def traced_node_of(t: torch.Tensor) -> Any:
+    """The fx node make_fx has recorded for tensor ``t`` right now (None outside a trace
+    or for a tensor the trace does not track)."""
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
+
+    mode = get_proxy_mode()
+    if mode is None or not isinstance(t, torch.Tensor):
+        return None
+    slot = get_proxy_slot(t, mode.tracer, None)
+    proxy = getattr(slot, "proxy", None)
+    return getattr(proxy, "node", None)
 
 
 def rename_node(node: "torch.fx.Node", name: str) -> None:

@@ -74,7 +74,10 @@ class ExpandContext:
 
     ``activation_sharding`` is the plan's rule for choosing among DTensor's strategies
     (see :func:`follow_inputs`): ``"follow"`` or ``"greedy"``. ``rng`` is how random ops
-    draw (:mod:`.rules.random`): ``"exact"`` or ``"fast"``.
+    draw (:mod:`.rules.random`): ``"exact"`` or ``"fast"``. ``grad_of`` maps the index of
+    a tensor argument that is a parameter's gradient (traced node tagged by
+    :mod:`spmd_compiler.trace.grad_links`) to that parameter's planned spec; it is part of
+    the recipe's cache key.
     """
 
     mctx: MeshContext
@@ -84,6 +87,7 @@ class ExpandContext:
     warned: set | None = None
     activation_sharding: str = "follow"
     rng: str = "exact"
+    grad_of: dict[int, Any] | None = None
 
     def warn_once(self, key: Any, msg: str, *args: Any) -> None:
         if self.warned is None:

@@ -4,7 +4,9 @@ A transformer repeats the same ops on the same shapes and placements layer after
 The key holds everything that determines a recipe: the op overload; for each tensor
 argument its placements, global shape/stride, dtype, local shape/stride and whether it
 is a position tensor (:mod:`.positions`); every
-non-tensor argument (sizes as ``DSymInt`` keys); the mesh. Replaying a cached recipe
+non-tensor argument (sizes as ``DSymInt`` keys); the mesh; for an argument that is a
+parameter's gradient, the parameter's planned layout (``ExpandContext.grad_of``, added by
+:func:`.recipes.expand_node`). Replaying a cached recipe
 splices the same subgraph again, so the result is identical to expanding afresh.
 Recipes that depend on this rank's coordinate (uneven shards) are stored per coordinate.
 """

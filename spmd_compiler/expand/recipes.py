@@ -16,10 +16,11 @@ import torch.fx as fx
 from . import dispatch, positions
 from .args import ExpandContext, ScalarArg, TensorArg
 from .builder import Recipe, SubgraphBuilder
+from ..trace.grad_links import GRAD_OF
 from .cache import abstract_key
 from .splice import splice_recipe
 from .tree import leaves, tree_map
-from .values import DValue, RScalar, placements_text
+from .values import DValue, RScalar, _key, placements_text
 
 __all__ = ["expand_node", "build_recipe", "inputs_by_leaf"]
 
@@ -34,13 +35,17 @@ def inputs_by_leaf(args: Any, kwargs: Any) -> list[fx.Node]:
 def expand_node(ex: Any, node: fx.Node, op: Any, args: tuple, kwargs: dict) -> Any:
     """Splice the recipe of traced ``node`` (``op`` on expanded ``args``/``kwargs``) into
     ``ex.graph``; returns its value (a reduced Partial argument replaces its env entry)."""
+    traced_args = [a for a in leaves((node.args, node.kwargs)) if isinstance(a, fx.Node) and isinstance(ex.env.get(a), DValue)]
+    grad_of = _gradient_params(ex, traced_args)
     key = (op, abstract_key(args), abstract_key(kwargs), ex.fallback, ex.activation_sharding, ex.rng)
+    if grad_of:  # a rule may lay a gradient out like its parameter
+        key += (tuple((i, tuple(s.placements), tuple(_key(d) for d in s.shape)) for i, s in grad_of.items()),)
     if ex.dynamic:  # recipes hold this trace's fake values: shared by its ranks, not by other traces
         key += (ex.fake_mode,)
     recipe = ex.cache.lookup(key, ex.mctx.coordinate)
     hit = recipe is not None
     if recipe is None:
-        recipe = build_recipe(ex, node, op, args, kwargs)
+        recipe = build_recipe(ex, node, op, args, kwargs, grad_of=grad_of)
         ex.cache.store(key, ex.mctx.coordinate, recipe)
     if log.isEnabledFor(logging.DEBUG):
         ins = ", ".join(placements_text(a.spec.placements) for a in leaves((args, kwargs)) if isinstance(a, DValue))
@@ -61,7 +66,6 @@ def expand_node(ex: Any, node: fx.Node, op: Any, args: tuple, kwargs: dict) -> A
                 inputs.append(leaf.mask)
         elif isinstance(leaf, RScalar):
             inputs.append(leaf.node)
-    traced_args = [a for a in leaves((node.args, node.kwargs)) if isinstance(a, fx.Node) and isinstance(ex.env.get(a), DValue)]
     value, replacements = splice_recipe(ex.graph, recipe, ex.coords, inputs, node, [a.name for a in traced_args])
     if replacements:
         # a Partial argument was reduced for this op: later users take the reduced copy
@@ -71,11 +75,25 @@ def expand_node(ex: Any, node: fx.Node, op: Any, args: tuple, kwargs: dict) -> A
     return value
 
 
-def build_recipe(ex: Any, node: fx.Node, op: Any, args: tuple, kwargs: dict) -> Recipe:
+def _gradient_params(ex: Any, traced_args: list[fx.Node]) -> dict[int, Any]:
+    """Index of each argument that is a parameter's gradient (``spmd_grad_of``, tagged
+    while tracing) -> the parameter's spec as planned."""
+    out = {}
+    for i, a in enumerate(traced_args):
+        name = a.meta.get(GRAD_OF)
+        if name is not None:
+            try:
+                out[i] = ex.input_value("param", name).spec
+            except KeyError:  # not a traced input (a frozen parameter)
+                pass
+    return out
+
+
+def build_recipe(ex: Any, node: fx.Node, op: Any, args: tuple, kwargs: dict, grad_of: dict[int, Any] | None = None) -> Recipe:
     """The recipe of ``op`` on these arguments: dispatch (a rule or DTensor) on a fresh builder."""
     b = SubgraphBuilder(ex.mctx, ex.fake_mode)
     b.sizes = ex.local_sizes
-    ctx = ExpandContext(ex.mctx, ex.fake_mode, ex.fallback, node, ex.warned, ex.activation_sharding, ex.rng)
+    ctx = ExpandContext(ex.mctx, ex.fake_mode, ex.fallback, node, ex.warned, ex.activation_sharding, ex.rng, grad_of=grad_of)
 
     counter = iter(range(1 << 30))
 

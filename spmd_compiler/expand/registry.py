@@ -6,8 +6,9 @@ the recipe builder ``b``) and sizes as :class:`~spmd_compiler.expand.values.DSym
 It emits local ops and collectives into ``b`` and returns the result pytree
 (:class:`~spmd_compiler.expand.builder.OutTensor` for tensors). Ops without a rule go
 through DTensor's sharding propagation (:func:`~spmd_compiler.expand.dispatch.generic_expand`).
-Rules must depend only on their arguments' placements, shapes and values (their result is
-memoized and replayed for identical arguments).
+Rules must depend only on their arguments' placements, shapes and values, and on
+``ctx.grad_of`` (the planned layouts of the parameters whose gradients they read): their
+result is memoized and replayed for identical arguments.
 """
 
 from __future__ import annotations

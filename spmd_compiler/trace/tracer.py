@@ -24,6 +24,7 @@ from torch.utils import _pytree as pytree
 from .. import _private_torch as pt
 from .decompositions import decomposition_table
 from .host_values import HostSnapshot, as_data_dependent_error, check_data_dependent_shapes, user_outputs, with_batch_sizes_named
+from .grad_links import gradient_links
 from .markers import phase_markers, split_point_hooks, tag_phases
 from .rewrites import contiguous_copies_written, symbolic_size_rewrites, traceable_scalars
 from .rng import RngLedger, replay_recomputed_draws, rng_replay
@@ -191,7 +192,7 @@ def trace(
             if isinstance(leaf, torch.Tensor):
                 batch_leaves[i] = next(it)
         b_args, b_kwargs = pytree.tree_unflatten(batch_leaves, batch_spec)
-        with swapped_state(model, optimizer, state, params, buffers, optim, hparams) as ctx:
+        with swapped_state(model, optimizer, state, params, buffers, optim, hparams) as ctx, gradient_links(params):
             result = step_fn(model, optimizer, *b_args, **b_kwargs)
             final_buffers = {n: _module_tensor(model, n) for n in state.buffers}
             final_optim = ctx["optim_state"]()
