@@ -1,12 +1,12 @@
 """One launch for independent small all_reduces of the same group.
 
 After :mod:`.bucketing` some all_reduces are still launches of their own: values that are
-not gradients and could not ride in a gradient bucket. A torchtitan-style step under
-Megatron TP is the common case: ``clip_grad_norm_(foreach=True)`` takes the norm of each
-TP-sharded gradient, a ``Partial(norm2)`` value, and ``aten.stack`` of the norms reduces
-each one on its own (``P(norm2)->R``: :func:`spmd_compiler.expand.redistribute._norm_pre`
-raises to the power 2, one ``all_reduce`` sum, then the root): one launch per sharded
-parameter, where FSDP2 makes one. None of them reads another's result.
+not gradients and could not ride in a gradient bucket. Under Megatron TP, backward reduces
+the input gradients of q, k and v (and of w1 and w3), each a Partial(sum) of its own that
+no other reads; a ``clip_grad_norm_`` norm that the expansion could not stack as one
+Partial (:mod:`spmd_compiler.expand.rules.norms`) is another (``P(norm2)->R``:
+:func:`spmd_compiler.expand.redistribute._norm_pre` raises to the power 2, one
+``all_reduce`` sum, then the root). None of them reads another's result.
 
 This pass merges such all_reduces into one, as a bucket does: reshape(-1) each input,
 cat, one all_reduce, then a slice and a view per member in place of its wait. An
@@ -24,8 +24,8 @@ after the last member's input and waited right before that first read. So no rea
 (a value the forward or backward needs is never delayed) and no member depends on another's
 result (a dependency goes through a reader). A group closes when the next candidate breaks
 this or the payload would pass ``max_mb``; only groups of two or more are fused. The 1-layer
-torchtitan Llama under TP (``tests/test_optimize_fuse_all_reduces.py``): the 7 norms' all_reduces
-of its optimizer phase in one, and its backward's 4 input-gradient reductions in 2.
+torchtitan Llama under TP (``tests/test_optimize_fuse_all_reduces.py``): its backward's 4
+input-gradient reductions in 2 (the clip's norms are already one all_reduce there).
 
 Skipped (left as they are): a member whose input's storage is written in place anywhere
 in the program (an all_reduce copies its input at issue; issuing later would read the
