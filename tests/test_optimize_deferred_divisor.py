@@ -201,3 +201,32 @@ def test_every_target_ignored_leaves_zero_gradients_as_one_device():
         for p, q in zip(model.parameters(), ref.parameters()):
             assert torch.isfinite(p).all() and torch.allclose(p, q, rtol=0, atol=1e-12), i
     assert any((n.meta.get("spmd_origin") or {}).get("op") == PASS for n in sim.expansions[(0,)].gm.graph.nodes)
+
+
+def _autocast_step(dtype):
+    def step(model, optimizer, ids, targets):
+        with torch.autocast("cpu", dtype=dtype):
+            logits = model(ids)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    return step
+
+
+@pytest.mark.parametrize("dtype,applied", [(torch.float16, False), (torch.bfloat16, True)], ids=["fp16", "bf16"])
+def test_float16_autocast_is_refused_bfloat16_is_not(caplog, dtype, applied):
+    """Unscaled, a weight gradient is count times one device's: summed over many targets it
+    can pass float16's 65504 where one device's does not. float16 autocast keeps the pair
+    apart; bfloat16 (float32's range) does not need to."""
+    model = GPT(vocab=32, seq=8, dim=16, heads=2, layers=1)
+    batches = [tuple(t for t in _batch(i, 4)) for i in range(2)]
+    with caplog.at_level(logging.DEBUG, logger="spmd_compiler.optimize.deferred_divisor"):
+        res = assert_training_matches(_autocast_step(dtype), model, lambda p: torch.optim.SGD(p, lr=0.1), batches,
+                                      fake_mesh((2,), ("dp",)), passes=_passes(), atol=5e-3, rtol=5e-2)
+    ops = _ops([n for n in res.sim.expansions[(0,)].gm.graph.nodes if is_collective(n)])
+    assert ("mean_pair" not in ops) == applied, ops
+    if not applied:
+        assert any("float16" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]

@@ -30,7 +30,9 @@ accumulation), a gradient reduction that is not scaled or not a plain all_reduce
 pair's group in the optimizer phase (FSDP's reduce_scatters, kept gradients), not exactly
 one entry of ``C`` (two losses or backward passes; class weights or ``u / C``'s backward,
 where ``C = 0`` makes one device's gradients inf/NaN), a backward value computed from the
-pair, no or several pairs, symbolic or per-rank sizes, pipeline stages.
+pair, no or several pairs, symbolic or per-rank sizes, pipeline stages, and a scaled value
+in float16 (float16 autocast: a weight gradient ``C`` times larger than one device's, summed
+over many targets, could pass float16's 65504; bfloat16 and float32 have the range).
 """
 
 from __future__ import annotations
@@ -203,6 +205,14 @@ def _plan(gm: fx.GraphModule) -> dict[str, Any]:
     def is_scaled(x: Any) -> bool:
         return isinstance(x, fx.Node) and x in scaled
 
+    def add_scaled(n: fx.Node) -> None:
+        vals = n.meta.get("val")
+        if any(isinstance(v, torch.Tensor) and v.dtype == torch.float16 for v in (vals if isinstance(vals, (list, tuple)) else [vals])):
+            # C times larger than on one device: a weight gradient summed over many targets
+            # can pass float16's 65504 (fp16 autocast); bfloat16 and float32 have the range
+            raise _Refuse(f"{n.name} would hold a float16 value count times larger than on one device (overflow risk)")
+        scaled.add(n)
+
     for n in gm.graph.nodes:
         if n is wait or n.op in ("placeholder", "get_attr"):
             continue
@@ -223,7 +233,7 @@ def _plan(gm: fx.GraphModule) -> dict[str, Any]:
         if n is entry:
             if any(is_scaled(a) for a in inputs):
                 raise _Refuse(f"{n.name} reads a scaled value")
-            scaled.add(n)
+            add_scaled(n)
         elif n in reduced:
             if not is_scaled(n.args[0]):
                 raise _Refuse(f"gradient reduction {n.name} reduces a value not proportional to 1/count (another loss?)")
@@ -237,7 +247,7 @@ def _plan(gm: fx.GraphModule) -> dict[str, Any]:
                 raise _Refuse(f"{n.name} ({n.target}) reads a value proportional to 1/count and is not known to be linear in it")
             if not rule(n, is_scaled):
                 raise _Refuse(f"{n.name} ({n.target}) mixes a value proportional to 1/count with one that is not")
-            scaled.add(n)
+            add_scaled(n)
     return {"pair": pair, "wait": wait, "count": count, "c_local": c_local, "entry": entry, "rewires": rewires,
             "reductions": reductions}
 
