@@ -13,11 +13,12 @@ from spmd_compiler.testing import assert_distributed, assert_training_matches, f
 from spmd_compiler.testing.models import MLP, megatron_mlp_plan
 
 
-def _step(foreach: bool):
+def _step(clip: bool = True, foreach: bool = True):
     def step(model, optimizer, x, y):
         loss = F.mse_loss(model(x), y)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5, foreach=foreach)
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5, foreach=foreach)
         optimizer.step()
         optimizer.zero_grad()
         return loss
@@ -35,7 +36,7 @@ def test_clip_under_2d_keeps_tensor_parallel_gradients_sharded(foreach):
     torch.manual_seed(0)
     plan = megatron_mlp_plan(ndim=2, axis=1)
     plan = sc.Plan(params=plan.params, default_input=[sc.Shard(0), sc.Replicate()])
-    res = assert_training_matches(_step(foreach), MLP(16, 32).double(), lambda p: torch.optim.AdamW(p, lr=0.05), _batches(),
+    res = assert_training_matches(_step(True, foreach), MLP(16, 32).double(), lambda p: torch.optim.AdamW(p, lr=0.05), _batches(),
                                   fake_mesh((2, 2), ("dp", "tp")), plan, atol=1e-12, rtol=1e-10)
     dist = assert_distributed(res, sharded=["l1.weight", "l2.weight"])
     # before the rule: DTensor's norm strategy gathered l1.weight, l1.bias and l2.weight's
@@ -50,7 +51,7 @@ def test_clip_under_2d_keeps_tensor_parallel_gradients_sharded(foreach):
 def test_clip_under_data_parallel_keeps_one_gradient_all_reduce():
     """Plain DP: the gradients are reduced once (bucketed all_reduces), the norms local."""
     torch.manual_seed(0)
-    res = assert_training_matches(_step(True), MLP(16, 32).double(), lambda p: torch.optim.AdamW(p, lr=0.05), _batches(),
+    res = assert_training_matches(_step(True, True), MLP(16, 32).double(), lambda p: torch.optim.AdamW(p, lr=0.05), _batches(),
                                   fake_mesh((2,), ("dp",)), sc.Plan(), atol=1e-12, rtol=1e-10)
     dist = assert_distributed(res)
     assert dist.count("all_gather") == 0 and dist.count("reduce_scatter") == 0, dist.describe()

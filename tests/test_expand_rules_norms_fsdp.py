@@ -15,6 +15,7 @@ from spmd_compiler.testing import assert_distributed, assert_training_matches, f
 from spmd_compiler.testing.models import MLP
 from spmd_compiler.trace.grad_links import GRAD_OF
 from spmd_compiler.trace.tracer import trace
+from test_expand_rules_norms import _batches, _step  # the same step and batches as the 1-D and 2-D cases
 
 FSDP = sc.Plan(params={"*": [sc.Shard(0)]}, fsdp_axes=(0,))
 # 2-D FSDP x TP: each weight sharded on dp along the dim tensor parallelism leaves whole
@@ -23,24 +24,6 @@ FSDP_TP = sc.Plan(
             "l2.weight": [sc.Shard(0), sc.Shard(1)], "l2.bias": [sc.Shard(0), sc.Replicate()]},
     default_input=[sc.Shard(0), sc.Replicate()], fsdp_axes=(0,),
 )
-
-
-def _step(clip: bool, foreach: bool = True):
-    def step(model, optimizer, x, y):
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5, foreach=foreach)
-        optimizer.step()
-        optimizer.zero_grad()
-        return loss
-
-    return step
-
-
-def _batches():
-    g = torch.Generator().manual_seed(2)
-    return [(torch.randn(8, 16, generator=g, dtype=torch.float64), torch.randn(8, 16, generator=g, dtype=torch.float64)) for _ in range(3)]
 
 
 def _run(plan, mesh, clip, foreach=True):
