@@ -105,7 +105,8 @@ def _addmm(node: fx.Node, scaled: Callable[[Any], bool]) -> bool:
             and all(isinstance(node.kwargs.get(k, 1), (int, float)) for k in ("beta", "alpha")))
 
 
-_VIEWS = [
+# views, casts, sums and scalings: linear in their one tensor argument
+_UNARY_LINEAR = [
     aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.t.default, aten.transpose.int,
     aten.permute.default, aten.expand.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
     aten.squeeze.default, aten.slice.Tensor, aten.select.int, aten.split.Tensor, aten.split_with_sizes.default,
@@ -120,7 +121,7 @@ _BACKWARDS = [
     aten.sigmoid_backward.default,
 ]
 LINEAR: dict[Any, Rule] = {
-    **{op: _first_only for op in _VIEWS + _BACKWARDS},
+    **{op: _first_only for op in _UNARY_LINEAR + _BACKWARDS},
     operator.getitem: _first_only,  # an output of a multi-output op above (native_layer_norm_backward)
     aten.mul.Tensor: _one_of_two, aten.mm.default: _one_of_two, aten.bmm.default: _one_of_two,
     aten.add.Tensor: _both_scaled, aten.sub.Tensor: _both_scaled,
