@@ -93,6 +93,7 @@ class StepDriver(DriverIntrospection):
         self.plan = plan or Plan()
         self.cache = ExpansionCache()
         self._states = StateCache()
+        self._pinned: tuple[Any, Any, Any] | None = None  # (model, optimizer, state) while a cached program runs
         _LIVE.add(self)
         self._programs: OrderedDict[Any, Program] = OrderedDict()  # by every rank's signature, least recent first
         self._current: Program | None = None  # the program every rank agreed on last
@@ -130,7 +131,12 @@ class StepDriver(DriverIntrospection):
             distribute_state(model, optimizer, self.mesh, self.plan)
 
     def _state(self, model: torch.nn.Module, optimizer: Any) -> Any:
-        """The named state of ``model``/``optimizer`` (cached between calls)."""
+        """The named state of ``model``/``optimizer`` (cached between calls; while a cached
+        program runs, the state its call signature was computed from, with no second
+        fingerprint of the model and optimizer)."""
+        pinned = self._pinned
+        if pinned is not None and pinned[0] is model and pinned[1] is optimizer:
+            return pinned[2]
         return self._states.get(model, optimizer)
 
     # ------------------------------------------------------------------ call
@@ -139,11 +145,12 @@ class StepDriver(DriverIntrospection):
         state = self._state(model, optimizer)
         if not state.params or not all(isinstance(p, DTensor) for p in state.params.values()):
             self.distribute(model, optimizer)
-        key = signature(self._state(model, optimizer), batch, kwargs)
+            state = self._state(model, optimizer)
+        key = signature(state, batch, kwargs)
         self.calls += 1
         if self._guard is None:  # every rank's first call: set up together
             self._setup_groups()
-        free = self._sizes.free_key(self._state(model, optimizer), batch, kwargs) if self._sizes is not None else None
+        free = self._sizes.free_key(state, batch, kwargs) if self._sizes is not None else None
         current = self._current
         name = getattr(self.fn, "__name__", "step")
         self._feed = []
@@ -171,7 +178,11 @@ class StepDriver(DriverIntrospection):
                     if sized:  # needs every rank's sizes before it starts; a broken size guard: Resync
                         self._feed, check = self._sizes.wait(current.sizes, check, batch, kwargs)
                     self._last_key, self.last = key, target.step
-                    out = self._run_checked(target, model, optimizer, batch, kwargs, check)
+                    self._pinned = (model, optimizer, state)  # nothing changes it before the program runs
+                    try:
+                        out = self._run_checked(target, model, optimizer, batch, kwargs, check)
+                    finally:
+                        self._pinned = None
                     if target is not current:  # every rank ran it (its check read every rank's id): agreed
                         self.checks[f"switched ({path})"] += 1
                         self._current = target
