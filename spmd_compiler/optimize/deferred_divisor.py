@@ -55,6 +55,7 @@ __all__ = ["defer_mean_divisor_pass", "LINEAR"]
 log = logging.getLogger(__name__)
 
 aten = torch.ops.aten
+_c10d = torch.ops._c10d_functional
 
 Rule = Callable[[fx.Node, Callable[[Any], bool]], bool]
 
@@ -105,6 +106,13 @@ def _addmm(node: fx.Node, scaled: Callable[[Any], bool]) -> bool:
             and all(isinstance(node.kwargs.get(k, 1), (int, float)) for k in ("beta", "alpha")))
 
 
+def _summed(node: fx.Node, scaled: Callable[[Any], bool]) -> bool:
+    """A functional ``all_reduce``/``reduce_scatter_tensor`` of the scaled value with
+    ``sum``: ``C`` is the same on every rank of the mesh (the replicated global count the
+    expansion hands ``nll_loss_backward``), so ``sum_r G_r / C = (sum_r G_r) / C``."""
+    return _first_only(node, scaled) and node.args[1] == "sum"
+
+
 # views, casts, sums and scalings: linear in their one tensor argument
 _UNARY_LINEAR = [
     aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.t.default, aten.transpose.int,
@@ -127,6 +135,10 @@ LINEAR: dict[Any, Rule] = {
     aten.add.Tensor: _both_scaled, aten.sub.Tensor: _both_scaled,
     aten.div.Tensor: _divided, aten.masked_fill.Scalar: _zero_fill, aten.where.self: _where,
     aten.cat.default: _all_listed, aten.stack.default: _all_listed, aten.addmm.default: _addmm,
+    # functional collectives other than the gradient reductions (checked apart, see _plan):
+    # a tensor-parallel backward's activation all_reduce, a gather; rows of one value, or its sum
+    _c10d.all_reduce.default: _summed, _c10d.reduce_scatter_tensor.default: _summed,
+    _c10d.all_gather_into_tensor.default: _first_only, _c10d.wait_tensor.default: _first_only,
 }
 """Ops that propagate the scale ``1/C`` (aten op -> rule: given the node and which values
 are scaled, whether the result is scaled). An op reading a scaled value outside this
