@@ -207,7 +207,8 @@ def _axes(gm: fx.GraphModule, mesh) -> tuple:
 @pytest.mark.parametrize("kind", ["gpt", "mlp"])
 def test_2d_check_rides_on_the_first_collective_of_each_axis(mesh2x2, kind):
     """No collective spans the 4 ranks; the first one of each axis group carries a flag
-    (tp's forward all_reduce, then dp's: the target count, or the MLP's gradient bucket),
+    (tp's forward all_reduce, then dp's first gradient bucket, which carries the GPT's
+    [loss sum, count] pair: optimize/deferred_divisor.py),
     so the step makes exactly the program's collectives."""
     plan = None if kind == "gpt" else megatron_mlp_plan(ndim=2, axis=1)
     if kind == "gpt":

@@ -104,14 +104,13 @@ def test_gpt_loss_rides_and_the_target_count_stays(traced_gpt, plan):
     assert _groups(paired)["dp"] == (launches, launches) and not _riders(paired)  # as many launches, each a bucket
     pairs = [n for n in paired.graph.nodes if is_collective(n) and n.meta["spmd_comm"].get("op") == "mean_pair"]
     assert len(pairs) == 1 and pairs[0].meta.get("spmd_phase") == "forward"
-    # with defer_mean_divisor (the default) the pair rides in the first dp bucket under DP;
-    # under dp x tp the backward's tp all_reduces read the scaled values: refused, as above
+    # with defer_mean_divisor (the default) the pair rides in the first dp bucket, under dp x
+    # tp too (the backward's tp all_reduces sum values scaled by 1/count: LINEAR's collective rules)
     step = sc.expand(traced_gpt, mesh) if plan == "dp" else sc.expand(traced_gpt, mesh, gpt_2d_plan())
     deferred = run_passes(step.gm, default_passes(bucket_mb=0.01))[0]
-    if plan == "dp":
-        assert _groups(deferred)["dp"] == (buckets, buckets) and len(_riders(deferred)) == 1
-    else:
-        assert _groups(deferred) == _groups(paired)
+    assert _groups(deferred)["dp"] == (buckets, buckets) and len(_riders(deferred)) == 1
+    if plan == "2d":
+        assert _groups(deferred)["tp"] == (8, 0)
 
 
 def test_gpt_dp_with_the_loss_in_a_bucket_equals_one_device(mesh4):

@@ -102,10 +102,10 @@ def test_dp_gpt_launches_equal_buckets_and_matches_one_device(world):
     assert _ops(before) == ["mean_pair", "bucket", "bucket"], _ops(before)
 
 
-@pytest.mark.parametrize("fn,reason", [(regularized_step, "all_reduce"), (logit_penalty_step, "mixes")])
+@pytest.mark.parametrize("fn,reason", [(regularized_step, "mixes"), (logit_penalty_step, "mixes")])
 def test_mixed_scaling_is_refused(caplog, fn, reason):
-    """ce + 0.01 * |w|^2: the head weight's gradient adds a scaled (Partial, reduced first)
-    and an unscaled term; ce + a mean of the logits' squares: the logits' gradient does."""
+    """ce + 0.01 * |w|^2: the head weight's gradient adds a scaled (Partial, reduced first:
+    a sum all_reduce keeps the scale) and an unscaled term; ce + a mean of the logits' squares: the logits' gradient does."""
     with caplog.at_level(logging.DEBUG, logger="spmd_compiler.optimize.deferred_divisor"):
         _, gm, colls = _run(fn, 2)
     assert _ops(colls)[0] == "mean_pair" and _ops(colls).count("bucket") == 2, _ops(colls)  # the pair stands alone

@@ -21,7 +21,8 @@ It applies only where a conservative *scale analysis* proves every reduced gradi
 proportional to ``1/C``: the value where ``1/C`` enters is *scaled*; an op reading a
 scaled value must be in :data:`LINEAR` (keyed by aten op: views, sums, ``mm``/``bmm`` with
 one scaled operand, ``add`` of two scaled values, the ``*_backward`` ops linear in
-``grad_output``...) and its rule must accept the arguments, and a scaled value may reach
+``grad_output``, the functional collectives that sum or gather one scaled value and their
+waits...) and its rule must accept the arguments, and a scaled value may reach
 nothing else than those ops and the gradient all_reduces. Otherwise the program is left
 as it is, with one DEBUG log naming the reason: an op outside the registry or that mixes
 a scaled and an unscaled value (``ce + 0.01 * (w**2).sum()``), a scaled value reaching
@@ -33,6 +34,17 @@ where ``C = 0`` makes one device's gradients inf/NaN), a backward value computed
 pair, no or several pairs, symbolic or per-rank sizes, pipeline stages, and a scaled value
 in float16 (float16 autocast: a weight gradient ``C`` times larger than one device's, summed
 over many targets, could pass float16's 65504; bfloat16 and float32 have the range).
+
+The collective rules are what dp x tp needs: a tensor-parallel backward all_reduces
+activation gradients over ``tp``, values proportional to ``1/C`` there. ``C`` is the same
+on every rank of the mesh, not only of the pair's group: ``nll_loss_backward`` reads it
+directly as its ``total_weight``, which the expansion hands it replicated on every mesh
+axis (a count partial over ``tp`` too would reach it through a second reduction or a
+second pair, which the checks below refuse). So on any group
+``sum_r G_r / C = (sum_r G_r) / C``: a ``sum`` all_reduce or reduce_scatter, or a gather,
+of exactly one scaled input is scaled (``max``/``min`` are not linear: refused); float64
+GPT on a 2 x 2 mesh equals one device at 1e-12 (``tests/test_optimize_deferred_divisor_2d.py``).
+The gradient reductions themselves are not ruled by the registry: they are checked apart.
 """
 
 from __future__ import annotations
@@ -55,6 +67,7 @@ __all__ = ["defer_mean_divisor_pass", "LINEAR"]
 log = logging.getLogger(__name__)
 
 aten = torch.ops.aten
+_c10d = torch.ops._c10d_functional
 
 Rule = Callable[[fx.Node, Callable[[Any], bool]], bool]
 
@@ -105,6 +118,13 @@ def _addmm(node: fx.Node, scaled: Callable[[Any], bool]) -> bool:
             and all(isinstance(node.kwargs.get(k, 1), (int, float)) for k in ("beta", "alpha")))
 
 
+def _summed(node: fx.Node, scaled: Callable[[Any], bool]) -> bool:
+    """A functional ``all_reduce``/``reduce_scatter_tensor`` of the scaled value with
+    ``sum``: ``C`` is the same on every rank of the mesh (the replicated global count the
+    expansion hands ``nll_loss_backward``), so ``sum_r G_r / C = (sum_r G_r) / C``."""
+    return _first_only(node, scaled) and node.args[1] == "sum"
+
+
 # views, casts, sums and scalings: linear in their one tensor argument
 _UNARY_LINEAR = [
     aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.t.default, aten.transpose.int,
@@ -127,6 +147,10 @@ LINEAR: dict[Any, Rule] = {
     aten.add.Tensor: _both_scaled, aten.sub.Tensor: _both_scaled,
     aten.div.Tensor: _divided, aten.masked_fill.Scalar: _zero_fill, aten.where.self: _where,
     aten.cat.default: _all_listed, aten.stack.default: _all_listed, aten.addmm.default: _addmm,
+    # functional collectives other than the gradient reductions (checked apart, see _plan):
+    # a tensor-parallel backward's activation all_reduce, a gather; rows of one value, or its sum
+    _c10d.all_reduce.default: _summed, _c10d.reduce_scatter_tensor.default: _summed,
+    _c10d.all_gather_into_tensor.default: _first_only, _c10d.wait_tensor.default: _first_only,
 }
 """Ops that propagate the scale ``1/C`` (aten op -> rule: given the node and which values
 are scaled, whether the result is scaled). An op reading a scaled value outside this
