@@ -230,3 +230,45 @@ def test_float16_autocast_is_refused_bfloat16_is_not(caplog, dtype, applied):
     assert ("mean_pair" not in ops) == applied, ops
     if not applied:
         assert any("float16" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+
+
+def mlp_ce_step(model, optimizer, x, targets):
+    loss = F.cross_entropy(model(x), targets)  # (B, C) logits: no flatten, uneven rows stay sharded
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def _mlp_batch(i: int, rows: int):
+    g = torch.Generator().manual_seed(500 + i)
+    x = torch.randn(rows, 8, generator=g, dtype=torch.float64)
+    targets = torch.randint(0, 6, (rows,), generator=g)
+    targets[: rows // 2 + i % 2] = -100  # the first ranks' rows all ignored on some steps: counts differ per rank
+    return x, targets
+
+
+@pytest.mark.parametrize("dynamic", [True, False], ids=["symbolic", "per-shape"])
+def test_uneven_and_symbolic_batches_launch_buckets_and_match_one_device(dynamic):
+    """Batches of 7, 4 and 5 rows over 3 ranks: uneven shards (the ranks' programs differ in
+    sizes) and, with ``dynamic=True``, one program for every size (symbolic sizes). The
+    argument does not depend on sizes: the pair rides in the first bucket, and float64
+    results equal one device's at 1e-12. (Per shape, the GPT's flatten of an uneven batch
+    gathers it, so the per-rank sizes are an MLP's.)"""
+    if dynamic:
+        fn, model, batches = ce_step, GPT(vocab=32, seq=8, dim=16, heads=2, layers=1).double(), [_batch(i, r) for i, r in enumerate((7, 4, 5))]
+    else:
+        from spmd_compiler.testing.models import MLP
+
+        torch.manual_seed(0)
+        fn, model, batches = mlp_ce_step, MLP(8, 16, 6).double(), [_mlp_batch(i, r) for i, r in enumerate((7, 4, 5))]
+    res = assert_training_matches(fn, model, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), batches,
+                                  fake_mesh((3,), ("dp",)), passes=_passes(), atol=1e-12, rtol=0, dynamic=dynamic)
+    programs = list(res.sim.expansions.values())
+    assert programs
+    for step in programs:
+        ops = _ops([n for n in step.gm.graph.nodes if is_collective(n)])
+        assert ops and set(ops) == {"bucket"}, ops  # the pair rides: launches == buckets
+        assert any((n.meta.get("spmd_origin") or {}).get("op") == PASS for n in step.gm.graph.nodes)
+    if dynamic:  # no size recompiles: the first call, then momentum's state
+        assert res.sim.compiles == 2 and "optimizer state" in res.sim.reasons[-1], res.sim.reasons

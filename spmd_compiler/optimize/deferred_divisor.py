@@ -31,9 +31,11 @@ accumulation), a gradient reduction that is not scaled or not a plain all_reduce
 pair's group in the optimizer phase (FSDP's reduce_scatters, kept gradients), not exactly
 one entry of ``C`` (two losses or backward passes; class weights or ``u / C``'s backward,
 where ``C = 0`` makes one device's gradients inf/NaN), a backward value computed from the
-pair, no or several pairs, symbolic or per-rank sizes, pipeline stages, and a scaled value
+pair, no or several pairs, pipeline stages, and a scaled value
 in float16 (float16 autocast: a weight gradient ``C`` times larger than one device's, summed
 over many targets, could pass float16's 65504; bfloat16 and float32 have the range).
+The argument holds for any sizes: symbolic (``dynamic=True``) and uneven per-rank programs
+are rewritten too.
 
 The collective rules are what dp x tp needs: a tensor-parallel backward all_reduces
 activation gradients over ``tp``, values proportional to ``1/C`` there. ``C`` is the same
@@ -57,7 +59,6 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..expand.splice import RANK_SIZES
 from ..trace.markers import MARKER
 from .bucketing import gradient_reductions
 from .graph_utils import is_collective, is_pure, is_wait, move_before, new_node, positions
@@ -191,9 +192,6 @@ def _check_static(gm: fx.GraphModule) -> None:
     for n in gm.graph.nodes:
         if n.target is MARKER:
             raise _Refuse("the program is split into pipeline stages")
-        val = n.meta.get("val")
-        if RANK_SIZES in n.meta or (isinstance(val, torch.Tensor) and not all(isinstance(d, int) for d in val.shape)):
-            raise _Refuse(f"{n.name}'s size is symbolic or differs per rank")
 
 
 def _plan(gm: fx.GraphModule) -> dict[str, Any]:
