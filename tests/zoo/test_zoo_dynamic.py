@@ -49,7 +49,7 @@ MODELS = {
 }
 
 
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("name", [m for m in MODELS if m != "gpt2"])  # gpt2: the uneven first call below
 def test_partial_last_batch_one_program(name, caplog):
     """Sizes 8, 8, 5, 3 on 2 ranks (odd sizes: uneven shards): the program of the first
     step serves every size; the only compiles are the first call and the one after the
@@ -57,6 +57,12 @@ def test_partial_last_batch_one_program(name, caplog):
     caplog.set_level(logging.INFO, logger="spmd_compiler.driver.dynamic")
     model = MODELS[name]().double()
     res = assert_training_matches(lm_step, model, adamw, sized([8, 8, 5, 3]), fake_mesh((2,), ("dp",)), sc.Plan(), dynamic=True, **TIGHT)
+    assert_one_distributed_program(res, caplog)
+
+
+def assert_one_distributed_program(res, caplog) -> None:
+    """Two compiles (the first call, then the optimizer state), none for a batch size, no
+    fallback; the batch is a run-time size, arrives split, and gradients are all-reduced."""
     assert res.sim.compiles == 2 and shape_compiles(res) == [], res.sim.reasons
     assert fallbacks(caplog) == []
     assert res.sim.expansions[(0,)].size_symbols  # the batch is a run-time size
@@ -68,12 +74,15 @@ def test_partial_last_batch_one_program(name, caplog):
     assert any("all_reduce" in str(n.target) for n in step.collectives())
 
 
-def test_partial_last_batch_uneven_first_call_same_graph_on_every_rank():
-    """The first call has an odd size (5 on 2 ranks): each rank's program must still be
-    the same graph (the view of the local batch sized by the coordinate symbol, not this
-    rank's number), then serve the even sizes too."""
-    res = assert_training_matches(lm_step, gpt2("sdpa").double(), adamw, sized([5, 8, 2]), fake_mesh((2,), ("dp",)), sc.Plan(), dynamic=True, **TIGHT)
-    assert res.sim.compiles == 2 and shape_compiles(res) == [], res.sim.reasons
+def test_partial_last_batch_uneven_first_call_same_graph_on_every_rank(caplog):
+    """GPT-2 (SDPA) with a partial last batch, the first call of an odd size (5 on 2 ranks):
+    each rank's program must still be the same graph (the view of the local batch sized by
+    the coordinate symbol, not this rank's number); the program of the second call (8)
+    then serves the odd size 3 and the even 2, as test_partial_last_batch_one_program
+    checks for the other models."""
+    caplog.set_level(logging.INFO, logger="spmd_compiler.driver.dynamic")
+    res = assert_training_matches(lm_step, gpt2("sdpa").double(), adamw, sized([5, 8, 3, 2]), fake_mesh((2,), ("dp",)), sc.Plan(), dynamic=True, **TIGHT)
+    assert_one_distributed_program(res, caplog)
 
 
 def accumulating_lm_step(model, optimizer, ids, targets, do_step):

@@ -4,6 +4,9 @@ and FSDP-style plans: 3 steps vs one device."""
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 import pytest
 import torch
 import torch.nn as nn
@@ -76,19 +79,23 @@ MODELS = {
 USES_SDPA = {"encoder_layer", "transformer", "mha_no_weights"}
 
 
+@functools.cache
+def trained(name: str, plan: str) -> Any:
+    """One checked run (run_case) per model and plan, shared by the tests that assert
+    more on the same program (compiling dominates a case's time)."""
+    make, data = MODELS[name]
+    return run_case(mse_step, make().double(), data(), plan)
+
+
 @pytest.mark.parametrize("plan", ["dp", "fsdp"])
 @pytest.mark.parametrize("name", list(MODELS))
 def test_torch_nn_model(name, plan):
-    make, data = MODELS[name]
-    res = run_case(mse_step, make().double(), data(), plan)
+    """3 steps equal one device; under dp nothing is gathered (run_case), so this also
+    covers MHA with attention weights under DP without gathers."""
+    res = trained(name, plan)
     if name in USES_SDPA:
         assert SDPA in ops_in(res), "expected SDPA's CPU flash op in the program"
         assert attention_collectives(res) == []
-
-
-def test_mha_weights_dp_without_gathers():
-    make, data = MODELS["mha_weights"]
-    run_case(mse_step, make().double(), data(), "dp")
 
 
 def test_batchnorm_statistics_are_global():
@@ -102,7 +109,7 @@ def test_batchnorm_statistics_are_global():
 def test_batchnorm_dp_all_reduces_channel_sums_instead_of_gathering():
     """expand/rules/batchnorm.py: the activation stays split; per step, the forward
     all-reduces two per-channel sums (mean, variance) and the backward one stacked pair."""
-    res = run_case(mse_step, SmallCNN().double(), images(), "dp")
+    res = trained("cnn_batchnorm", "dp")
     dist = assert_distributed(res, sharded=["batch[0]"], collectives={"all_gather": 0})
     assert dist.count("forward/all_reduce") >= 2 and dist.count("backward/all_reduce") >= 1, dist.describe()
 
@@ -139,12 +146,8 @@ def test_torch_nn_megatron(name):
     make, data = MODELS[name]
     res = assert_training_matches(mse_step, make().double(), adamw, data(), fake_mesh((2,), ("tp",)), megatron_plan(name))
     assert_distributed(res, sharded=["attn.in_proj_weight" if name.startswith("mha") else "self_attn.in_proj_weight"], collectives=1)
-
-
-def test_encoder_layer_megatron_without_gathers():
-    make, data = MODELS["encoder_layer"]
-    res = assert_training_matches(mse_step, make().double(), adamw, data(), fake_mesh((2,), ("tp",)), megatron_plan("encoder_layer"))
-    assert_distributed(res, collectives={"all_gather": 0})
+    if name == "encoder_layer":  # the whole layer (attention and MLP) without gathers
+        assert_distributed(res, collectives={"all_gather": 0})
 
 
 def test_mha_weights_megatron_without_gathers():
