@@ -87,6 +87,11 @@ def _zero_fill(node: fx.Node, scaled: Callable[[Any], bool]) -> bool:
     return _first_only(node, scaled) and node.args[2] == 0
 
 
+def _zero_pad(node: fx.Node, scaled: Callable[[Any], bool]) -> bool:
+    """``constant_pad_nd(scaled, pad, 0)``: an uneven shard's padding before a reduce_scatter."""
+    return _first_only(node, scaled) and (node.args[2] if len(node.args) > 2 else node.kwargs.get("value", 0)) == 0
+
+
 def _where(node: fx.Node, scaled: Callable[[Any], bool]) -> bool:
     """``where(cond, a, b)``: each branch scaled or the number 0, the condition not scaled."""
     cond, a, b = node.args[:3]
@@ -126,6 +131,7 @@ LINEAR: dict[Any, Rule] = {
     aten.mul.Tensor: _one_of_two, aten.mm.default: _one_of_two, aten.bmm.default: _one_of_two,
     aten.add.Tensor: _both_scaled, aten.sub.Tensor: _both_scaled,
     aten.div.Tensor: _divided, aten.masked_fill.Scalar: _zero_fill, aten.where.self: _where,
+    aten.constant_pad_nd.default: _zero_pad, aten.movedim.int: _first_only,  # a reduce_scatter's padding and layout
     aten.cat.default: _all_listed, aten.stack.default: _all_listed, aten.addmm.default: _addmm,
 }
 """Ops that propagate the scale ``1/C`` (aten op -> rule: given the node and which values
@@ -134,6 +140,9 @@ registry, or whose rule says no, makes the pass refuse."""
 
 _SHAPE_ONLY = {aten.ones_like.default, aten.zeros_like.default, aten.empty_like.default}  # read no value
 _NLL_BACKWARD = {aten.nll_loss_backward.default, aten.nll_loss2d_backward.default}
+# a gradient's reduction: all_reduce (replicated parameters) or reduce_scatter (FSDP: the
+# reduced shard, padding included, is the sum's shard, so dividing it is dividing the sum)
+_REDUCTIONS = ("all_reduce", "reduce_scatter")
 
 
 class _Refuse(Exception):
@@ -168,7 +177,11 @@ def _check_static(gm: fx.GraphModule) -> None:
         if n.target is MARKER:
             raise _Refuse("the program is split into pipeline stages")
         val = n.meta.get("val")
-        if RANK_SIZES in n.meta or (isinstance(val, torch.Tensor) and not all(isinstance(d, int) for d in val.shape)):
+        # uneven FSDP shards: a gradient reduce_scatter's padding, its shard's narrow, the
+        # optimizer's update and new state have per-rank sizes; the pass reads no size there
+        # (:func:`_same_meta`), so every rank decides the same
+        per_rank = RANK_SIZES in n.meta and n.meta.get("spmd_phase") not in ("optimizer", "output")
+        if per_rank or (isinstance(val, torch.Tensor) and not all(isinstance(d, int) for d in val.shape)):
             raise _Refuse(f"{n.name}'s size is symbolic or differs per rank")
 
 
@@ -181,8 +194,8 @@ def _plan(gm: fx.GraphModule) -> dict[str, Any]:
         raise _Refuse("the program reduces no gradient")
     for r in reductions:
         c = r.meta["spmd_comm"]
-        if c["kind"] != "all_reduce" or c.get("op") == "bucket" or r.meta.get("spmd_phase") != "optimizer":
-            raise _Refuse(f"gradient reduction {r.name} is not a standalone all_reduce of the optimizer phase ({c['kind']}, "
+        if c["kind"] not in _REDUCTIONS or c.get("op") == "bucket" or r.meta.get("spmd_phase") != "optimizer":
+            raise _Refuse(f"gradient reduction {r.name} is not a standalone all_reduce or reduce_scatter of the optimizer phase ({c['kind']}, "
                           f"phase {r.meta.get('spmd_phase')})")
         if r.args[-1] != pair.args[-1] or c.get("group_size") != pair.meta["spmd_comm"].get("group_size"):
             raise _Refuse(f"gradient reduction {r.name} reduces over another group than {pair.name}")
@@ -271,6 +284,8 @@ def _shape_source(x: fx.Node, avoid: set[fx.Node]) -> fx.Node | None:
 
 
 def _same_meta(a: fx.Node, b: fx.Node) -> bool:
+    if RANK_SIZES in a.meta or RANK_SIZES in b.meta:  # its size differs per rank: ranks would decide differently
+        return False
     va, vb = a.meta.get("val"), b.meta.get("val")
     return (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and va.shape == vb.shape and va.dtype == vb.dtype
             and va.device == vb.device)
@@ -293,6 +308,8 @@ def _rewrite(gm: fx.GraphModule, plan: dict[str, Any]) -> None:
         r_wait = next(iter(r.users))
         with g.inserting_after(r_wait):
             d = new_node(g, aten.div.Tensor, (r_wait, divisor), None, {"spmd_phase": r_wait.meta.get("spmd_phase"), "spmd_origin": origin})
+        if RANK_SIZES in r_wait.meta:  # an uneven shard's reduce_scatter (padding and all: 0 / C = 0)
+            d.meta[RANK_SIZES] = True
         r_wait.replace_all_uses_with(d, delete_user_cb=lambda u: u is not d)
         divisions.add(d)
     g.eliminate_dead_code()
