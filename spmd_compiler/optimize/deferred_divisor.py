@@ -14,23 +14,28 @@ pass (1) replaces ``C`` by 1 where it enters the backward (``nll_loss_backward``
 too) right after its reduction's wait, before any other use (clipping, the
 optimizer), and (3) moves the pair's readers down to their first use, so that
 :mod:`.bucketing` lets the pair ride in the first gradient bucket: launches = buckets.
+Under FSDP the reductions are reduce_scatters: each rank divides its reduced shard (an
+uneven shard's zero padding too: ``0 / C = 0``), and the pair rides in the first
+reduce_scatter bucket, copied into every rank's row (each rank receives the whole sum).
 Exact in real arithmetic (``sum_r G_r / C = sum_r (G_r / C)``); float64 results equal one
-device's at 1e-12 (``tests/test_optimize_deferred_divisor.py``).
+device's at 1e-12 (``tests/test_optimize_deferred_divisor.py``, ``_fsdp.py``).
 
 It applies only where a conservative *scale analysis* proves every reduced gradient
 proportional to ``1/C``: the value where ``1/C`` enters is *scaled*; an op reading a
 scaled value must be in :data:`LINEAR` (keyed by aten op: views, sums, ``mm``/``bmm`` with
 one scaled operand, ``add`` of two scaled values, the ``*_backward`` ops linear in
 ``grad_output``...) and its rule must accept the arguments, and a scaled value may reach
-nothing else than those ops and the gradient all_reduces. Otherwise the program is left
+nothing else than those ops and the gradient reductions. Otherwise the program is left
 as it is, with one DEBUG log naming the reason: an op outside the registry or that mixes
 a scaled and an unscaled value (``ce + 0.01 * (w**2).sum()``), a scaled value reaching
 the output or an in-place write (gradients kept across calls: ``defer_grad_sync``, grad
-accumulation), a gradient reduction that is not scaled or not a plain all_reduce of the
-pair's group in the optimizer phase (FSDP's reduce_scatters, kept gradients), not exactly
+accumulation), a gradient reduction that is not scaled or not a plain all_reduce or
+reduce_scatter of the pair's group in the optimizer phase (kept gradients), not exactly
 one entry of ``C`` (two losses or backward passes; class weights or ``u / C``'s backward,
 where ``C = 0`` makes one device's gradients inf/NaN), a backward value computed from the
-pair, no or several pairs, symbolic or per-rank sizes, pipeline stages, and a scaled value
+pair, no or several pairs, symbolic sizes, per-rank sizes before the optimizer phase (an
+uneven batch; uneven FSDP shards' padding and narrows in the optimizer and output phases
+are fine: the pass reads no size there), pipeline stages, and a scaled value
 in float16 (float16 autocast: a weight gradient ``C`` times larger than one device's, summed
 over many targets, could pass float16's 65504; bfloat16 and float32 have the range).
 """
