@@ -21,7 +21,7 @@ from spmd_compiler.expand.splice import RANK_SIZES
 from spmd_compiler.optimize.graph_utils import is_collective
 from spmd_compiler.testing import SimulatedTraining, assert_training_matches, fake_mesh
 from spmd_compiler.testing.models import GPT, gpt_fsdp_plan
-from test_optimize_deferred_divisor import PASS, _ops, _passes, ce_step  # the same step and passes as under DP
+from test_optimize_deferred_divisor import PASS, _ops, _passes, ce_step, clipped_step  # the same step and passes as under DP
 
 aten = torch.ops.aten
 
@@ -41,9 +41,9 @@ def _model():
     return GPT(vocab=32, seq=8, dim=16, heads=2, layers=1).double()
 
 
-def _run(world: int, *off: str, steps: int = 3):
+def _run(world: int, *off: str, steps: int = 3, fn=ce_step):
     batches = [_batch(i, world) for i in range(steps)]
-    res = assert_training_matches(ce_step, _model(), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), batches,
+    res = assert_training_matches(fn, _model(), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), batches,
                                   fake_mesh((world,), ("dp",)), gpt_fsdp_plan(), passes=_passes(*off), atol=1e-12, rtol=0)
     return res, [(coord, step.gm) for coord, step in sorted(res.sim.expansions.items())]
 
@@ -79,6 +79,16 @@ def test_fsdp_gpt_launches_equal_buckets_and_matches_one_device(world):
     _, before = _run(world, PASS, steps=2)
     colls = [n for n in before[0][1].graph.nodes if is_collective(n)]
     assert _ops(colls).count("mean_pair") == 1 and len(colls) == 6, _ops(colls)  # without the pass: buckets + the pair
+
+
+def test_fsdp_clip_grad_norm_reads_the_divided_shards():
+    """clip_grad_norm_ under FSDP takes shard-wise norms (one tiny all_reduce, which stays a
+    launch of its own: the clipping needs it before the optimizer) of the divided shards."""
+    _, programs = _run(3, steps=2, fn=clipped_step)
+    gm = programs[0][1]
+    colls = [n for n in gm.graph.nodes if is_collective(n)]
+    assert any((n.meta.get("spmd_origin") or {}).get("op") == PASS for n in gm.graph.nodes)
+    assert _ops(colls).count("mean_pair") == 0 and len(colls) == 6, _ops(colls)  # 5 buckets and the norm
 
 
 def test_fsdp_every_target_ignored_leaves_zero_gradients_as_one_device():

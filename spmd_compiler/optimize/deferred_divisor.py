@@ -194,7 +194,7 @@ def _plan(gm: fx.GraphModule) -> dict[str, Any]:
     """What to rewrite, or :class:`_Refuse` with the reason (see the module docstring)."""
     _check_static(gm)
     pair, wait, count, c_local = _pair(gm)
-    reductions = gradient_reductions(gm)
+    reductions = _after_other_reductions(gradient_reductions(gm))
     if not reductions:
         raise _Refuse("the program reduces no gradient")
     for r in reductions:
@@ -269,6 +269,22 @@ def _plan(gm: fx.GraphModule) -> dict[str, Any]:
             add_scaled(n)
     return {"pair": pair, "wait": wait, "count": count, "c_local": c_local, "entry": entry, "rewires": rewires,
             "reductions": reductions}
+
+
+def _after_other_reductions(reductions: list[fx.Node]) -> list[fx.Node]:
+    """``reductions`` without those that reduce a value computed from another one's result
+    (FSDP's ``clip_grad_norm_``: the shards' squared norms, summed in the optimizer phase):
+    not a gradient; what it reads is the divided gradients, the original program's values."""
+    waits = [u for r in reductions for u in r.users if is_wait(u)]
+    after: set[fx.Node] = set()
+    stack = list(waits)
+    while stack:
+        n = stack.pop()
+        for u in n.users:
+            if u not in after:
+                after.add(u)
+                stack.append(u)
+    return [r for r in reductions if r not in after]
 
 
 def _shape_source(x: fx.Node, avoid: set[fx.Node]) -> fx.Node | None:
