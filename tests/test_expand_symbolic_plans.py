@@ -85,8 +85,8 @@ def test_fsdp_mlp_one_program_for_every_batch_size(ranks):
 def test_gpt_one_program_for_every_batch_size(plan, ranks):
     """The GPT flattens the sharded batch, ``(B, T, D) -> (B*T, D)`` in every Linear and
     the loss: kept sharded in units of T rows for every B (no gather), so the program
-    makes the collectives of the per-shape program of an even batch (under DP, one bucket
-    with the mean's pair riding in it)."""
+    makes the collectives of the per-shape program of an even batch (one bucket with the
+    mean's pair riding in it)."""
     mesh = fake_mesh((ranks,), ("dp",))
     the_plan = gpt_fsdp_plan() if plan == "fsdp" else None
     model, batches = _gpt()
@@ -94,8 +94,8 @@ def test_gpt_one_program_for_every_batch_size(plan, ranks):
     assert sim.compiles == 1, sim.reasons
     prog = sim.expansions[(0,)]
     static = _static_even(train_step, model, tuple(torch.randint(0, 16, (ranks * 2, 4)) for _ in range(2)), mesh, the_plan)
-    # under DP, one gradient bucket with the [loss sum, target count] pair riding in it
-    # (optimize/deferred_divisor.py), per shape and symbolic alike
+    # one gradient bucket (DP) or reduce_scatter bucket (FSDP) with the [loss sum, target
+    # count] pair riding in it (optimize/deferred_divisor.py), per shape and symbolic alike
     assert _comms(prog) == _comms(static), (_comms(prog), _comms(static))
     assert plan != "dp" or _comms(prog) == Counter(all_reduce=1), _comms(prog)
     # the flattened rows are this rank's chunk of B times T: an integer node 4 * local(B)

@@ -32,10 +32,11 @@ it before the bucket's gradients are read (so the bucket is never waited earlier
 value the forward or backward needs is never delayed). A floating sum also rides in a
 reduce_scatter bucket (FSDP): its whole value goes in every rank's row, so each rank
 receives the whole sum, for n times its bytes in the buffer (a scalar loss: n elements
-instead of one all_reduce launch). The step's loss is the usual one:
-a DP step then makes one launch per bucket plus, for a mean over targets (cross entropy),
-the target count the forward divides by at once (none where :mod:`.deferred_divisor`
-moved that division after the buckets: the count rides too). A rider may be waited with
+instead of one all_reduce launch; the [loss sum, count] pair of a mean: 2n). The step's
+loss is the usual one: a DP or FSDP step then makes one launch per bucket plus, for a mean
+over targets (cross entropy), the target count the forward divides by at once (none where
+:mod:`.deferred_divisor` moved that division after the buckets: the count rides too, in
+an FSDP step in every row of the first reduce_scatter bucket). A rider may be waited with
 the first bucket of its group where a later bucket of the group is needed anyway (the
 group's collectives complete in issue order), and views or other functions of it alone
 do not count as reads.

@@ -14,8 +14,11 @@ pass (1) replaces ``C`` by 1 where it enters the backward (``nll_loss_backward``
 too) right after its reduction's wait, before any other use (clipping, the
 optimizer), and (3) moves the pair's readers down to their first use, so that
 :mod:`.bucketing` lets the pair ride in the first gradient bucket: launches = buckets.
+Under FSDP the reductions are reduce_scatters: each rank divides its reduced shard (an
+uneven shard's zero padding too: ``0 / C = 0``), and the pair rides in the first
+reduce_scatter bucket, copied into every rank's row (each rank receives the whole sum).
 Exact in real arithmetic (``sum_r G_r / C = sum_r (G_r / C)``); float64 results equal one
-device's at 1e-12 (``tests/test_optimize_deferred_divisor.py``).
+device's at 1e-12 (``tests/test_optimize_deferred_divisor.py``, ``_fsdp.py``).
 
 It applies only where a conservative *scale analysis* proves every reduced gradient
 proportional to ``1/C``: the value where ``1/C`` enters is *scaled*; an op reading a
@@ -23,19 +26,22 @@ scaled value must be in :data:`LINEAR` (keyed by aten op: views, sums, ``mm``/``
 one scaled operand, ``add`` of two scaled values, the ``*_backward`` ops linear in
 ``grad_output``, the functional collectives that sum or gather one scaled value and their
 waits...) and its rule must accept the arguments, and a scaled value may reach
-nothing else than those ops and the gradient all_reduces. Otherwise the program is left
+nothing else than those ops and the gradient reductions. Otherwise the program is left
 as it is, with one DEBUG log naming the reason: an op outside the registry or that mixes
 a scaled and an unscaled value (``ce + 0.01 * (w**2).sum()``), a scaled value reaching
 the output or an in-place write (gradients kept across calls: ``defer_grad_sync``, grad
-accumulation), a gradient reduction that is not scaled or not a plain all_reduce of the
-pair's group in the optimizer phase (FSDP's reduce_scatters, kept gradients), not exactly
+accumulation), a gradient reduction that is not scaled or not a plain all_reduce or
+reduce_scatter of the pair's group in the optimizer phase (kept gradients), not exactly
 one entry of ``C`` (two losses or backward passes; class weights or ``u / C``'s backward,
 where ``C = 0`` makes one device's gradients inf/NaN), a backward value computed from the
 pair, no or several pairs, pipeline stages, and a scaled value
 in float16 (float16 autocast: a weight gradient ``C`` times larger than one device's, summed
 over many targets, could pass float16's 65504; bfloat16 and float32 have the range).
 The argument holds for any sizes: symbolic (``dynamic=True``) and uneven per-rank programs
-are rewritten too.
+(an uneven batch, uneven FSDP shards and their zero padding: ``0 / C = 0``) are rewritten
+too. Every rank must decide the same: the pass reads no size that differs per rank, and
+compares symbolic sizes by their expressions, never asking the shape environment (which
+would add a guard) (:func:`_same_meta`).
 
 The collective rules are what dp x tp needs: a tensor-parallel backward all_reduces
 activation gradients over ``tp``, values proportional to ``1/C`` there. ``C`` is the same
@@ -59,6 +65,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from .. import _private_torch as pt
+from ..expand.splice import RANK_SIZES
 from ..trace.markers import MARKER
 from .bucketing import gradient_reductions
 from .graph_utils import is_collective, is_pure, is_wait, move_before, new_node, positions
@@ -99,6 +107,11 @@ def _divided(node: fx.Node, scaled: Callable[[Any], bool]) -> bool:
 def _zero_fill(node: fx.Node, scaled: Callable[[Any], bool]) -> bool:
     """``masked_fill(scaled, mask, 0)``."""
     return _first_only(node, scaled) and node.args[2] == 0
+
+
+def _zero_pad(node: fx.Node, scaled: Callable[[Any], bool]) -> bool:
+    """``constant_pad_nd(scaled, pad, 0)``: an uneven shard's padding before a reduce_scatter."""
+    return _first_only(node, scaled) and (node.args[2] if len(node.args) > 2 else node.kwargs.get("value", 0)) == 0
 
 
 def _where(node: fx.Node, scaled: Callable[[Any], bool]) -> bool:
@@ -147,6 +160,7 @@ LINEAR: dict[Any, Rule] = {
     aten.mul.Tensor: _one_of_two, aten.mm.default: _one_of_two, aten.bmm.default: _one_of_two,
     aten.add.Tensor: _both_scaled, aten.sub.Tensor: _both_scaled,
     aten.div.Tensor: _divided, aten.masked_fill.Scalar: _zero_fill, aten.where.self: _where,
+    aten.constant_pad_nd.default: _zero_pad, aten.movedim.int: _first_only,  # a reduce_scatter's padding and layout
     aten.cat.default: _all_listed, aten.stack.default: _all_listed, aten.addmm.default: _addmm,
     # functional collectives other than the gradient reductions (checked apart, see _plan):
     # a tensor-parallel backward's activation all_reduce, a gather; rows of one value, or its sum
@@ -159,6 +173,9 @@ registry, or whose rule says no, makes the pass refuse."""
 
 _SHAPE_ONLY = {aten.ones_like.default, aten.zeros_like.default, aten.empty_like.default}  # read no value
 _NLL_BACKWARD = {aten.nll_loss_backward.default, aten.nll_loss2d_backward.default}
+# a gradient's reduction: all_reduce (replicated parameters) or reduce_scatter (FSDP: the
+# reduced shard, padding included, is the sum's shard, so dividing it is dividing the sum)
+_REDUCTIONS = ("all_reduce", "reduce_scatter")
 
 
 class _Refuse(Exception):
@@ -198,13 +215,13 @@ def _plan(gm: fx.GraphModule) -> dict[str, Any]:
     """What to rewrite, or :class:`_Refuse` with the reason (see the module docstring)."""
     _check_static(gm)
     pair, wait, count, c_local = _pair(gm)
-    reductions = gradient_reductions(gm)
+    reductions = _after_other_reductions(gradient_reductions(gm))
     if not reductions:
         raise _Refuse("the program reduces no gradient")
     for r in reductions:
         c = r.meta["spmd_comm"]
-        if c["kind"] != "all_reduce" or c.get("op") == "bucket" or r.meta.get("spmd_phase") != "optimizer":
-            raise _Refuse(f"gradient reduction {r.name} is not a standalone all_reduce of the optimizer phase ({c['kind']}, "
+        if c["kind"] not in _REDUCTIONS or c.get("op") == "bucket" or r.meta.get("spmd_phase") != "optimizer":
+            raise _Refuse(f"gradient reduction {r.name} is not a standalone all_reduce or reduce_scatter of the optimizer phase ({c['kind']}, "
                           f"phase {r.meta.get('spmd_phase')})")
         if r.args[-1] != pair.args[-1] or c.get("group_size") != pair.meta["spmd_comm"].get("group_size"):
             raise _Refuse(f"gradient reduction {r.name} reduces over another group than {pair.name}")
@@ -275,6 +292,22 @@ def _plan(gm: fx.GraphModule) -> dict[str, Any]:
             "reductions": reductions}
 
 
+def _after_other_reductions(reductions: list[fx.Node]) -> list[fx.Node]:
+    """``reductions`` without those that reduce a value computed from another one's result
+    (FSDP's ``clip_grad_norm_``: the shards' squared norms, summed in the optimizer phase):
+    not a gradient; what it reads is the divided gradients, the original program's values."""
+    waits = [u for r in reductions for u in r.users if is_wait(u)]
+    after: set[fx.Node] = set()
+    stack = list(waits)
+    while stack:
+        n = stack.pop()
+        for u in n.users:
+            if u not in after:
+                after.add(u)
+                stack.append(u)
+    return [r for r in reductions if r not in after]
+
+
 def _shape_source(x: fx.Node, avoid: set[fx.Node]) -> fx.Node | None:
     """A node outside ``avoid`` that ``x`` is computed from, of ``x``'s shape, dtype and
     device (what ``ones_like(x)`` reads of ``x``), nearest first."""
@@ -293,9 +326,24 @@ def _shape_source(x: fx.Node, avoid: set[fx.Node]) -> fx.Node | None:
 
 
 def _same_meta(a: fx.Node, b: fx.Node) -> bool:
+    if RANK_SIZES in a.meta or RANK_SIZES in b.meta:  # its size differs per rank: ranks would decide differently
+        return False
     va, vb = a.meta.get("val"), b.meta.get("val")
-    return (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and va.shape == vb.shape and va.dtype == vb.dtype
-            and va.device == vb.device)
+    return (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and _same_sizes(va.shape, vb.shape)
+            and va.dtype == vb.dtype and va.device == vb.device)
+
+
+def _same_sizes(a: Any, b: Any) -> bool:
+    """Equal sizes, a symbolic one equal by its expression (no guard on the shape environment)."""
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if isinstance(x, int) and isinstance(y, int):
+            if x != y:
+                return False
+        elif isinstance(x, int) or isinstance(y, int) or pt.sym_expr(x) != pt.sym_expr(y):
+            return False
+    return True
 
 
 def _rewrite(gm: fx.GraphModule, plan: dict[str, Any]) -> None:
@@ -315,6 +363,8 @@ def _rewrite(gm: fx.GraphModule, plan: dict[str, Any]) -> None:
         r_wait = next(iter(r.users))
         with g.inserting_after(r_wait):
             d = new_node(g, aten.div.Tensor, (r_wait, divisor), None, {"spmd_phase": r_wait.meta.get("spmd_phase"), "spmd_origin": origin})
+        if RANK_SIZES in r_wait.meta:  # an uneven shard's reduce_scatter (padding and all: 0 / C = 0)
+            d.meta[RANK_SIZES] = True
         r_wait.replace_all_uses_with(d, delete_user_cb=lambda u: u is not d)
         divisions.add(d)
     g.eliminate_dead_code()
