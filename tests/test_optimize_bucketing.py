@@ -37,8 +37,11 @@ def test_dp_mlp_one_launch_per_bucket_and_the_loss_rides(mesh4):
 
 
 def test_fsdp_mlp_loss_rides_in_every_row_of_a_reduce_scatter(mesh4):
-    """FSDP reduce_scatters gradients: the loss's mean rides in the bucket, its value in
-    every rank's row (n x 8 bytes in the buffer instead of an all_reduce of 8)."""
+    """FSDP reduce_scatters gradients: the loss's mean rides in the bucket, every rank's
+    value in its own slot of every row (n x n x 8 bytes in the buffer instead of an
+    all_reduce of 8), summed by each rank in rank order: the same bits on every rank (the
+    simulator sums each rank's reduce_scatter chunk in ring order, and the harness checks
+    the Replicate loss bit for bit)."""
     batches = [(torch.randn(8, 16, dtype=torch.float64), torch.randn(8, 16, dtype=torch.float64)) for _ in range(3)]
     plan = sc.Plan(params={"*": [sc.Shard(0)]}, fsdp_axes=("dp",))
     res = assert_training_matches(mse_train_step, MLP().double(), lambda p: torch.optim.AdamW(p, lr=0.01), batches, mesh4, plan,
@@ -46,7 +49,7 @@ def test_fsdp_mlp_loss_rides_in_every_row_of_a_reduce_scatter(mesh4):
     gm = res.sim.expansions[(0,)].gm
     (rs,) = [n for n in gm.graph.nodes if is_collective(n) and any(m.get("rider") for m in n.meta["spmd_comm"].get("bucket") or ())]
     assert rs.meta["spmd_comm"]["kind"] == "reduce_scatter"
-    assert [m["bytes"] for m in rs.meta["spmd_comm"]["bucket"] if m.get("rider")] == [4 * 8]
+    assert [m["bytes"] for m in rs.meta["spmd_comm"]["bucket"] if m.get("rider")] == [4 * 4 * 8]
     kinds = [n.meta["spmd_comm"]["kind"] for n in gm.graph.nodes if is_collective(n)]
     assert "all_reduce" not in kinds and kinds.count("reduce_scatter") == 2, kinds  # the loss has no launch of its own
 

@@ -67,7 +67,7 @@ def test_fsdp_gpt_launches_equal_buckets_and_matches_one_device(world):
         first = scatters[0]
         riders = [m for m in first.meta["spmd_comm"]["bucket"] if m.get("rider")]
         assert len(riders) == 1 and "count" in str(riders[0]), riders  # the [loss sum, count] pair, in every row
-        assert riders[0]["bytes"] == world * 2 * 8, riders  # float64 pair, copied into each of the world rows
+        assert riders[0]["bytes"] == world * world * 2 * 8, riders  # float64 pair: world slots in each of the world rows
         assert not any(m.get("rider") for m in scatters[1].meta["spmd_comm"]["bucket"])
         divisions = [n for n in gm.graph.nodes if (n.meta.get("spmd_origin") or {}).get("op") == PASS and n.target is aten.div.Tensor]
         grads = sum(len(s.meta["spmd_comm"]["bucket"]) for s in scatters) - 1

@@ -30,9 +30,11 @@ floating ``avg`` rides in a ``sum`` bucket and is divided by the group size afte
 value exists before the bucket is issued and is not written until then, and nothing reads
 it before the bucket's gradients are read (so the bucket is never waited earlier, and a
 value the forward or backward needs is never delayed). A floating sum also rides in a
-reduce_scatter bucket (FSDP): its whole value goes in every rank's row, so each rank
-receives the whole sum, for n times its bytes in the buffer (a scalar loss: n elements
-instead of one all_reduce launch; the [loss sum, count] pair of a mean: 2n). The step's
+reduce_scatter bucket (FSDP): every rank's row holds n slots, this rank's value in its own
+and zeros in the others, so each rank receives every rank's value exactly and sums them in
+rank order itself, the same bits on every rank (:func:`_rider_rows`), for n * n times its
+bytes in the buffer (a scalar loss: n * n elements instead of one all_reduce launch; the
+[loss sum, count] pair of a mean: 2 n * n). The step's
 loss is the usual one: a DP or FSDP step then makes one launch per bucket plus, for a mean
 over targets (cross entropy), the target count the forward divides by at once (none where
 :mod:`.deferred_divisor` moved that division after the buckets: the count rides too, in
@@ -47,6 +49,7 @@ from __future__ import annotations
 
 import operator
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -177,8 +180,9 @@ def _fuse(gm: fx.GraphModule, bucket: list[fx.Node], pos: dict[fx.Node, float], 
         sizes = [int(f.meta["val"].numel()) for f in flats]
     else:  # reduce_scatter along dim 0: rank j's share of every gradient goes in row j
         flats = [add(aten.reshape.default, (x, [n, -1])) for x in inputs[:grads]]
-        for x in inputs[grads:]:  # a rider's whole value in every row: each rank receives all of its sum
-            flats.append(add(aten.expand.default, (add(aten.reshape.default, (x, [1, -1])), [n, -1])))
+        coord = _coordinate(gm, first_comm)
+        for x in inputs[grads:]:  # a rider in every row, this rank's value in its own slot (_rider_rows)
+            flats.append(add(aten.expand.default, (add(aten.reshape.default, (_rider_rows(add, x, coord, n), [1, -1])), [n, -1])))
         sizes = [int(f.meta["val"].shape[1]) for f in flats]
     cat = add(aten.cat.default, (flats, 0 if kind == "all_reduce" else 1))
     buf = cat if kind == "all_reduce" else add(aten.reshape.default, (cat, [-1]))
@@ -189,11 +193,11 @@ def _fuse(gm: fx.GraphModule, bucket: list[fx.Node], pos: dict[fx.Node, float], 
     comm = fused_comm(bucket, reason=reason, label="bucket", what=f"{kind}s")
     for entry in comm["bucket"][grads:]:
         entry["rider"] = True  # not a gradient: a value that rides in the bucket
-        if kind == "reduce_scatter":  # sent n times (once per row): n x its bytes in the buffer
+        if kind == "reduce_scatter":  # n slots in each of the n rows: n * n x its bytes in the buffer
             own, wire = entry["bytes"], 2 * (n - 1) * entry["bytes"] // n
-            entry["bytes"] = n * own
-            comm["bytes"] += (n - 1) * own
-            comm["wire_bytes"] += (n - 1) * own - wire
+            entry["bytes"] = n * n * own
+            comm["bytes"] += (n * n - 1) * own
+            comm["wire_bytes"] += (n - 1) * n * own - wire
     if kind == "all_reduce":
         coll = add(c10d.all_reduce.default, (buf, op, group), meta={"spmd_comm": comm})
     else:
@@ -202,6 +206,8 @@ def _fuse(gm: fx.GraphModule, bucket: list[fx.Node], pos: dict[fx.Node, float], 
     parts = add(aten.split_with_sizes.default, (wait, sizes))
     for i, member in enumerate(bucket):
         piece = add(operator.getitem, (parts, i))
+        if i >= grads and kind == "reduce_scatter":  # every rank's value, summed here in rank order
+            piece = add(aten.sum.dim_IntList, (add(aten.reshape.default, (piece, [n, -1])), [0]))
         old_wait = _wait_of(member)
         view = add(aten.reshape.default, (piece, list(old_wait.meta["val"].shape)))
         if member.args[1] == "avg" and op == "sum":  # a mean riding in a sum bucket: sum, then divide
@@ -209,6 +215,27 @@ def _fuse(gm: fx.GraphModule, bucket: list[fx.Node], pos: dict[fx.Node, float], 
         old_wait.replace_all_uses_with(view)
         g.erase_node(old_wait)
         g.erase_node(member)
+
+
+def _coordinate(gm: fx.GraphModule, comm: dict[str, Any]) -> fx.Node:
+    """The placeholder of this rank's coordinate on ``comm``'s mesh axis (its index in the group)."""
+    coords = [n for n in gm.graph.find_nodes(op="placeholder") if n.meta.get("spmd_coord") == comm.get("axis_name")]
+    assert len(coords) == 1, (comm.get("axis_name"), coords)
+    return coords[0]
+
+
+def _rider_rows(add: Callable[..., fx.Node], x: fx.Node, coord: fx.Node, n: int) -> fx.Node:
+    """``[n, k]``: row ``coord`` is ``x`` (k values), the other rows 0. In every row of a
+    reduce_scatter buffer, each rank's value sits in its own slot: rank ``j`` receives, in
+    its row, each rank's value exactly (a sum of one value and zeros), and sums them itself
+    in rank order. Every rank's result is then the same bits; summed by the collective, each
+    row would be reduced in another order (NCCL's ring ends each row's sum at its own rank)
+    and a replicated value, the loss, could differ in its last bit from rank to rank. A
+    ``where``, not a product with a one-hot mask: an inf or NaN stays in its slot."""
+    val = x.meta["val"]
+    ranks = add(aten.arange.default, (n,), {"dtype": torch.int64, "device": val.device})
+    mine = add(aten.reshape.default, (add(aten.eq.Scalar, (ranks, coord)), [n, 1]))
+    return add(aten.where.ScalarOther, (mine, add(aten.reshape.default, (x, [1, -1])), 0.0))
 
 
 def _riders(

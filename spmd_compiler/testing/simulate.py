@@ -18,6 +18,11 @@ The simulation is no kinder than a real backend (gloo, NCCL):
   the input while the collective is in flight changes the result, as it can on gloo.
   ``all_reduce`` copies its input when issued (torch's functional all_reduce clones it
   before the in-place collective), and is simulated that way.
+* **Each rank's share is summed in its own order.** A ``reduce_scatter_tensor`` gives rank
+  ``j`` its chunk summed in ring order, from rank ``j + 1`` round to ``j`` itself, as
+  NCCL's ring does; the ranks' chunks are then rounded differently, so a value meant to be
+  the same on every rank that was taken from each rank's own chunk shows up (the harness
+  compares Replicate outputs bit for bit). An ``all_reduce`` gives every rank the same bits.
 
 Graphs may differ per rank (uneven shards give per-rank sizes) but must have the same
 nodes in the same order; that is how expansion builds them.
@@ -181,8 +186,8 @@ def _collective(node: fx.Node, vals: dict[tuple, Any], mesh_shape: Sequence[int]
         elif node.target is c10d.all_gather_into_tensor.default:
             out[coord] = torch.cat([x.contiguous() for x in inputs], dim=0)
         elif node.target is c10d.reduce_scatter_tensor.default:
-            total = _reduce(inputs, vals[coord][1])
-            out[coord] = total.chunk(len(members), dim=0)[mine].clone()
+            ring = [inputs[(mine + 1 + k) % len(members)].chunk(len(members), dim=0)[mine] for k in range(len(members))]
+            out[coord] = _reduce(ring, vals[coord][1]).clone()
         elif node.target is c10d.all_to_all_single.default:
             pieces = []
             for m, x in zip(members, inputs):
