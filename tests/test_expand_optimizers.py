@@ -14,7 +14,6 @@ from spmd_compiler.testing import assert_distributed, assert_training_matches, f
 from spmd_compiler.testing.models import GPT, gpt_2d_plan, gpt_fsdp_plan, gpt_tp_plan, train_step
 
 PLANS = {
-    "dp": (lambda: sc.Plan(), (4,), ("dp",)),
     "fsdp-uneven": (gpt_fsdp_plan, (3,), ("dp",)),  # dims of 16 and 64 over 3 ranks: padded shards
     "tp": (gpt_tp_plan, (2,), ("tp",)),
     "2d": (gpt_2d_plan, (2, 2), ("dp", "tp")),
@@ -25,12 +24,13 @@ OPTIMIZERS = {
     "sgd-momentum": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, fused=True),  # buffers made at step 1
 }
 SHARDED = {  # inputs each plan shards
-    "dp": ["batch[0]"],
     "fsdp-uneven": ["batch[0]", "tok.weight", "blocks.0.fc.weight"],
     "tp": ["blocks.0.fc.weight", "blocks.0.proj.weight"],
     "2d": ["batch[0]", "blocks.0.fc.weight"],
 }
-CASES = [("dp", "adamw"), ("fsdp-uneven", "adamw"), ("fsdp-uneven", "sgd-momentum"), ("tp", "sgd-momentum"),
+# data parallel alone: "2d" runs it on its dp axis (batch split, replicated parameters
+# besides the tp-split ones, gradients all_reduced over dp)
+CASES = [("fsdp-uneven", "adamw"), ("fsdp-uneven", "sgd-momentum"), ("tp", "sgd-momentum"),
          ("tp", "adam-amsgrad"), ("2d", "adamw")]
 
 

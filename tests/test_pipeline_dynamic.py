@@ -87,11 +87,11 @@ def test_stage_mesh_axes_beside_the_pipeline(axis):
     """pp x dp (each rank cuts its batch shard into micro-batches) and pp x tp (Megatron
     TP inside each stage): one program too; a shard chunks does not divide raises."""
     model = _gpt()
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)  # no state: one compile (AdamW's second: pp_step)
     step = sc.compile(train_step, mesh=fake_mesh((2, 2), ["pp", axis]), plan=gpt_tp_plan() if axis == "tp" else None,
                       pipeline=sc.Pipeline(chunks=2, split={"blocks.1": S}), dynamic=True)
     _run_sizes(step, model, opt, [4, 6, 2, 8])  # dp: this rank's shard of twice as many rows
-    assert step.compiles == 2
+    assert step.compiles == 1
     assert step.last.size_symbols and step.last.mctx.axis_names == (axis,)
     with pytest.raises(ValueError, match="equal micro-batches"):
         _run_sizes(step, model, opt, [5])
@@ -107,14 +107,14 @@ def test_no_chunk_tensors_keep_their_size_in_the_signature():
         return loss
 
     model = _gpt()
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)  # no state: every size after the first reuses its program
     step = sc.compile(weighted_step, mesh=fake_mesh((2,), ["pp"]), dynamic=True,
                       pipeline=sc.Pipeline(chunks=2, split={"blocks.1": S}, no_chunk=["batch[2]"]))
     w = torch.rand(32, dtype=torch.float64)
     for b in (8, 6, 4):
         ids = torch.randint(0, 32, (b, 8))
         step(model, opt, ids, ids, w)
-    assert step.compiles == 2
+    assert step.compiles == 1
     assert [s.label for s in step.last.size_symbols] == ["batch[0]"]  # not the weights' length
 
 
