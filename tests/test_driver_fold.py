@@ -39,7 +39,7 @@ def _steady(mesh, kind: str, plan_name: str | None = None) -> fx.GraphModule:
 def _program(mesh, kind: str = "gpt", plan=None, model=None) -> fx.GraphModule:
     """The per-rank graph of the steady step (optimizer state present)."""
     if kind == "gpt":
-        model = model or GPT(vocab=32, seq=8, dim=16, heads=2, layers=2)
+        model = model or GPT(vocab=32, seq=8, dim=16, heads=2, layers=1)  # one block: the fold reads the first collectives
         fn, x = train_step, torch.randint(0, 32, (8, 8))
         y = x
     else:

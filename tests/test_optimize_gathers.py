@@ -11,7 +11,7 @@ from spmd_compiler.optimize import bucket_parameter_gathers_pass, default_passes
 from spmd_compiler.optimize.gathers import unit_of
 from spmd_compiler.optimize.graph_utils import alias_root, is_collective, is_wait, positions
 from spmd_compiler.optimize.overlap import is_param_gather
-from spmd_compiler.testing import assert_distributed, assert_training_matches
+from spmd_compiler.testing import assert_distributed, assert_training_matches, fake_mesh
 from spmd_compiler.testing.models import GPT, gpt_fsdp_plan, train_step
 
 
@@ -31,11 +31,18 @@ def _fsdp_step(mesh, vocab=32, layers=2, reshard_after_forward=True):
     return sc.expand(sc.trace(train_step, model, opt, ids, ids), mesh, plan)
 
 
+@pytest.fixture(scope="module")
+def optimized_resharded():
+    """The default passes' program of ``_fsdp_step`` (4 ranks, reshard_after_forward=True),
+    read (never changed) by the tests below."""
+    return run_passes(_fsdp_step(fake_mesh((4,), ("dp",))).gm, default_passes())[0]
+
+
 def _gathers(gm):
     return [n for n in gm.graph.nodes if is_collective(n) and is_param_gather(n)]
 
 
-def test_one_gather_per_unit(mesh4):
+def test_one_gather_per_unit(mesh4, optimized_resharded):
     step = _fsdp_step(mesh4, reshard_after_forward=False)
     gm = sc.optimize.remove_redundant_collectives_pass(step.gm)
     before = _gathers(gm)
@@ -59,7 +66,7 @@ def test_one_gather_per_unit(mesh4):
     # so no block's forward gather lives into backward; the root unit (head, final norm)
     # keeps its forward gather, as fully_shard keeps its root; False (above) keeps every
     # forward gather for backward
-    gms = {True: run_passes(_fsdp_step(mesh4).gm, default_passes())[0], False: run_passes(gm, default_passes())[0]}
+    gms = {True: optimized_resharded, False: run_passes(gm, default_passes())[0]}
     counts = {r: {ph: sum(1 for n in _gathers(g) if n.meta["spmd_phase"] == ph) for ph in ("forward", "backward")}
               for r, g in gms.items()}
     assert counts == {True: {"forward": 3, "backward": 2}, False: {"forward": 3, "backward": 0}}
@@ -83,7 +90,7 @@ def _reads_forward_gather(gm, unit: str) -> list[str]:
             and any(alias_root(a) in forward for a in n.all_input_nodes)]
 
 
-def test_reshard_after_forward_gathers_the_minimum_bytes(mesh4):
+def test_reshard_after_forward_gathers_the_minimum_bytes(optimized_resharded):
     """reshard_after_forward=True: forward gathers every parameter once; backward gathers
     again only what backward reads of the blocks, their weights (and the LayerNorms'
     biases, which native_layer_norm_backward takes for its gradient's shape), never a
@@ -91,7 +98,7 @@ def test_reshard_after_forward_gathers_the_minimum_bytes(mesh4):
     fully_shard keeps its root). Reduce-scatters move every gradient once."""
     model = GPT(vocab=32, seq=8, dim=16, heads=2, layers=2)
     full = {n: p.numel() * 4 for n, p in model.named_parameters()}
-    gm = run_passes(_fsdp_step(mesh4).gm, default_passes())[0]
+    gm = optimized_resharded
     got = {ph: sum(n.meta["spmd_comm"]["bytes"] for n in _gathers(gm) if n.meta["spmd_phase"] == ph) for ph in ("forward", "backward")}
     reads = sum(b for n, b in full.items() if n.startswith("blocks.") and n.endswith("weight"))
     ln_bias = sum(b for n, b in full.items() if n.startswith("blocks.") and ".ln" in n and n.endswith("bias"))
@@ -130,14 +137,15 @@ def test_units_are_prefetched_in_order_of_need(mesh4):
         assert pos[later] < first_compute_use(later)
 
 
-# 30 rows split unevenly over 4 ranks: padded shards; reshard_after_forward: gathered again
-# for backward (True, fully_shard's default) or the forward's gather kept (False)
-@pytest.mark.parametrize("vocab,reshard", [(32, False), (30, True)])
-def test_fused_gathers_keep_training_numerics(mesh4, vocab, reshard):
+# 31 rows split unevenly over 2 ranks (16 and 15): padded shards, so each rank compiles its
+# own program (2 ranks keep that cheap); reshard_after_forward: gathered again for backward
+# (True, fully_shard's default) or the forward's gather kept (False, 4 even ranks)
+@pytest.mark.parametrize("vocab,reshard,ranks", [(32, False, 4), (31, True, 2)])
+def test_fused_gathers_keep_training_numerics(vocab, reshard, ranks):
     model = GPT(vocab=vocab, seq=8, dim=16, heads=2, layers=2).double()
     batches = [(torch.randint(0, vocab, (8, 8)), torch.randint(0, vocab, (8, 8))) for _ in range(3)]
     res = assert_training_matches(
-        train_step, model, lambda p: torch.optim.AdamW(p, lr=0.01), batches, mesh4,
+        train_step, model, lambda p: torch.optim.AdamW(p, lr=0.01), batches, fake_mesh((ranks,), ("dp",)),
         gpt_fsdp_plan(reshard_after_forward=reshard), passes=default_passes(),
     )
     assert_distributed(res, sharded=["tok.weight", "blocks.0.fc.weight", "batch[0]"])
@@ -268,7 +276,7 @@ def test_a_buffer_named_sharded_is_called_a_buffer_in_the_gather_reasons(mesh4):
     """A buffer the FSDP plan names sharded (the causal mask here, Llama's rotary
     ``inv_freq`` in the zoo) is gathered like a parameter; the reasons the dump prints say
     "buffer" for it, "parameter" for the parameters."""
-    model = GPT(vocab=32, seq=8, dim=16, heads=2, layers=2)
+    model = GPT(vocab=32, seq=8, dim=16, heads=2, layers=1)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     ids = torch.randint(0, 32, (8, 8))
     plan = gpt_fsdp_plan(reshard_after_forward=False)
