@@ -231,11 +231,10 @@ def _rider_rows(add: Callable[..., fx.Node], x: fx.Node, coord: fx.Node, n: int)
     in rank order. Every rank's result is then the same bits; summed by the collective, each
     row would be reduced in another order (NCCL's ring ends each row's sum at its own rank)
     and a replicated value, the loss, could differ in its last bit from rank to rank. A
-    ``where``, not a product with a one-hot mask: an inf or NaN stays in its slot."""
-    val = x.meta["val"]
-    ranks = add(aten.arange.default, (n,), {"dtype": torch.int64, "device": val.device})
-    mine = add(aten.reshape.default, (add(aten.eq.Scalar, (ranks, coord)), [n, 1]))
-    return add(aten.where.ScalarOther, (mine, add(aten.reshape.default, (x, [1, -1])), 0.0))
+    copy into zeros, not a product with a one-hot mask: an inf or NaN stays in its slot."""
+    row = add(aten.reshape.default, (x, [1, -1]))
+    zeros = add(aten.new_zeros.default, (row, [n, int(row.meta["val"].shape[1])]))
+    return add(aten.slice_scatter.default, (zeros, row, 0, coord, add(operator.add, (coord, 1))))
 
 
 def _riders(
