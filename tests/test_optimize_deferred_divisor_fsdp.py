@@ -111,25 +111,30 @@ def test_fsdp_every_target_ignored_leaves_zero_gradients_as_one_device():
     assert any((n.meta.get("spmd_origin") or {}).get("op") == PASS for n in sim.expansions[(0,)].gm.graph.nodes)
 
 
-def _gloo_fsdp(rank: int, world: int) -> dict:
+def _gloo_fsdp(rank: int, world: int, backend: str = "eager") -> dict:
     torch.manual_seed(0)
     model = _model()
     ref = copy.deepcopy(model)
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
-    step = sc.compile(ce_step, mesh=(world,), plan=gpt_fsdp_plan(), passes=_passes())
-    errs = []
+    step = sc.compile(ce_step, mesh=(world,), plan=gpt_fsdp_plan(), passes=_passes(), backend=backend)
+    errs, losses = [], []
     for i in range(3):
         ids, targets = _batch(i, world)
         loss = step(model, opt, ids.chunk(world)[rank], targets.chunk(world)[rank])
+        losses.append(loss.item().hex())
         errs.append(abs(loss.item() - ce_step(ref, ref_opt, ids, targets).item()))
     errs.append(max((p.full_tensor() - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters())))
     colls = [n for n in step.last.gm.graph.nodes if is_collective(n)]
-    return {"err": max(errs), "ops": _ops(colls), "riders": sum(bool(m.get("rider")) for n in colls for m in n.meta["spmd_comm"].get("bucket", ()))}
+    return {"err": max(errs), "ops": _ops(colls), "losses": losses,
+            "riders": sum(bool(m.get("rider")) for n in colls for m in n.meta["spmd_comm"].get("bucket", ()))}
 
 
 @pytest.mark.gloo
 def test_fsdp_fused_program_runs_on_gloo():
-    """World 3 (uneven shards) on real gloo: the pair rides in a reduce_scatter bucket."""
-    for res in run_processes(_gloo_fsdp, 3, timeout=300):
+    """World 3 (uneven shards) on real gloo: the pair rides in a reduce_scatter bucket, and
+    every rank returns the same loss, bit for bit (each sums the ranks' values itself)."""
+    results = run_processes(_gloo_fsdp, 3, timeout=300)
+    for res in results:
         assert res["err"] < 1e-10, res
         assert res["ops"] == ["bucket"] * 5 and res["riders"] == 1, res
+    assert len({tuple(r["losses"]) for r in results}) == 1, [r["losses"] for r in results]
