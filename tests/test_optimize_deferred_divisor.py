@@ -183,24 +183,32 @@ def test_class_weights_are_refused():
 def test_every_target_ignored_leaves_zero_gradients_as_one_device():
     """C = 0: one device's loss is NaN and its gradients exactly 0 (nll_loss_backward writes
     nothing); the deferred division divides by 1 there instead of 0/0 = NaN."""
+    assert_all_ignored_matches_one_device(GPT(vocab=32, seq=8, dim=16, heads=2, layers=1).double(), fake_mesh((2,), ("dp",)),
+                                          rows=4, ignored_at=1)
+
+
+def assert_all_ignored_matches_one_device(model, mesh, plan=None, *, rows: int, ignored_at: int) -> None:
+    """3 steps of ``ce_step`` in the simulator and on one device, every target of step
+    ``ignored_at`` ignored: the same loss (NaN there), finite parameters equal at 1e-12,
+    and the pass applied."""
     import copy
 
     from spmd_compiler.testing import SimulatedTraining
 
-    model = GPT(vocab=32, seq=8, dim=16, heads=2, layers=1).double()
     ref = copy.deepcopy(model)
     make = lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)  # noqa: E731
     opt, ref_opt = make(model), make(ref)
-    sim = SimulatedTraining(ce_step, model, opt, fake_mesh((2,), ("dp",)), passes=_passes())
+    sim = SimulatedTraining(ce_step, model, opt, mesh, plan, passes=_passes())
     for i in range(3):
-        ids, targets = _batch(i, 4)
-        if i == 1:
+        ids, targets = _batch(i, rows)
+        if i == ignored_at:
             targets[:] = -100
         loss, want = sim.step(ids, targets), ce_step(ref, ref_opt, ids, targets)
         assert torch.isnan(want) == torch.isnan(loss) and (torch.isnan(want) or abs(loss - want) <= 1e-12), (i, loss, want)
         for p, q in zip(model.parameters(), ref.parameters()):
-            assert torch.isfinite(p).all() and torch.allclose(p, q, rtol=0, atol=1e-12), i
-    assert any((n.meta.get("spmd_origin") or {}).get("op") == PASS for n in sim.expansions[(0,)].gm.graph.nodes)
+            full = p.full_tensor() if hasattr(p, "full_tensor") else p
+            assert torch.isfinite(full).all() and torch.allclose(full, q, rtol=0, atol=1e-12), i
+    assert any((n.meta.get("spmd_origin") or {}).get("op") == PASS for n in next(iter(sim.expansions.values())).gm.graph.nodes)
 
 
 def _autocast_step(dtype):

@@ -19,9 +19,10 @@ from gloo_launch import run_processes
 from spmd_compiler.driver.fold import find_fold
 from spmd_compiler.expand.splice import RANK_SIZES
 from spmd_compiler.optimize.graph_utils import is_collective
-from spmd_compiler.testing import SimulatedTraining, assert_training_matches, fake_mesh
+from spmd_compiler.testing import assert_training_matches, fake_mesh
 from spmd_compiler.testing.models import GPT, gpt_fsdp_plan
-from test_optimize_deferred_divisor import PASS, _ops, _passes, ce_step, clipped_step  # the same step and passes as under DP
+from test_optimize_deferred_divisor import (  # the same step and passes as under DP
+    PASS, _ops, _passes, assert_all_ignored_matches_one_device, ce_step, clipped_step)
 
 aten = torch.ops.aten
 
@@ -94,21 +95,7 @@ def test_fsdp_clip_grad_norm_reads_the_divided_shards():
 def test_fsdp_every_target_ignored_leaves_zero_gradients_as_one_device():
     """C = 0 on every rank (world 3, uneven shards): one device's loss is NaN, its gradients 0;
     the divided shards are 0 / 1, not 0 / 0."""
-    model = _model()
-    ref = copy.deepcopy(model)
-    make = lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)  # noqa: E731
-    opt, ref_opt = make(model), make(ref)
-    sim = SimulatedTraining(ce_step, model, opt, fake_mesh((3,), ("dp",)), gpt_fsdp_plan(), passes=_passes())
-    for i in range(3):
-        ids, targets = _batch(i, 3)
-        if i == 2:
-            targets[:] = -100
-        loss, want = sim.step(ids, targets), ce_step(ref, ref_opt, ids, targets)
-        assert torch.isnan(want) == torch.isnan(loss) and (torch.isnan(want) or abs(loss - want) <= 1e-12), (i, loss, want)
-        for p, q in zip(model.parameters(), ref.parameters()):
-            full = p.full_tensor() if hasattr(p, "full_tensor") else p
-            assert torch.isfinite(full).all() and torch.allclose(full, q, rtol=0, atol=1e-12), i
-    assert any((n.meta.get("spmd_origin") or {}).get("op") == PASS for n in sim.expansions[(0,)].gm.graph.nodes)
+    assert_all_ignored_matches_one_device(_model(), fake_mesh((3,), ("dp",)), gpt_fsdp_plan(), rows=3, ignored_at=2)
 
 
 def _gloo_fsdp(rank: int, world: int, backend: str = "eager") -> dict:
