@@ -99,3 +99,23 @@ def test_missing_group_mapping_is_a_clear_error():
     inputs = {c: [shard_tensor(t, s.placements, (2, 2), c) for t, s in zip([a, b], step.input_specs)] for c in coords}
     with pytest.raises(ValueError, match="group_axes"):
         run_lockstep({c: step.gm for c in coords}, inputs, (2, 2))
+
+
+def test_reduce_scatter_sums_each_rank_chunk_in_ring_order():
+    """Rank j's chunk is summed from rank j + 1 round to j, as NCCL's ring does, so the
+    ranks' chunks round differently: with a, b, c = 1, 1e16, -1e16 on ranks 0, 1, 2,
+    rank 0 gets (b + c) + a = 1, rank 1 (c + a) + b = 0, rank 2 (a + b) + c = 0. A value
+    taken from each rank's own chunk and meant to be the same on every rank (a loss riding
+    in an FSDP bucket) differs between ranks here as it would on NCCL."""
+    import torch.fx as fx
+
+    g = fx.Graph()
+    g.placeholder("coord_g")
+    x = g.placeholder("x")
+    w = g.call_function(c10d.wait_tensor.default, (g.call_function(c10d.reduce_scatter_tensor.default, (x, "sum", 3, "g")),))
+    g.output([w])
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    values = {(0,): 1.0, (1,): 1e16, (2,): -1e16}
+    inputs = {c: [torch.full((3,), v, dtype=torch.float64)] for c, v in values.items()}
+    outs = run_lockstep({c: gm for c in values}, inputs, (3,), group_axes={"g": 0})
+    assert [outs[c][0].item() for c in sorted(outs)] == [1.0, 0.0, 0.0]
