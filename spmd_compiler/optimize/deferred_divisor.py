@@ -16,7 +16,8 @@ optimizer), and (3) moves the pair's readers down to their first use, so that
 :mod:`.bucketing` lets the pair ride in the first gradient bucket: launches = buckets.
 Under FSDP the reductions are reduce_scatters: each rank divides its reduced shard (an
 uneven shard's zero padding too: ``0 / C = 0``), and the pair rides in the first
-reduce_scatter bucket, copied into every rank's row (each rank receives the whole sum).
+reduce_scatter bucket, each rank's value in its own slot of every row (:mod:`.bucketing`: each
+rank receives every rank's value and sums them in rank order, the same bits on every rank).
 Exact in real arithmetic (``sum_r G_r / C = sum_r (G_r / C)``); float64 results equal one
 device's at 1e-12 (``tests/test_optimize_deferred_divisor.py``, ``_fsdp.py``).
 
