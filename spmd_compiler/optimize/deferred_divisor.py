@@ -206,7 +206,7 @@ def _pair(gm: fx.GraphModule) -> tuple[fx.Node, fx.Node, fx.Node, fx.Node]:
     return pair, wait, count, c_local
 
 
-def _check_static(gm: fx.GraphModule) -> None:
+def _check_not_pipelined(gm: fx.GraphModule) -> None:
     for n in gm.graph.nodes:
         if n.target is MARKER:
             raise _Refuse("the program is split into pipeline stages")
@@ -214,7 +214,7 @@ def _check_static(gm: fx.GraphModule) -> None:
 
 def _plan(gm: fx.GraphModule) -> dict[str, Any]:
     """What to rewrite, or :class:`_Refuse` with the reason (see the module docstring)."""
-    _check_static(gm)
+    _check_not_pipelined(gm)
     pair, wait, count, c_local = _pair(gm)
     reductions = _after_other_reductions(gradient_reductions(gm))
     if not reductions:
