@@ -15,10 +15,12 @@ these (and FSDP2 with and without ``torch.compile``), every side in one rotation
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import statistics
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -159,6 +161,15 @@ def _strong_worker(rank: int, world: int, kind: str, args: Any) -> dict[str, Any
     out["inductor_fallback"] = getattr(getattr(ours["inductor"].last, "runner", None), "failed", None)
     out["launches"] = {side: _launches(lambda i: run(side, i), args) for side in sides}
     out["top_ops"] = _top_ops(rank, lambda i: run("inductor", i), args) if args.profile else None
+    if args.profile:  # the inductor program again, with inductor's Python wrapper, so its matmuls show
+        ours["inductor (profiled)"] = sc.compile(train_step, mesh=mesh, plan=plan, backend="inductor")
+        models["inductor (profiled)"] = copy.deepcopy(model)
+        opts["inductor (profiled)"] = torch.optim.AdamW(models["inductor (profiled)"].parameters(), lr=1e-3)
+        with _python_wrapper():
+            for i in range(3):
+                run("inductor (profiled)", i)
+        sides = ["eager", "inductor (profiled)", *peers]
+        out["breakdown"] = {side: _breakdown(rank, lambda i, s=side: run(s, i), args) for side in sides}
     return out
 
 
@@ -185,6 +196,61 @@ def _top_ops(rank: int, step: Any, args: Any, n: int = 5, top: int = 10) -> list
     return [("step (profiled, wall)", wall * 1e3), *rows]
 
 
+_MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+# the peer's blocking all_reduces wait inside these autograd functions (their self time is the wait)
+_PEER_WAITS = ("_ReduceFromParallel", "_CopyToParallelBackward")
+BREAKDOWN = ("matmuls", "fused kernels", "other ops", "collective launches", "collective waits", "python and rest")
+
+
+def _breakdown(rank: int, step: Any, args: Any, n: int = 10) -> dict[str, float] | None:
+    """Where one step's time goes on rank 0, in ms per step, by torch.profiler's self CPU
+    times: matmuls (the same aten kernels on every side), inductor's generated kernels
+    (the self time of its compiled graph's call: kernels and their wrapper), other aten
+    ops, collective launches (``c10d::`` ops) and waits (``wait_tensor``; the hand-written
+    peer waits inside its autograd functions), and the rest of the wall time (Python,
+    the optimizer's and autograd's bookkeeping, allocation)."""
+    import contextlib
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) if rank == 0 else contextlib.nullcontext() as prof:
+        wall = sum(step(args.warmup + args.steps + 10 + i) for i in range(n)) / n
+    if rank != 0:
+        return None
+    cats = dict.fromkeys(BREAKDOWN, 0.0)
+    for e in prof.key_averages():
+        ms = e.self_cpu_time_total / 1e3 / n
+        if e.key in _MATMULS:
+            cats["matmuls"] += ms
+        elif e.key.startswith("## Call CompiledFxGraph"):
+            cats["fused kernels"] += ms
+        elif e.key.startswith("c10d::"):
+            cats["collective launches"] += ms
+        elif "wait_tensor" in e.key or e.key in _PEER_WAITS:
+            cats["collective waits"] += ms
+        elif e.key.startswith(("aten::", "_c10d_functional::")):
+            cats["other ops"] += ms
+    cats["python and rest"] = max(0.0, wall * 1e3 - sum(cats.values()))
+    cats["step (profiled)"] = wall * 1e3
+    return cats
+
+
+@contextlib.contextmanager
+def _python_wrapper() -> Iterator[None]:
+    """Inductor compiles with its Python wrapper while this is open: the profile then sees
+    the matmuls and collectives the generated code calls (the C++ wrapper's calls are
+    invisible to torch.profiler). For ``--profile`` only: the timed inductor side keeps
+    the C++ wrapper."""
+    from spmd_compiler import _private_torch as pt
+
+    compile_ = pt.inductor_compile
+    pt.inductor_compile = lambda *a, **k: compile_(*a, **{**k, "cpp_wrapper": False})
+    try:
+        yield
+    finally:
+        pt.inductor_compile = compile_
+
+
 def strong_main(args: Any) -> None:
     """Run the ``--strong`` comparison and write its table to ``args.out``."""
     import os
@@ -206,7 +272,8 @@ def strong_main(args: Any) -> None:
         if kind not in STRONG_PEERS:
             continue
         got = run_processes(_strong_worker, 2, kind, args, timeout=3600)[0]
-        names = {"eager": 'ours, backend="eager"', "inductor": 'ours, backend="inductor"', **STRONG_PEERS[kind]}
+        names = {"eager": 'ours, backend="eager"', "inductor": 'ours, backend="inductor"',
+                 "inductor (profiled)": 'ours, backend="inductor" (Python wrapper)', **STRONG_PEERS[kind]}
         text += [f"## {kind}", "", "| side | median step ms | first step s (compile) |", "|---|---|---|"]
         text[-2:] = ["| side | median step ms | first step s (compile) | collective launches per step |", "|---|---|---|---|"]
         text += [f"| {names[s]} | {ms * 1e3:.1f} | {got['first'][s]:.1f} | {got['launches'][s]} |" for s, ms in got["median"].items()]
@@ -215,6 +282,14 @@ def strong_main(args: Any) -> None:
         text += ["", "Collective launches: `c10d::` ops in one profiled step; ours include the step guard's one all_reduce.",
                  f"Inductor compile time of our programs (summed, rank 0): {got['inductor_compile_s']}; "
                  f"fallback: {got['inductor_fallback'] or 'none'}.", ""]
+        if got.get("breakdown") and got["breakdown"].get("eager"):
+            cols = [*BREAKDOWN, "step (profiled)"]
+            text += ["Where each side's step goes (rank 0, torch.profiler self CPU time, ms per step, 10 steps; the inductor "
+                     "program is compiled again with inductor's Python wrapper so that its matmuls and collectives show):", "",
+                     "| side | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+            text += [f"| {names.get(s, s)} | " + " | ".join(f"{b[c]:.2f}" for c in cols) + " |"
+                     for s, b in got["breakdown"].items()]
+            text += [""]
         if got["top_ops"]:
             text += ['Top ops of the backend="inductor" step by self CPU time (rank 0, torch.profiler, ms per step):', "",
                      "| op | ms |", "|---|---|", *(f"| `{k}` | {v:.2f} |" for k, v in got["top_ops"]), ""]
