@@ -72,6 +72,7 @@ import torch.fx as fx
 
 from ..optimize.graph_utils import WAIT, new_node
 from ..expand.rules.random import is_random
+from .batch_digest import digest_elements
 from .fold_check import _OPS, FoldChain, FoldPoint, resync_if_flagged
 from .guard import _is_effect, first_effect
 
@@ -222,6 +223,9 @@ def _fold_into(g: fx.Graph, point: FoldPoint, rest: tuple[FoldPoint, ...], progr
     with g.inserting_before(coll):
         flat = new_node(g, aten.reshape.default, (payload, [-1]))
         ids = [new_node(g, aten.full.default, ([1], v), {"dtype": point.dtype, "device": torch.device("cpu")}) for v in point.encode(program)]
+        if point.digest:  # this rank's batch digest (.batch_digest), computed on the placeholders each step
+            tensors = [by_name[name] for _, name in point.digest]
+            ids.append(g.call_function(digest_elements, (tensors, point.kind, point.op, point.bits, point.dtype)))
         packed = new_node(g, aten.cat.default, ([flat, *ids],))
         folded = new_node(g, coll.target, (packed, *coll.args[1:]))
     folded.meta.update({k: v for k, v in coll.meta.items() if k not in ("val", "tensor_meta")})
@@ -235,7 +239,8 @@ def _fold_into(g: fx.Graph, point: FoldPoint, rest: tuple[FoldPoint, ...], progr
     with g.inserting_before(anchor):
         done = new_node(g, WAIT, (folded,))
         extra = (tuple(dataclasses.astuple(p) for p in rest), pending) if rest or pending else ()
-        g.call_function(resync_if_flagged, (done, width, point.expected(program), *extra))
+        digest = {"digest": point.digest_check()} if point.digest else {}
+        g.call_function(resync_if_flagged, (done, width, point.expected(program), *extra), digest)
         if point.kind == "all_reduce":
             part = new_node(g, aten.slice.Tensor, (done, 0, 0, point.numel))
             value = new_node(g, aten.view.default, (part, list(point.out_shape)))
