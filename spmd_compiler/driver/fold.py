@@ -70,7 +70,7 @@ from collections.abc import Sequence
 import torch
 import torch.fx as fx
 
-from ..optimize.graph_utils import WAIT, new_node
+from ..optimize.graph_utils import WAIT, fake_call, new_node
 from ..expand.rules.random import is_random
 from .batch_digest import digest_elements
 from .fold_check import _OPS, FoldChain, FoldPoint, resync_if_flagged
@@ -225,7 +225,9 @@ def _fold_into(g: fx.Graph, point: FoldPoint, rest: tuple[FoldPoint, ...], progr
         ids = [new_node(g, aten.full.default, ([1], v), {"dtype": point.dtype, "device": torch.device("cpu")}) for v in point.encode(program)]
         if point.digest:  # this rank's batch digest (.batch_digest), computed on the placeholders each step
             tensors = [by_name[name] for _, name in point.digest]
-            ids.append(g.call_function(digest_elements, (tensors, point.kind, point.op, point.bits, point.dtype)))
+            node = g.call_function(digest_elements, (tensors, point.kind, point.op, point.bits, point.dtype))
+            node.meta["val"] = fake_call(aten.new_empty.default, (flat, [point.id_extra]), {"dtype": point.dtype})
+            ids.append(node)
         packed = new_node(g, aten.cat.default, ([flat, *ids],))
         folded = new_node(g, coll.target, (packed, *coll.args[1:]))
     folded.meta.update({k: v for k, v in coll.meta.items() if k not in ("val", "tensor_meta")})
