@@ -16,6 +16,7 @@ from spmd_compiler.driver.batch_digest import (
     NONE, combine, digest_agrees, digest_bits, encode, leaf_digest, slots_agree, standalone_slots, values_error,
 )
 from spmd_compiler.testing.models import GPT, MLP, gpt_tp_plan, megatron_mlp_plan, train_step
+from spmd_compiler.testing.models import accumulating_mse_step as accumulating_step
 from spmd_compiler.testing.models import mse_train_step as mse_step
 
 
@@ -244,3 +245,35 @@ def test_dp_x_tp_tp_peers_must_agree_dp_peers_need_not():
         assert text.startswith("ValueError") and "(1, 0) and (1, 1)" in text and "mesh['dp'].get_local_rank()" in text, text
         assert r["digest"] == [(0, 0), (24, 2)] or r["digest"] == [(24, 2), (0, 0)], r  # only the tp fold carries it
     assert len({r["errors"][0] for r in results}) == 1
+
+
+def _tp_more(rank: int, world: int) -> dict:
+    """Pure TP = 2: gradient accumulation switches programs every window through the fold
+    (the digest rides along: no extra resync), and backend="inductor" runs the digest as
+    a host node before the compiled segment's collective."""
+    plan = sc.Plan(params=megatron_mlp_plan().params, default_input=[Replicate()])
+    model, _, opt, _ = _pair()
+    step = sc.compile(accumulating_step, mesh={"tp": 2}, plan=plan)
+    out = {}
+    for i in range(8):
+        if i == 4:
+            warm = dict(step.checks)
+        step(model, opt, *_rows(i), i % 2 == 1)
+    out["window_checks"] = {k: v - warm.get(k, 0) for k, v in step.checks.items() if v != warm.get(k, 0)}
+    out["accumulating"] = _error(lambda: step(model, opt, *_rows(99 if rank else 98), False))
+    model, ref, opt, ref_opt = _pair()
+    step = sc.compile(mse_step, mesh={"tp": 2}, plan=plan, backend="inductor")
+    out["inductor"] = _run(step, model, opt, ref, ref_opt, [False, False, False, True, False],
+                           lambda x, y, differs: _rows(99) if differs and rank == 1 else (x, y))
+    out["inductor"]["digest"] = _digests(step)
+    return out
+
+
+@pytest.mark.gloo
+def test_accumulation_switches_and_inductor_carry_the_digest():
+    for r in run_processes(_tp_more, 2, timeout=300):
+        assert r["window_checks"] == {"folded": 4, "switched (folded)": 4}, r  # every call switches, none resyncs
+        assert r["accumulating"].startswith("ValueError") and "'tp'" in r["accumulating"], r
+        got = r["inductor"]
+        assert got["error"] < 1e-10 and got["unchanged"] and got["digest"] == [(24, 2)], got
+        assert len(got["errors"]) == 1 and got["errors"][0].startswith("ValueError"), got

@@ -81,8 +81,10 @@ class FoldPoint:
     @property
     def spec(self) -> tuple:
         """What ranks running different programs must share to meet in this collective
-        (node names aside): kind, op, group, ranks, payload shape and dtype, id range."""
-        return (self.kind, self.op, self.group, self.world_size, self.shape, self.dtype, self.ids, self.digest, self.bits)
+        (node names aside): kind, op, group, ranks, payload shape and dtype, id range,
+        and which batch tensors the digest covers, in how many bits."""
+        return (self.kind, self.op, self.group, self.world_size, self.shape, self.dtype, self.ids,
+                tuple(i for i, _ in self.digest), self.bits)
 
     def digest_check(self) -> tuple | None:
         """What :func:`resync_if_flagged` needs to read the digest elements (None: none)."""
