@@ -51,8 +51,11 @@ from typing import Any
 import torch
 
 from .. import _private_torch as pt
+from ..trace.tracer import flatten_batch
+from .batch import batch_placements
 
-__all__ = ["leaf_digest", "combine", "digest_bits", "digest_elements", "digest_agrees", "rank_digests", "values_error"]
+__all__ = ["leaf_digest", "combine", "digest_bits", "digest_elements", "digest_agrees", "with_digest", "value_slots",
+           "batch_digests", "values_error"]
 
 _P = 2**61 - 1  # a Mersenne prime: the digests' modulus
 _A, _B = 0x9E3779B97F4A7C15 % _P, 0xC2B2AE3D27D4EB4F % _P
@@ -222,13 +225,32 @@ def rank_digests(axes: dict[int, list[int]], leaves: Sequence[Any], paths: Seque
     return tuple(coord), {a: [(paths[i], tuple(leaves[i].shape), leaf_digest(leaves[i])) for i in idx] for a, idx in axes.items()}
 
 
-def values_error(everyone: Sequence[Any], axis_names: Sequence[str]) -> ValueError | None:
+def value_slots(mesh: Any, step: Any, leaves: Sequence[Any]) -> list[int] | None:
+    """This rank's :func:`standalone_slots` for ``step``'s program (None: nothing to compare)."""
+    shape = tuple(mesh.shape)
+    axes = step_axes(step, leaves, shape)
+    return standalone_slots(axes, leaves, tuple(mesh.get_coordinate()), shape) if axes else None
+
+
+def batch_digests(mesh: Any, plan: Any, batch: tuple, kwargs: dict) -> Any:
+    """This rank's :func:`rank_digests` of its call's batch, for the exchange of call
+    signatures (placements from the plan, no trace needed; None: nothing to compare)."""
+    leaves, _, paths = flatten_batch(batch, kwargs)
+    shape = tuple(mesh.shape)
+    axes = replicated(batch_placements(plan, paths, leaves, mesh.ndim), leaves, shape)
+    return rank_digests(axes, leaves, paths, tuple(mesh.get_coordinate())) if axes else None
+
+
+def values_error(everyone: Sequence[Any], mesh: Any) -> ValueError | None:
     """The error every rank raises when ranks of an axis group passed different values
     for a batch tensor that is Replicate on that axis (None: they agree). ``everyone``:
     each rank's :func:`rank_digests` (None where it sent none), the same list on every
     rank, so every rank raises the same error. Tensors of different shapes are left to
     the check of shapes (:func:`.batch.global_batch`), whose error says so."""
     everyone = [e for e in everyone if e is not None]
+    if not everyone:
+        return None
+    axis_names = mesh if isinstance(mesh, (list, tuple)) else mesh.mesh_dim_names or [f"axis{a}" for a in range(mesh.ndim)]
     for coord, per_axis in everyone:
         for a, items in sorted(per_axis.items()):
             for other, theirs in everyone:

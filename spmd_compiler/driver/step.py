@@ -34,8 +34,8 @@ from ..plan import Plan
 from ..trace.state import StateCache, unwrap_compiled
 from .agreement import check_agreement, exchange
 from ..trace.tracer import flatten_batch
-from .batch import batch_placements, signature, why_recompile
-from .batch_digest import rank_digests, replicated, standalone_slots, step_axes, values_error
+from .batch import signature, why_recompile
+from .batch_digest import batch_digests, value_slots, values_error
 from .build import Options
 from .distribute import distribute_state, is_distributed
 from .failure import collective_failure
@@ -178,7 +178,8 @@ class StepDriver(DriverIntrospection):
                 else:  # the agreed program, or one whose fold meets the agreed one's: its fold checks the ids
                     check = self._guard.start(changed=target is None, fold=fold, draws=current.draws, sizes=slots,
                                               program=target.slot if target is not None else 0, ids=self.options.cache_size,
-                                              values=self._value_slots(current, leaves) if fold is None else None, leaves=leaves)
+                                              values=value_slots(self.mesh, current.step, leaves) if fold is None and self._checks_values() else None,
+                                              leaves=leaves)
                 if target is not None:
                     if sized:  # needs every rank's sizes before it starts; a broken size guard: Resync
                         self._feed, check = self._sizes.wait(current.sizes, check, batch, kwargs)
@@ -202,11 +203,11 @@ class StepDriver(DriverIntrospection):
                 raise collective_failure(e, where=where, step_name=name, call=self.calls, timeout=self.options.timeout) from e
         try:
             everyone = tuple(exchange((self._payload(key, free, batch, kwargs), None if bad_ids is None else str(bad_ids),
-                                       self._rank_digests(batch, kwargs))))
+                                       batch_digests(self.mesh, self.plan, batch, kwargs) if self._checks_values() else None)))
         except RuntimeError as e:
             raise collective_failure(e, where="the exchange of call signatures that picks the program", step_name=name,
                                      call=self.calls, timeout=self.options.timeout) from e
-        error = bad_ids or ranks_ids_error([text for _, text, _ in everyone]) or self._values_error([d for _, _, d in everyone])
+        error = bad_ids or ranks_ids_error([text for _, text, _ in everyone]) or values_error([d for _, _, d in everyone], self.mesh)
         if error is not None:
             raise error
         everyone = tuple(payload for payload, _, _ in everyone)
@@ -234,29 +235,6 @@ class StepDriver(DriverIntrospection):
         """Whether the step check compares the batch values that ranks must share
         (:mod:`.batch_digest`): with ``check_ranks``, on a process group of several ranks."""
         return self.checks_batch_values and self.options.check_ranks and self._guard is not None and self._guard.group is not None
-
-    def _value_slots(self, program: Program, leaves: list) -> list[int] | None:
-        """This rank's batch digest slots for the standalone check (None: nothing to compare)."""
-        if not self._checks_values():
-            return None
-        mesh = self.mesh
-        axes = step_axes(program.step, leaves, tuple(mesh.shape))
-        return standalone_slots(axes, leaves, tuple(mesh.get_coordinate()), tuple(mesh.shape)) if axes else None
-
-    def _rank_digests(self, batch: tuple, kwargs: dict) -> Any:
-        """This rank's digests of the batch tensors the plan replicates, for the exchange."""
-        if not self._checks_values():
-            return None
-        leaves, _, paths = flatten_batch(batch, kwargs)
-        mesh = self.mesh
-        axes = replicated(batch_placements(self.plan, paths, leaves, mesh.ndim), leaves, tuple(mesh.shape))
-        return rank_digests(axes, leaves, paths, tuple(mesh.get_coordinate())) if axes else None
-
-    def _values_error(self, everyone: list) -> ValueError | None:
-        if not any(everyone):
-            return None
-        mesh = self.mesh
-        return values_error(everyone, mesh.mesh_dim_names or [f"axis{a}" for a in range(mesh.ndim)])
 
     def _setup_groups(self) -> None:
         """The step guard's group, and the collective timeout on the mesh's groups."""
