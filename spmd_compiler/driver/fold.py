@@ -54,6 +54,12 @@ no chain of folds fits), and for programs that draw random numbers: their standa
 exchange also carries a fingerprint of every rank's generators (:mod:`.rng`,
 docs/randomness.md), which a float payload could not carry exactly.
 
+The fold of an axis on which a batch tensor is Replicate (tp) also carries a digest of
+those tensors after the program id (:attr:`FoldPoint.digest`, one more element or pair,
+computed each step by a ``digest_elements`` node on the batch placeholders): ranks
+that must pass the same rows but did not resync, and every rank raises the ValueError
+(:mod:`.batch_digest`; the driver attaches it, :func:`.batch_digest.with_digest`).
+
 This module finds the fold (:func:`find_fold`) and rewrites the program for it
 (:func:`fold_guard_pass`); what runs at step time, :class:`FoldPoint`,
 :class:`FoldChain` and :func:`resync_if_flagged`, lives in :mod:`.fold_check` (and is

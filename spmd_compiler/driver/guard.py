@@ -18,7 +18,9 @@ cached program). A rank whose signature changed raises the flag and goes straigh
 On gloo, a program whose first collective is a suitable ``all_reduce`` carries the flag
 in that collective instead, with no extra round trip (:mod:`.fold`); on a mesh of several
 axes the first collective of each axis group does; :meth:`StepGuard.start` is then given
-its :class:`~.fold.FoldPoint` or :class:`~.fold.FoldChain`.
+its :class:`~.fold.FoldPoint` or :class:`~.fold.FoldChain`. Either check also compares
+a digest of the batch tensors that ranks of a mesh axis must share (Replicate on it:
+:mod:`.batch_digest`).
 """
 
 from __future__ import annotations

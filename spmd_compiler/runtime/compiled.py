@@ -154,7 +154,8 @@ def compile(fn: Callable[..., Any] | None = None, *, mesh: Any, plan: Plan | Non
         plan: placements (default: data parallel).
         options: those of :class:`spmd_compiler.driver.Options`: ``fallback`` ("replicate" |
             "error"), ``symbolic`` ("batch" | "all" | "none"), ``check_ranks`` (exchange
-            program fingerprints at compile, default True), ``dump_dir`` (write a dump
+            program fingerprints at compile, and check every step that the ranks of a
+            mesh axis on which the batch is Replicate pass the same values; default True), ``dump_dir`` (write a dump
             folder per compile; ``$SPMD_COMPILER_DUMP`` too), ``passes`` (a list of
             PassSpec; default :func:`spmd_compiler.optimize.default_passes`),
             ``passes_disabled`` (pass names to skip), ``bucket_mb`` (gradient bucket size,
