@@ -187,8 +187,6 @@ def _dp_tp(rank: int, world: int) -> dict:
     """dp x tp = 2 x 2 (rank = 2 * dp + tp), the MLP split over tp, the batch Shard(0) on
     dp and Replicate on tp: dp peers pass different rows (normal, trains as one device);
     on the third call rank 3 passes other rows than its tp peer 2 (same shape)."""
-    model, ref, opt, ref_opt = _pair()
-    step = sc.compile(mse_step, mesh={"dp": 2, "tp": 2}, plan=megatron_mlp_plan(ndim=2, axis=1))
     dp = rank // 2
 
     def take(x, y, differs):
@@ -196,8 +194,13 @@ def _dp_tp(rank: int, world: int) -> dict:
             x, y = _rows(99)
         return x[4 * dp: 4 * dp + 4], y[4 * dp: 4 * dp + 4]
 
-    out = _run(step, model, opt, ref, ref_opt, [False, False, True, False], take)
-    out["digest"] = _digests(step)
+    out = {}
+    for fold in (True, False):
+        model, ref, opt, ref_opt = _pair()
+        step = sc.compile(mse_step, mesh={"dp": 2, "tp": 2}, plan=megatron_mlp_plan(ndim=2, axis=1))
+        step.fold_guard = fold
+        out[fold] = _run(step, model, opt, ref, ref_opt, [False, False, True, False], take)
+        out[fold]["digest"] = _digests(step)
     return out
 
 
@@ -237,14 +240,18 @@ def test_tp_peers_with_different_token_ids_raise(pure_tp):
 
 @pytest.mark.gloo
 def test_dp_x_tp_tp_peers_must_agree_dp_peers_need_not():
+    """Folded (a FoldChain: only the tp fold carries the digest) and standalone (the MAX's
+    slot pair per tp group)."""
     results = run_processes(_dp_tp, 4, timeout=180)
-    for r in results:
-        assert r["error"] < 1e-10, r  # dp peers' different rows: the normal case, as one device
-        assert r["unchanged"] and len(r["errors"]) == 1, r
-        text = r["errors"][0]
-        assert text.startswith("ValueError") and "(1, 0) and (1, 1)" in text and "mesh['dp'].get_local_rank()" in text, text
-        assert r["digest"] == [(0, 0), (24, 2)] or r["digest"] == [(24, 2), (0, 0)], r  # only the tp fold carries it
-    assert len({r["errors"][0] for r in results}) == 1
+    for fold in (True, False):
+        for r in (r[fold] for r in results):
+            assert r["error"] < 1e-10, r  # dp peers' different rows: the normal case, as one device
+            assert r["unchanged"] and len(r["errors"]) == 1, r
+            text = r["errors"][0]
+            assert text.startswith("ValueError") and "(1, 0) and (1, 1)" in text and "mesh['dp'].get_local_rank()" in text, text
+            assert sorted(r["digest"]) == ([(0, 0), (24, 2)] if fold else []), r  # only the tp fold carries it
+            assert r["checks"].get("resync (folded)" if fold else "resync (standalone)") == 2, r
+        assert len({r[fold]["errors"][0] for r in results}) == 1
 
 
 def _tp_more(rank: int, world: int) -> dict:
