@@ -168,6 +168,8 @@ def _pure_tp(rank: int, world: int) -> dict:
         calls = [True, False, False, True, False]
         out[fold] = _run(step, model, opt, ref, ref_opt, calls, lambda x, y, differs: _rows(99) if differs and rank == 1 else (x, y))
         out[fold]["digest"] = _digests(step)
+        # rank 1's shape changes (it raises the flag, sending no digest): the shape check's error, no hang
+        out[fold]["shape"] = _error(lambda: step(model, opt, *_rows(7, 8 if rank == 0 else 6)))
     torch.manual_seed(0)
     gpt = GPT(vocab=32, seq=8, dim=16, heads=2, layers=1)
     opt = torch.optim.AdamW(gpt.parameters(), lr=0.01)
@@ -227,6 +229,7 @@ def test_tp_peers_with_different_rows_raise_on_every_rank(pure_tp, fold):
         path = "folded" if fold else "standalone"
         assert got["checks"].get(f"resync ({path})") == 2, got  # the optimizer state's recompile, and the differing rows
         assert got["digest"] == ([(24, 2)] if fold else []), got  # a float64 sum: 24 bits, x and y
+        assert got["shape"].startswith("ValueError") and "has size" in got["shape"] and "different values" not in got["shape"], got
     assert pure_tp[0][fold]["errors"] == pure_tp[1][fold]["errors"]
 
 

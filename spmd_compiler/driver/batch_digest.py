@@ -44,6 +44,7 @@ parts of it). ``check_ranks=False`` turns the check off with the compile's agree
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -57,6 +58,8 @@ from .batch import batch_placements
 __all__ = ["leaf_digest", "combine", "digest_bits", "digest_elements", "digest_agrees", "with_digest", "value_slots",
            "batch_digests", "values_error"]
 
+log = logging.getLogger(__name__)
+
 _P = 2**61 - 1  # a Mersenne prime: the digests' modulus
 _A, _B = 0x9E3779B97F4A7C15 % _P, 0xC2B2AE3D27D4EB4F % _P
 NONE = -(2**62)  # the standalone check's slots of other groups (below any -h)
@@ -65,7 +68,8 @@ _INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 def leaf_digest(t: torch.Tensor) -> int:
     """A digest in ``[0, 2**61 - 1)`` of ``t``'s values, shape-aware (see the module
-    docstring). Equal tensors have equal digests."""
+    docstring). Equal tensors have equal digests (a DTensor: its local tensor's)."""
+    t = pt.local_tensor(t)
     if t.is_complex():
         t = torch.view_as_real(t)
     if t.dtype == torch.bool:
@@ -125,7 +129,11 @@ def digest_elements(tensors: list, kind: str, op: str, bits: int, dtype: torch.d
     """This rank's digest elements for a folded collective (a node of the guarded
     program, run before the collective; called in Python by a rank that joins the
     collective, :meth:`.fold_check.FoldPoint.raise_flag`)."""
-    d = combine(tensors) % (1 << bits)
+    try:
+        d = combine(tensors) % (1 << bits)
+    except Exception:  # never stop one rank alone before a collective: the others would wait for it
+        log.warning("the batch digest failed on this rank's batch; its ranks resync every step", exc_info=True)
+        d = 0
     return torch.tensor(encode(d, kind, op, bits), dtype=dtype)
 
 
@@ -182,13 +190,18 @@ def replicated(placements: Sequence[Sequence[Any] | None], leaves: Sequence[Any]
     return out
 
 
-def step_axes(step: Any, leaves: Sequence[Any], shape: Sequence[int]) -> dict[int, list[int]]:
-    """:func:`replicated` with the placements ``step``'s program was expanded for."""
-    placements: list[Any] = [None] * len(leaves)
+def step_axes(step: Any, shape: Sequence[int]) -> dict[int, list[int]]:
+    """Per mesh axis of more than one rank, the batch leaves ``step``'s program reads as
+    CPU tensors Replicate on it: from the program alone, so every rank running it sends
+    as many slots (:func:`value_slots`)."""
+    out: dict[int, list[int]] = {}
     for inp, spec in zip(step.traced.inputs, step.input_specs):
-        if inp.kind == "batch" and inp.index < len(leaves):
-            placements[inp.index] = tuple(spec.placements)
-    return replicated(placements, leaves, shape)
+        if inp.kind != "batch" or (inp.device or torch.get_default_device()).type != "cpu":
+            continue
+        for a, p in enumerate(spec.placements):
+            if shape[a] > 1 and isinstance(p, pt.Replicate):
+                out.setdefault(a, []).append(inp.index)
+    return out
 
 
 def _group_index(coord: Sequence[int], shape: Sequence[int], axis: int) -> int:
@@ -225,20 +238,36 @@ def rank_digests(axes: dict[int, list[int]], leaves: Sequence[Any], paths: Seque
     return tuple(coord), {a: [(paths[i], tuple(leaves[i].shape), leaf_digest(leaves[i])) for i in idx] for a, idx in axes.items()}
 
 
-def value_slots(mesh: Any, step: Any, leaves: Sequence[Any]) -> list[int] | None:
-    """This rank's :func:`standalone_slots` for ``step``'s program (None: nothing to compare)."""
+def value_slots(mesh: Any, step: Any, leaves: Sequence[Any], changed: bool = False) -> list[int] | None:
+    """This rank's :func:`standalone_slots` for the agreed ``step``'s program (None:
+    nothing to compare). Every rank sends as many (the count comes from the program): a
+    rank whose signature ``changed`` (it raises the flag, every rank resyncs) or whose
+    batch cannot be digested sends :data:`NONE` in all of them, which count for nothing."""
     shape = tuple(mesh.shape)
-    axes = step_axes(step, leaves, shape)
-    return standalone_slots(axes, leaves, tuple(mesh.get_coordinate()), shape) if axes else None
+    axes = step_axes(step, shape)
+    if not axes:
+        return None
+    ok = not changed and all(i < len(leaves) and isinstance(leaves[i], torch.Tensor) and leaves[i].device.type == "cpu"
+                             for idx in axes.values() for i in idx)
+    try:
+        if ok:
+            return standalone_slots(axes, leaves, tuple(mesh.get_coordinate()), shape)
+    except Exception:  # never stop one rank alone before a collective: the others would wait for it
+        log.warning("the batch digest failed on this rank's batch; its values are not checked", exc_info=True)
+    return [NONE] * sum(2 * math.prod(shape) // shape[a] for a in axes)
 
 
 def batch_digests(mesh: Any, plan: Any, batch: tuple, kwargs: dict) -> Any:
     """This rank's :func:`rank_digests` of its call's batch, for the exchange of call
     signatures (placements from the plan, no trace needed; None: nothing to compare)."""
-    leaves, _, paths = flatten_batch(batch, kwargs)
-    shape = tuple(mesh.shape)
-    axes = replicated(batch_placements(plan, paths, leaves, mesh.ndim), leaves, shape)
-    return rank_digests(axes, leaves, paths, tuple(mesh.get_coordinate())) if axes else None
+    try:
+        leaves, _, paths = flatten_batch(batch, kwargs)
+        shape = tuple(mesh.shape)
+        axes = replicated(batch_placements(plan, paths, leaves, mesh.ndim), leaves, shape)
+        return rank_digests(axes, leaves, paths, tuple(mesh.get_coordinate())) if axes else None
+    except Exception:  # never stop one rank alone before the exchange (a bad plan fails in the compile, on every rank)
+        log.warning("the batch digest failed on this rank's batch; its values are not checked", exc_info=True)
+        return None
 
 
 def values_error(everyone: Sequence[Any], mesh: Any) -> ValueError | None:

@@ -134,7 +134,8 @@ class FoldPoint:
         buf = torch.zeros(self.numel + self.extra, dtype=self.dtype)
         buf[self.numel:self.numel + self.id_extra] = torch.tensor(self.encode(program), dtype=self.dtype)
         if self.digest:
-            tensors = [leaves[i] for i, _ in self.digest] if leaves is not None else []
+            ok = program > 0 and leaves is not None and all(i < len(leaves) and isinstance(leaves[i], torch.Tensor) for i, _ in self.digest)
+            tensors = [leaves[i] for i, _ in self.digest] if ok else []  # id 0 reads as a mismatch anyway
             buf[self.numel + self.id_extra:] = digest_elements(tensors, self.kind, self.op, self.bits, self.dtype)
         try:
             out = c10d.wait_tensor.default(self.start(buf))

@@ -32,8 +32,8 @@ from ..errors import SpmdError
 from ..expand import ExpansionCache
 from ..plan import Plan
 from ..trace.state import StateCache, unwrap_compiled
-from .agreement import check_agreement, exchange
 from ..trace.tracer import flatten_batch
+from .agreement import check_agreement, exchange
 from .batch import signature, why_recompile
 from .batch_digest import batch_digests, value_slots, values_error
 from .build import Options
@@ -178,7 +178,8 @@ class StepDriver(DriverIntrospection):
                 else:  # the agreed program, or one whose fold meets the agreed one's: its fold checks the ids
                     check = self._guard.start(changed=target is None, fold=fold, draws=current.draws, sizes=slots,
                                               program=target.slot if target is not None else 0, ids=self.options.cache_size,
-                                              values=value_slots(self.mesh, current.step, leaves) if fold is None and self._checks_values() else None,
+                                              values=value_slots(self.mesh, current.step, leaves, target is None)
+                                              if fold is None and self._checks_values() else None,
                                               leaves=leaves)
                 if target is not None:
                     if sized:  # needs every rank's sizes before it starts; a broken size guard: Resync
