@@ -43,7 +43,9 @@ class Options:
         passes: PassSpecs to run (None: :func:`spmd_compiler.optimize.default_passes`).
         passes_disabled: names of passes to skip.
         bucket_mb, first_bucket_mb: gradient bucket sizes for the default passes.
-        check_ranks: exchange program fingerprints between ranks at every compile.
+        check_ranks: exchange program fingerprints between ranks at every compile, and
+            compare every step the batch values that ranks must share (a batch
+            Replicate on a mesh axis, :mod:`.batch_digest`).
         dump_dir: write a dump folder per compile (``$SPMD_COMPILER_DUMP`` too).
         cache_size: compiled programs kept (least recently used evicted, logged at INFO).
         timeout: seconds a collective may wait for the other ranks before every rank

@@ -54,6 +54,12 @@ no chain of folds fits), and for programs that draw random numbers: their standa
 exchange also carries a fingerprint of every rank's generators (:mod:`.rng`,
 docs/randomness.md), which a float payload could not carry exactly.
 
+The fold of an axis on which a batch tensor is Replicate (tp) also carries a digest of
+those tensors after the program id (:attr:`FoldPoint.digest`, one more element or pair,
+computed each step by a ``digest_elements`` node on the batch placeholders): ranks
+that must pass the same rows but did not resync, and every rank raises the ValueError
+(:mod:`.batch_digest`; the driver attaches it, :func:`.batch_digest.with_digest`).
+
 This module finds the fold (:func:`find_fold`) and rewrites the program for it
 (:func:`fold_guard_pass`); what runs at step time, :class:`FoldPoint`,
 :class:`FoldChain` and :func:`resync_if_flagged`, lives in :mod:`.fold_check` (and is
@@ -70,8 +76,9 @@ from collections.abc import Sequence
 import torch
 import torch.fx as fx
 
-from ..optimize.graph_utils import WAIT, new_node
+from ..optimize.graph_utils import WAIT, fake_call, new_node
 from ..expand.rules.random import is_random
+from .batch_digest import digest_elements
 from .fold_check import _OPS, FoldChain, FoldPoint, resync_if_flagged
 from .guard import _is_effect, first_effect
 
@@ -222,6 +229,11 @@ def _fold_into(g: fx.Graph, point: FoldPoint, rest: tuple[FoldPoint, ...], progr
     with g.inserting_before(coll):
         flat = new_node(g, aten.reshape.default, (payload, [-1]))
         ids = [new_node(g, aten.full.default, ([1], v), {"dtype": point.dtype, "device": torch.device("cpu")}) for v in point.encode(program)]
+        if point.digest:  # this rank's batch digest (.batch_digest), computed on the placeholders each step
+            tensors = [by_name[name] for _, name in point.digest]
+            node = g.call_function(digest_elements, (tensors, point.kind, point.op, point.bits, point.dtype))
+            node.meta["val"] = fake_call(aten.new_empty.default, (flat, [point.id_extra]), {"dtype": point.dtype})
+            ids.append(node)
         packed = new_node(g, aten.cat.default, ([flat, *ids],))
         folded = new_node(g, coll.target, (packed, *coll.args[1:]))
     folded.meta.update({k: v for k, v in coll.meta.items() if k not in ("val", "tensor_meta")})
@@ -235,7 +247,8 @@ def _fold_into(g: fx.Graph, point: FoldPoint, rest: tuple[FoldPoint, ...], progr
     with g.inserting_before(anchor):
         done = new_node(g, WAIT, (folded,))
         extra = (tuple(dataclasses.astuple(p) for p in rest), pending) if rest or pending else ()
-        g.call_function(resync_if_flagged, (done, width, point.expected(program), *extra))
+        digest = {"digest": point.digest_check()} if point.digest else {}
+        g.call_function(resync_if_flagged, (done, width, point.expected(program), *extra), digest)
         if point.kind == "all_reduce":
             part = new_node(g, aten.slice.Tensor, (done, 0, 0, point.numel))
             value = new_node(g, aten.view.default, (part, list(point.out_shape)))

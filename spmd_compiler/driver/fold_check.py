@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .batch_digest import digest_agrees, digest_elements
 from .guard import GuardError, Resync
 
 __all__ = ["FoldChain", "FoldPoint", "resync_if_flagged"]
@@ -36,6 +37,10 @@ class FoldPoint:
         shape, dtype: the payload's (this rank's part); ``out_shape``: the result's.
         ids: the largest program id the extra elements carry exactly (the driver's
             ``cache_size``: ids are slots in its program cache, :meth:`encode`).
+        digest: the batch tensors Replicate on this collective's axis, whose values
+            every rank of it must share: ``(batch leaf index, placeholder name)`` each
+            (empty: no value check); ``bits``: the digest's bits
+            (:mod:`.batch_digest`), carried after the ids.
     """
 
     collective: str
@@ -48,6 +53,8 @@ class FoldPoint:
     out_shape: tuple[int, ...]
     dtype: torch.dtype
     ids: int = 1
+    digest: tuple[tuple[int, str], ...] = ()
+    bits: int = 0
 
     def __post_init__(self) -> None:
         if not (self.op in _OPS if self.kind == "all_reduce" else (self.kind == "all_gather" and self.op == "")):
@@ -63,14 +70,31 @@ class FoldPoint:
 
     @property
     def extra(self) -> int:
-        """Elements added to each rank's part: two for an all_reduce, one for a gather."""
+        """Elements added to each rank's part: two for an all_reduce, one for a gather
+        (the program id), as many again for the batch digest (if any)."""
+        return self.id_extra + (self.id_extra if self.digest else 0)
+
+    @property
+    def id_extra(self) -> int:
         return 2 if self.kind == "all_reduce" else 1
 
     @property
     def spec(self) -> tuple:
         """What ranks running different programs must share to meet in this collective
-        (node names aside): kind, op, group, ranks, payload shape and dtype, id range."""
-        return (self.kind, self.op, self.group, self.world_size, self.shape, self.dtype, self.ids)
+        (node names aside): kind, op, group, ranks, payload shape and dtype, id range,
+        and which batch tensors the digest covers, in how many bits."""
+        return (self.kind, self.op, self.group, self.world_size, self.shape, self.dtype, self.ids,
+                tuple(i for i, _ in self.digest), self.bits)
+
+    def digest_check(self) -> tuple | None:
+        """What :func:`resync_if_flagged` needs to read the digest elements (None: none)."""
+        return (self.kind, self.op, self.world_size, self.bits) if self.digest else None
+
+    def digest_agrees(self, rows: list) -> bool:
+        """Whether the digest elements of the result (the rows' last elements) agree."""
+        if not self.digest:
+            return True
+        return digest_agrees([r[self.id_extra:] for r in rows], self.kind, self.op, self.world_size, self.bits)
 
     def encode(self, program: int) -> list[int]:
         """The extra elements a rank running the program with id ``program`` sends (0:
@@ -100,29 +124,37 @@ class FoldPoint:
             return c10d.all_reduce.default(buf, self.op, self.group)
         return c10d.all_gather_into_tensor.default(buf, self.world_size, self.group)
 
-    def raise_flag(self, program: int = 0) -> list:
+    def raise_flag(self, program: int = 0, leaves: list | None = None) -> list:
         """Take part in this folded collective with zeros and the id ``program`` (0: no
         program, only a mismatch for the others; same kind, size, dtype, op and group as
         the program's), wait for it, and return the extra elements every rank sent, as
-        :meth:`expected` reads them."""
+        :meth:`expected` reads them, followed by the digest's (:meth:`digest_agrees`).
+        ``leaves``: this rank's batch leaves, whose digest it sends (None: a digest of
+        nothing, which reads as a difference only where the others sent another)."""
         buf = torch.zeros(self.numel + self.extra, dtype=self.dtype)
-        buf[self.numel:] = torch.tensor(self.encode(program), dtype=self.dtype)
+        buf[self.numel:self.numel + self.id_extra] = torch.tensor(self.encode(program), dtype=self.dtype)
+        if self.digest:
+            ok = program > 0 and leaves is not None and all(i < len(leaves) and isinstance(leaves[i], torch.Tensor) for i, _ in self.digest)
+            tensors = [leaves[i] for i, _ in self.digest] if ok else []  # id 0 reads as a mismatch anyway
+            buf[self.numel + self.id_extra:] = digest_elements(tensors, self.kind, self.op, self.bits, self.dtype)
         try:
             out = c10d.wait_tensor.default(self.start(buf))
         except RuntimeError as e:
             raise GuardError(str(e), where=self.where()) from e
         return out.view(-1, self.numel + self.extra)[:, self.numel:].tolist()
 
-    def join(self, rest: tuple[FoldPoint, ...] = (), program: int = 0) -> None:
+    def join(self, rest: tuple[FoldPoint, ...] = (), program: int = 0, leaves: list | None = None) -> None:
         """This rank does not run the agreed program: take part in its folded collective
         (and in the ``rest`` of a :class:`FoldChain`) with zeros and the id of the cached
         ``program`` it means to run (0: none). Returns only if every rank joined for the
-        same ``program`` (all of them then run it, agreed); otherwise raises Resync (after
-        sending 0 in the chain's later collectives once it read a mismatch, as the
-        programs' checks do)."""
+        same ``program`` (all of them then run it, agreed) and the same batch digest
+        (``leaves``: this rank's batch leaves); otherwise raises Resync (after sending 0
+        in the chain's later collectives once it read a mismatch, as the programs'
+        checks do)."""
         agreed = program > 0
         for p in (self, *rest):
-            agreed = p.raise_flag(program if agreed else 0) == p.expected(program) and agreed
+            got = p.raise_flag(program if agreed else 0, leaves)
+            agreed = [r[:p.id_extra] for r in got] == p.expected(program) and p.digest_agrees(got) and agreed
         if not agreed:
             raise Resync()
 
@@ -132,7 +164,8 @@ class FoldPoint:
                 f"which carries the per-step check that every rank runs the same program")
 
 
-def resync_if_flagged(packed: torch.Tensor, width: int, expected: list, rest: tuple[tuple, ...] = (), pending: tuple = ()) -> None:
+def resync_if_flagged(packed: torch.Tensor, width: int, expected: list, rest: tuple[tuple, ...] = (), pending: tuple = (),
+                      digest: tuple | None = None) -> None:
     """The folded check: ``packed`` is the collective's result, rows of ``width``
     elements whose last ones carry the program ids every rank sent (one row for an
     all_reduce, one per rank for a gather); unless they read ``expected`` (every rank
@@ -144,14 +177,25 @@ def resync_if_flagged(packed: torch.Tensor, width: int, expected: list, rest: tu
     a :class:`FoldPoint` as a tuple of its fields, so the graph holds only literals), so
     that the ranks of the other axes' groups learn it too; ``pending``: the collectives
     the program issued before this check and waits after it, waited before Resync (their
-    whole group issued them, so they complete)."""
-    tail = len(expected[0])
-    if packed.view(-1, width)[:, width - tail:].tolist() != expected:
+    whole group issued them, so they complete).
+
+    ``digest`` (:meth:`FoldPoint.digest_check`): the ids are followed by each rank's
+    batch digest elements (:mod:`.batch_digest`); ranks that sent different digests
+    resync the same way (every rank reads the same result), and the exchange that
+    follows raises the ValueError naming the tensor."""
+    ids = len(expected[0])
+    tail = ids * 2 if digest else ids
+    rows = packed.view(-1, width)[:, width - tail:].tolist()
+    same = agreed = [r[:ids] for r in rows] == expected
+    if agreed and digest is not None:
+        kind, op, n, bits = digest
+        same = digest_agrees([r[ids:] for r in rows], kind, op, n, bits)
+    if not same:
         for t in pending:
             c10d.wait_tensor.default(t)
         for fields in rest:
             FoldPoint(*fields).raise_flag()
-        raise Resync()
+        raise Resync() if not agreed else Resync("ranks of a mesh axis passed different values for a Replicate batch tensor")
 
 
 @dataclass(frozen=True)
@@ -171,9 +215,9 @@ class FoldChain:
 
     points: tuple[FoldPoint, ...]
 
-    def join(self, program: int = 0) -> None:
+    def join(self, program: int = 0, leaves: list | None = None) -> None:
         """:meth:`FoldPoint.join` over every folded collective, in order."""
-        self.points[0].join(rest=self.points[1:], program=program)
+        self.points[0].join(rest=self.points[1:], program=program, leaves=leaves)
 
     @property
     def spec(self) -> tuple:

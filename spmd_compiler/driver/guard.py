@@ -18,7 +18,9 @@ cached program). A rank whose signature changed raises the flag and goes straigh
 On gloo, a program whose first collective is a suitable ``all_reduce`` carries the flag
 in that collective instead, with no extra round trip (:mod:`.fold`); on a mesh of several
 axes the first collective of each axis group does; :meth:`StepGuard.start` is then given
-its :class:`~.fold.FoldPoint` or :class:`~.fold.FoldChain`.
+its :class:`~.fold.FoldPoint` or :class:`~.fold.FoldChain`. Either check also compares
+a digest of the batch tensors that ranks of a mesh axis must share (Replicate on it:
+:mod:`.batch_digest`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from ..expand.rules.random import is_random
+from .batch_digest import slots_agree
 from .rng import RngSync
 
 __all__ = ["Resync", "GuardError", "StepGuard", "first_effect"]
@@ -71,11 +74,13 @@ class _Pending:
     """The check of one step: wait for the exchange, then resync or go on (drawing from
     rank 0's generator if the ranks' generators differ); :meth:`finish` after the step."""
 
-    def __init__(self, flag: torch.Tensor, work: Any, rng: RngSync | None = None, sizes: int = 0, ids: list[int] | None = None) -> None:
+    def __init__(self, flag: torch.Tensor, work: Any, rng: RngSync | None = None, sizes: int = 0, ids: list[int] | None = None,
+                 values: int = 0) -> None:
         self.flag, self.work, self.rng = flag, work, rng
         self.ids = ids  # the program id elements this rank sent: every rank must have sent the same
         self.own: Any = None
         self.n_sizes = sizes
+        self.n_values = values  # the batch digest slots (.batch_digest), after the generators' fingerprint
         self.sizes: list[int] | None = None  # every rank's size slots, after the wait (:mod:`.sizes`)
 
     def __call__(self) -> None:
@@ -88,6 +93,10 @@ class _Pending:
         values = self.flag.tolist()
         if values[0] or values[1:3] != self.ids:  # a rank changed, or runs another program
             raise Resync()
+        if self.n_values:
+            at = 5 if self.rng is not None else 3
+            if not slots_agree(values[at:at + self.n_values]):
+                raise Resync("ranks of a mesh axis passed different values for a Replicate batch tensor")
         if self.n_sizes:
             self.sizes = values[len(values) - self.n_sizes :]
         if self.rng is not None and not self.rng.agree(values[3:5]):
@@ -151,7 +160,7 @@ class StepGuard:
         return self.group is not None and self._gloo
 
     def start(self, changed: bool, fold: Any = None, draws: bool = False, sizes: list[int] | None = None, program: int = 0,
-              ids: int = 1) -> Any:
+              ids: int = 1, values: list[int] | None = None, leaves: list | None = None) -> Any:
         """Start the flag exchange; returns the check to call before the first effect
         (and whose ``finish()`` to call after the step).
 
@@ -168,10 +177,13 @@ class StepGuard:
         ``program``, the id (1 to ``ids``) of the cached program this rank runs, as
         ``(id, ids - id)`` under the MAX: the check passes only if every rank sent the
         same id (a rank may run another cached program than the agreed one, its own
-        check then tells whether every rank did)."""
+        check then tells whether every rank did). ``values``: this rank's batch digest
+        slots (:func:`.batch_digest.standalone_slots`): the check raises Resync unless the
+        ranks of each axis group sent the same digest; ``leaves``: this rank's batch
+        leaves, whose digest a changed rank sends in the folded collectives it joins."""
         if fold is not None and self.group is not None:
             if changed:
-                fold.join(program=program)
+                fold.join(program=program, leaves=leaves)
             return _no_check
         if self.group is None:
             if changed:
@@ -179,9 +191,10 @@ class StepGuard:
             return _no_check
         rng = self.rng if draws else None
         mine = [0, ids] if changed else [program, ids - program]
-        flag = torch.tensor([1 if changed else 0, *mine] + (rng.fingerprint() if rng else []) + list(sizes or []), dtype=torch.int64)
+        flag = torch.tensor([1 if changed else 0, *mine] + (rng.fingerprint() if rng else []) + list(values or []) + list(sizes or []),
+                            dtype=torch.int64)
         work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-        return _Pending(flag, work, rng, len(sizes or []), mine)
+        return _Pending(flag, work, rng, len(sizes or []), mine, len(values or []))
 
     def agreed(self, draws: bool) -> Any:
         """The check of a step whose program every rank has just agreed on (no flag to

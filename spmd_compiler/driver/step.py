@@ -32,8 +32,10 @@ from ..errors import SpmdError
 from ..expand import ExpansionCache
 from ..plan import Plan
 from ..trace.state import StateCache, unwrap_compiled
+from ..trace.tracer import flatten_batch
 from .agreement import check_agreement, exchange
 from .batch import signature, why_recompile
+from .batch_digest import batch_digests, value_slots, values_error
 from .build import Options
 from .distribute import distribute_state, is_distributed
 from .failure import collective_failure
@@ -113,6 +115,7 @@ class StepDriver(DriverIntrospection):
     check_ranks = property(lambda self: self.options.check_ranks)
     dump_dir = property(lambda self: self.options.dump_dir)
     passes_disabled = property(lambda self: self.options.passes_disabled)
+    checks_batch_values = True  # a pipeline's stages read different parts of the batch: it says no
 
     @property
     def mesh(self) -> DeviceMesh:
@@ -168,12 +171,16 @@ class StepDriver(DriverIntrospection):
             meets = target is current or fold is None or (target is not None and getattr(self._fold_point(target.step), "spec", None) == fold.spec)
             try:
                 slots = self._sizes.slots(current.sizes, batch, kwargs, target is current) if sized else None
+                leaves = flatten_batch(batch, kwargs)[0]
                 if target is not None and not meets:  # its fold is another collective: join the agreed one's, naming it
-                    self._guard.start(changed=True, fold=fold, program=target.slot)  # Resync unless every rank named it
+                    self._guard.start(changed=True, fold=fold, program=target.slot, leaves=leaves)  # Resync unless every rank named it
                     check = self._guard.agreed(target.draws)
                 else:  # the agreed program, or one whose fold meets the agreed one's: its fold checks the ids
                     check = self._guard.start(changed=target is None, fold=fold, draws=current.draws, sizes=slots,
-                                              program=target.slot if target is not None else 0, ids=self.options.cache_size)
+                                              program=target.slot if target is not None else 0, ids=self.options.cache_size,
+                                              values=value_slots(self.mesh, current.step, leaves, target is None)
+                                              if fold is None and self._checks_values() else None,
+                                              leaves=leaves)
                 if target is not None:
                     if sized:  # needs every rank's sizes before it starts; a broken size guard: Resync
                         self._feed, check = self._sizes.wait(current.sizes, check, batch, kwargs)
@@ -196,14 +203,15 @@ class StepDriver(DriverIntrospection):
                 where = e.where or "the per-step check that every rank runs the same program (before the step's first collective)"
                 raise collective_failure(e, where=where, step_name=name, call=self.calls, timeout=self.options.timeout) from e
         try:
-            everyone = tuple(exchange((self._payload(key, free, batch, kwargs), None if bad_ids is None else str(bad_ids))))
+            everyone = tuple(exchange((self._payload(key, free, batch, kwargs), None if bad_ids is None else str(bad_ids),
+                                       batch_digests(self.mesh, self.plan, batch, kwargs) if self._checks_values() else None)))
         except RuntimeError as e:
             raise collective_failure(e, where="the exchange of call signatures that picks the program", step_name=name,
                                      call=self.calls, timeout=self.options.timeout) from e
-        error = bad_ids or ranks_ids_error([text for _, text in everyone])
+        error = bad_ids or ranks_ids_error([text for _, text, _ in everyone]) or values_error([d for _, _, d in everyone], self.mesh)
         if error is not None:
             raise error
-        everyone = tuple(payload for payload, _ in everyone)
+        everyone = tuple(payload for payload, _, _ in everyone)
         program = self._agree_program(model, optimizer, batch, kwargs, key, everyone, free)
         self._current = program
         self._last_key, self.last = key, program.step
@@ -223,6 +231,11 @@ class StepDriver(DriverIntrospection):
         except Exception:  # the check must never stop one rank alone (the others would wait for it)
             log.warning("the token-id check failed on this batch; the step runs unchecked", exc_info=True)
             return None
+
+    def _checks_values(self) -> bool:
+        """Whether the step check compares the batch values that ranks must share
+        (:mod:`.batch_digest`): with ``check_ranks``, on a process group of several ranks."""
+        return self.checks_batch_values and self.options.check_ranks and self._guard is not None and self._guard.group is not None
 
     def _setup_groups(self) -> None:
         """The step guard's group, and the collective timeout on the mesh's groups."""

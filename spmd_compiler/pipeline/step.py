@@ -52,6 +52,8 @@ class PipelinedStep(StageOwnership, StepDriver):
     """A compiled step whose program runs as a pipeline over ``pipeline.axis`` (built on
     the same driver as :class:`~spmd_compiler.CompiledStep`: signature cache, agreement)."""
 
+    checks_batch_values = False  # its stages read different parts of the batch (driver/batch_digest.py)
+
     def __init__(self, fn: Any, *, mesh: Any, plan: Any = None, pipeline: Pipeline, piece_runner: Any = None,
                  **options: Any) -> None:
         options.setdefault("passes", [])

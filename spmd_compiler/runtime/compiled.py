@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from .. import _private_torch as pt
 from ..driver import StepDriver, build_program, exchange, global_batch, is_host_scalar, program_inputs, store_outputs
 from ..driver.failure import collective_failure, failed_node, is_collective_node
+from ..driver.batch_digest import with_digest
 from ..driver.fold import FoldChain, FoldPoint, find_fold, fold_guard_pass
 from ..driver.guard import GuardError, Resync, first_effect
 from ..driver.token_ids import explain_index_error
@@ -131,8 +132,9 @@ class CompiledStep(StepDriver):
             return None
         if not hasattr(step, "fold_point"):
             mctx = step.mctx  # a 2-D mesh: one fold per axis group (a FoldChain)
-            step.fold_point = find_fold(step.gm, world_size=dist.get_world_size(), axes=tuple(zip(mctx.group_names, mctx.shape)),
-                                        ids=self.options.cache_size)
+            point = find_fold(step.gm, world_size=dist.get_world_size(), axes=tuple(zip(mctx.group_names, mctx.shape)),
+                              ids=self.options.cache_size)
+            step.fold_point = with_digest(point, step) if self._checks_values() else point  # driver/batch_digest.py
         return step.fold_point
 
 
@@ -152,7 +154,8 @@ def compile(fn: Callable[..., Any] | None = None, *, mesh: Any, plan: Plan | Non
         plan: placements (default: data parallel).
         options: those of :class:`spmd_compiler.driver.Options`: ``fallback`` ("replicate" |
             "error"), ``symbolic`` ("batch" | "all" | "none"), ``check_ranks`` (exchange
-            program fingerprints at compile, default True), ``dump_dir`` (write a dump
+            program fingerprints at compile, and check every step that the ranks of a
+            mesh axis on which the batch is Replicate pass the same values; default True), ``dump_dir`` (write a dump
             folder per compile; ``$SPMD_COMPILER_DUMP`` too), ``passes`` (a list of
             PassSpec; default :func:`spmd_compiler.optimize.default_passes`),
             ``passes_disabled`` (pass names to skip), ``bucket_mb`` (gradient bucket size,

@@ -61,6 +61,7 @@ import torch
 import torch.fx as fx
 
 from .. import _private_torch as pt
+from ..driver.batch_digest import digest_elements
 from ..driver.fold import resync_if_flagged
 from ..driver.guard import first_effect
 from ..optimize.graph_utils import is_collective, is_wait
@@ -264,8 +265,9 @@ class InductorRunner:
 
 
 def _is_host(n: fx.Node) -> bool:
-    """A node that runs in Python between compiled segments (the folded check)."""
-    return n.target is resync_if_flagged
+    """A node that runs in Python between compiled segments (the folded check, and the
+    batch digest it carries: driver/batch_digest.py)."""
+    return n.target is resync_if_flagged or n.target is digest_elements
 
 
 _PIECE_KINDS = {"F": "forward", "B": "backward", "O": "optimizer"}
