@@ -217,6 +217,19 @@ def fold_guard_pass(gm: fx.GraphModule, *, point: FoldPoint | FoldChain, program
     return new
 
 
+def _digest_node(g: fx.Graph, point: FoldPoint, by_name: dict[str, fx.Node]) -> fx.Node:
+    """The node computing this rank's batch digest elements for ``point`` (.batch_digest),
+    placed right after the placeholders it reads: it runs in Python, and there it runs
+    before the program starts (under inductor a host node first, not a cut in the middle
+    of the first compiled segment)."""
+    tensors = [by_name[name] for _, name in point.digest]
+    last = [n for n in g.nodes if n.op == "placeholder"][-1]
+    with g.inserting_after(last):
+        node = g.call_function(digest_elements, (tensors, point.kind, point.op, point.bits, point.dtype))
+    node.meta["val"] = fake_call(aten.new_empty.default, (by_name[point.collective].args[0], [point.id_extra]), {"dtype": point.dtype})
+    return node
+
+
 def _fold_into(g: fx.Graph, point: FoldPoint, rest: tuple[FoldPoint, ...], program: int) -> None:
     nodes = list(g.nodes)
     by_name = {n.name: n for n in nodes}
@@ -230,10 +243,7 @@ def _fold_into(g: fx.Graph, point: FoldPoint, rest: tuple[FoldPoint, ...], progr
         flat = new_node(g, aten.reshape.default, (payload, [-1]))
         ids = [new_node(g, aten.full.default, ([1], v), {"dtype": point.dtype, "device": torch.device("cpu")}) for v in point.encode(program)]
         if point.digest:  # this rank's batch digest (.batch_digest), computed on the placeholders each step
-            tensors = [by_name[name] for _, name in point.digest]
-            node = g.call_function(digest_elements, (tensors, point.kind, point.op, point.bits, point.dtype))
-            node.meta["val"] = fake_call(aten.new_empty.default, (flat, [point.id_extra]), {"dtype": point.dtype})
-            ids.append(node)
+            ids.append(_digest_node(g, point, by_name))
         packed = new_node(g, aten.cat.default, ([flat, *ids],))
         folded = new_node(g, coll.target, (packed, *coll.args[1:]))
     folded.meta.update({k: v for k, v in coll.meta.items() if k not in ("val", "tensor_meta")})
