@@ -24,7 +24,9 @@ things follow, each handled here:
 
 from __future__ import annotations
 
+import contextlib
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,9 +34,9 @@ import torch
 import torch.fx as fx
 
 from .. import _private_torch as pt
-from ..errors import DataDependentError, HostValueError, user_frame_of, user_source_line
+from ..errors import DataDependentError, HostSettingError, HostValueError, user_frame_here, user_frame_of, user_source_line
 
-__all__ = ["HparamValue", "HostSnapshot", "as_data_dependent_error", "check_data_dependent_shapes", "resolve_constant", "user_outputs", "with_batch_sizes_named"]
+__all__ = ["HparamValue", "HostSnapshot", "refuse_scheduler_steps", "as_data_dependent_error", "check_data_dependent_shapes", "resolve_constant", "user_outputs", "with_batch_sizes_named"]
 
 SYM_TYPES = (torch.SymInt, torch.SymFloat, torch.SymBool)
 
@@ -61,13 +63,30 @@ _SCALER_FIX = (
 )
 
 
-def _in_grad_scaler(exc: BaseException) -> bool:
+_NONFINITE_FIX = (
+    "clip_grad_norm_(..., error_if_nonfinite=True) raises with a Python `if` on the total norm, "
+    "which a compiled step cannot trace. Leave error_if_nonfinite out (the default, False) and "
+    "check the norm clip_grad_norm_ returns outside the step: return it from the step "
+    "(`return {'loss': loss, 'grad_norm': norm}`) and raise when "
+    "`not torch.isfinite(out['grad_norm'])` after the call."
+)
+
+
+def _raised_in(exc: BaseException, path_suffix: str) -> bool:
     tb = exc.__traceback__
     while tb is not None:
-        if tb.tb_frame.f_code.co_filename.replace("\\", "/").endswith("amp/grad_scaler.py"):
+        if tb.tb_frame.f_code.co_filename.replace("\\", "/").endswith(path_suffix):
             return True
         tb = tb.tb_next
     return False
+
+
+def _branch_fix(exc: BaseException) -> str:
+    if _raised_in(exc, "amp/grad_scaler.py"):
+        return _SCALER_FIX
+    if _raised_in(exc, "nn/utils/clip_grad.py"):
+        return _NONFINITE_FIX
+    return _BRANCH_FIX
 
 
 def as_data_dependent_error(exc: BaseException) -> DataDependentError:
@@ -89,7 +108,7 @@ def as_data_dependent_error(exc: BaseException) -> DataDependentError:
         f"Python control flow on a tensor's value: `if` / bool() / a comparison needs `{expr}`, "
         f"a number read from a tensor ({_READ}), to decide what the step does"
     )
-    return DataDependentError(what, source, _SCALER_FIX if _in_grad_scaler(exc) else _BRANCH_FIX)
+    return DataDependentError(what, source, _branch_fix(exc))
 
 
 def check_data_dependent_shapes(gm: fx.GraphModule) -> None:
@@ -325,3 +344,36 @@ def with_batch_sizes_named(exc: BaseException, inputs: list[Any], fakes: list[An
         + f"; sizes are symbols there: {', '.join(names)}). It raises on one device with this batch too. "
         "fix: correct the step or the batch (a single-device call of the step shows the concrete sizes)"
     )
+
+
+def _scheduler_classes() -> list[type]:
+    """LRScheduler and every subclass (torch's and the user's) that defines its own step()."""
+    base = torch.optim.lr_scheduler.LRScheduler
+    out, todo = [], [base]
+    while todo:
+        cls = todo.pop()
+        if "step" in vars(cls):
+            out.append(cls)
+        todo.extend(cls.__subclasses__())
+    return out
+
+
+@contextlib.contextmanager
+def refuse_scheduler_steps() -> Iterator[None]:
+    """While the step is traced, an LR scheduler's ``step()`` raises
+    :class:`~spmd_compiler.errors.HostSettingError` naming the user's line: it is Python
+    that would run once, at the trace, and never again (trace/state.py's
+    ``swapped_state`` catches any other change of a param group setting)."""
+    patched = [(cls, vars(cls)["step"]) for cls in _scheduler_classes()]
+
+    def step(self: Any, *args: Any, **kwargs: Any) -> None:
+        raise HostSettingError(["the optimizer's learning rate (param_groups[*]['lr'])"], user_frame_here(),
+                               f"{type(self).__name__}.step() inside the step")
+
+    for cls, _ in patched:
+        cls.step = step  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        for cls, original in patched:
+            cls.step = original  # type: ignore[method-assign]
