@@ -222,21 +222,27 @@ class HostValueError(SpmdError):
 
 
 class HostSettingError(SpmdError):
-    """The step changed an optimizer setting (``param_groups[g]["lr"]``...) in Python while
-    it ran: an LR scheduler's ``step()`` or an assignment inside the step. A compiled step
+    """The step changed an optimizer setting (``param_groups[g]["lr"]``...) or a plain
+    Python attribute of the model (a counter, a flag) while it ran: an LR scheduler's
+    ``step()`` or an assignment inside the step. A compiled step
     runs the step's Python code once, when it is traced, so the change would happen once
     and never again (later calls would train with other settings than one device).
-    Attributes: ``settings`` (``"optimizer.param_groups[0]['lr']"``...), ``source``."""
+    Attributes: ``settings`` (``"optimizer.param_groups[0]['lr']"``, ``"model.micro_steps"``...), ``source``."""
 
-    def __init__(self, settings: list[str], source: str | None, what: str) -> None:
+    def __init__(self, settings: list[str], source: str | None, what: str, fix: str | None = None) -> None:
         self.settings, self.source = settings, source
         where = f"\n  user code:  {source}" if source else ""
         super().__init__(
             f"the training step changed {', '.join(settings)} while it ran ({what}); expected optimizer "
-            "settings to change only between calls of the compiled step, got a change inside it (the "
+            "settings and the model's Python attributes to change only between calls of the compiled step, got a change inside it (the "
             "compiled step runs the step's Python code only once, when it is traced, so the change would "
             f"never happen again and later calls would train differently than on one device){where}"
-            "\n  fix: step the LR scheduler (or set param_group['lr'] / ['momentum'] / ['betas']) outside the "
-            "compiled step, after each call: `loss = train_step(model, opt, *batch); scheduler.step()`. "
-            "The compiled step reads these settings from the optimizer at every call without recompiling."
+            f"\n  fix: {fix or _SETTING_FIX}"
         )
+
+
+_SETTING_FIX = (
+    "step the LR scheduler (or set param_group['lr'] / ['momentum'] / ['betas']) outside the "
+    "compiled step, after each call: `loss = train_step(model, opt, *batch); scheduler.step()`. "
+    "The compiled step reads these settings from the optimizer at every call without recompiling."
+)

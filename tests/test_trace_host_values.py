@@ -392,3 +392,30 @@ def test_clip_grad_norm_error_if_nonfinite_is_one_clear_error_with_its_own_fix(d
     msg = str(info.value)
     assert _line(nonfinite_clip_step, "error_if_nonfinite=True") in msg
     assert "Leave error_if_nonfinite out" in msg and "torch.isfinite(out['grad_norm'])" in msg
+
+
+def counted_accumulation_step(model, optimizer, x, y):
+    model.micro_steps = getattr(model, "micro_steps", 0) + 1  # a trainer's counter, kept on the model
+    loss = F.mse_loss(model(x), y) / 4
+    loss.backward()
+    if model.micro_steps % 4 == 0:  # traced once: every later call would replay this call's branch
+        optimizer.step()
+        optimizer.zero_grad()
+    return loss
+
+
+def test_counter_on_the_model_changed_inside_the_step_is_refused_and_restored(dp2):
+    """Unrefused, the counter was incremented at the traces only, and a call whose
+    signature matched an earlier one replayed that call's branch: with 4 micro-steps the
+    fourth reused the third's program and the optimizer never stepped."""
+    model = MLP().double()
+    model.micro_steps = 0
+    with pytest.raises(sc.HostSettingError) as info:
+        SimulatedTraining(counted_accumulation_step, model, _sgd(model.parameters()), dp2).step(*_batches(1)[0])
+    assert info.value.settings == ["model.micro_steps"]
+    assert "do_step=" in str(info.value).split("fix:")[1]
+    assert model.micro_steps == 0
+    fresh = MLP().double()  # an attribute the step creates is removed again
+    with pytest.raises(sc.HostSettingError):
+        SimulatedTraining(counted_accumulation_step, fresh, _sgd(fresh.parameters()), dp2).step(*_batches(1)[0])
+    assert not hasattr(fresh, "micro_steps")

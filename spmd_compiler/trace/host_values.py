@@ -24,9 +24,7 @@ things follow, each handled here:
 
 from __future__ import annotations
 
-import contextlib
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,9 +32,9 @@ import torch
 import torch.fx as fx
 
 from .. import _private_torch as pt
-from ..errors import DataDependentError, HostSettingError, HostValueError, user_frame_here, user_frame_of, user_source_line
+from ..errors import DataDependentError, HostSettingError, HostValueError, user_frame_of, user_source_line
 
-__all__ = ["HparamValue", "HostSnapshot", "refuse_scheduler_steps", "as_data_dependent_error", "check_data_dependent_shapes", "resolve_constant", "user_outputs", "with_batch_sizes_named"]
+__all__ = ["HparamValue", "HostSnapshot", "as_data_dependent_error", "check_data_dependent_shapes", "resolve_constant", "user_outputs", "with_batch_sizes_named"]
 
 SYM_TYPES = (torch.SymInt, torch.SymFloat, torch.SymBool)
 
@@ -272,6 +270,28 @@ class HostSnapshot:
                     found.append((f"optimizer.state[<param>][{key!r}]", _symbols_of(entry.pop(key))))
         return found
 
+    def restore_plain_writes(self) -> list[str]:
+        """Put back every model attribute holding a plain Python value (bool, int, float,
+        str) that the step assigned a different value or created (``self.micro_steps += 1``)
+        and return their names: the step's Python runs once, at the trace, so such a
+        write would happen once and never again."""
+        found = []
+        for (label, d, skip), saved in zip(self._owners, self._saved):
+            if not label.startswith("model"):
+                continue
+            for key in [k for k in list(d) if k not in skip and _plain_scalar(d[k])]:
+                if key in saved:
+                    old = saved[key][0]
+                    if d[key] is old or (old is None or _plain_scalar(old)) and type(old) is type(d[key]) and old == d[key]:
+                        continue
+                    if not (old is None or _plain_scalar(old)):
+                        continue
+                    d[key] = old
+                else:
+                    del d[key]
+                found.append(f"{label}.{key}")
+        return found
+
     def stored_numbers(self) -> list[tuple[str, str, Any]]:
         """``(module, attribute, number)`` for each module attribute that now holds one
         number read from a tensor (``self.last_loss = loss.item()``): the compiled step
@@ -286,6 +306,9 @@ class HostSnapshot:
         ``stored`` ``(module, attribute)`` numbers, which the compiled step returns)."""
         done = {f"{label}.{key}" for label, key in stored}
         found = [(name, symbols) for name, symbols in self.restore_symbols() if name not in done]
+        written = self.restore_plain_writes()
+        if written and not found:
+            raise HostSettingError(written, None, "an assignment to a model attribute", _COUNTER_FIX)
         if not found:
             return
         sources = []
@@ -295,6 +318,18 @@ class HostSnapshot:
                 if line and line not in sources:
                     sources.append(line)
         raise HostValueError([name for name, _ in found], sources)
+
+
+_COUNTER_FIX = (
+    "keep counters and flags outside the compiled step, in the training loop, and pass what the "
+    "step needs as an argument: a Python bool or int argument selects a program of its own "
+    "(`train_step(model, opt, x, y, do_step=(i % 2 == 1))`), a tensor argument is data; "
+    "a number the step computes comes back if the step returns it."
+)
+
+
+def _plain_scalar(value: Any) -> bool:
+    return isinstance(value, (bool, int, float, str))
 
 
 def _copy(value: Any) -> Any:
@@ -345,35 +380,3 @@ def with_batch_sizes_named(exc: BaseException, inputs: list[Any], fakes: list[An
         "fix: correct the step or the batch (a single-device call of the step shows the concrete sizes)"
     )
 
-
-def _scheduler_classes() -> list[type]:
-    """LRScheduler and every subclass (torch's and the user's) that defines its own step()."""
-    base = torch.optim.lr_scheduler.LRScheduler
-    out, todo = [], [base]
-    while todo:
-        cls = todo.pop()
-        if "step" in vars(cls):
-            out.append(cls)
-        todo.extend(cls.__subclasses__())
-    return out
-
-
-@contextlib.contextmanager
-def refuse_scheduler_steps() -> Iterator[None]:
-    """While the step is traced, an LR scheduler's ``step()`` raises
-    :class:`~spmd_compiler.errors.HostSettingError` naming the user's line: it is Python
-    that would run once, at the trace, and never again (trace/state.py's
-    ``swapped_state`` catches any other change of a param group setting)."""
-    patched = [(cls, vars(cls)["step"]) for cls in _scheduler_classes()]
-
-    def step(self: Any, *args: Any, **kwargs: Any) -> None:
-        raise HostSettingError(["the optimizer's learning rate (param_groups[*]['lr'])"], user_frame_here(),
-                               f"{type(self).__name__}.step() inside the step")
-
-    for cls, _ in patched:
-        cls.step = step  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        for cls, original in patched:
-            cls.step = original  # type: ignore[method-assign]

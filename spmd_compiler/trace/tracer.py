@@ -23,9 +23,9 @@ from torch.utils import _pytree as pytree
 
 from .. import _private_torch as pt
 from .decompositions import decomposition_table
-from .host_values import HostSnapshot, as_data_dependent_error, refuse_scheduler_steps, check_data_dependent_shapes, user_outputs, with_batch_sizes_named
+from .host_values import HostSnapshot, as_data_dependent_error, check_data_dependent_shapes, user_outputs, with_batch_sizes_named
 from .grad_links import gradient_links
-from .markers import phase_markers, split_point_hooks, tag_phases
+from .markers import phase_markers, refuse_scheduler_steps, split_point_hooks, tag_phases
 from .rewrites import contiguous_copies_written, symbolic_size_rewrites, traceable_scalars
 from .rng import RngLedger, replay_recomputed_draws, rng_replay
 from .state import collect_state, hparam_tensor, swapped_state
