@@ -331,6 +331,16 @@ def lr_assigned_step(model, optimizer, x, y):
     return loss
 
 
+def decay_assigned_step(model, optimizer, x, y):
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    optimizer.step()
+    optimizer.param_groups[0]["weight_decay"] += 0.01  # a decay schedule by hand
+    optimizer.param_groups[0]["wd_seen"] = True
+    optimizer.zero_grad()
+    return loss
+
+
 @pytest.mark.parametrize("make", [
     lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda i: 1.0 / (1 + i)),
     lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.5, total_steps=10),
@@ -359,6 +369,10 @@ def test_param_group_setting_assigned_inside_the_step_is_refused(dp2):
         SimulatedTraining(lr_assigned_step, model, opt, dp2).step(*_batches(1)[0])
     assert info.value.settings == ["optimizer.param_groups[0]['lr']"]
     assert opt.param_groups[0]["lr"] == 0.1 and type(opt.param_groups[0]["lr"]) is float
+    with pytest.raises(sc.HostSettingError) as info:  # a setting compiled in, assigned after optimizer.step()
+        SimulatedTraining(decay_assigned_step, model, opt, dp2).step(*_batches(1)[0])
+    assert info.value.settings == ["optimizer.param_groups[0]['wd_seen']", "optimizer.param_groups[0]['weight_decay']"]
+    assert opt.param_groups[0]["weight_decay"] == 0 and "wd_seen" not in opt.param_groups[0]  # put back
 
 
 def test_scheduler_stepped_between_calls_matches_one_device_with_one_program(dp2):

@@ -318,6 +318,7 @@ def swapped_state(
             saved_hparams = {(g, k): optimizer.param_groups[g][k] for (g, k) in (hparams or {})}
             # every setting as the step should leave it: the step itself must not change them
             expected = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+            original = [dict(e) for e in expected]
             written: list[str] = []
 
             def install(opt: Any, args: Any, kwargs: Any) -> None:
@@ -351,6 +352,10 @@ def swapped_state(
                     optimizer.param_groups[g][k] = value
                 optimizer.state = saved_state
     if optimizer is not None and written:
+        for group, before in zip(optimizer.param_groups, original):  # put back what the step assigned
+            for k in set(group) - {"params"} - set(before):
+                del group[k]
+            group.update(before)
         raise HostSettingError(sorted(set(written)), None, "an LR scheduler's step() or an assignment to a param group")
 
 
