@@ -9,6 +9,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from .errors import (
     CollectiveError,
     DataDependentError,
+    HostSettingError,
     HostValueError,
     RankMismatchError,
     SpmdError,
@@ -51,4 +52,5 @@ __all__ = [
     "CollectiveError",
     "DataDependentError",
     "HostValueError",
+    "HostSettingError",
 ]

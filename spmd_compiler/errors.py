@@ -23,6 +23,7 @@ __all__ = [
     "RankMismatchError",
     "DataDependentError",
     "HostValueError",
+    "HostSettingError",
     "user_source_line",
     "user_frame_of",
     "describe_node",
@@ -45,6 +46,15 @@ def user_frame_of(exc: BaseException) -> str | None:
     """The innermost frame of ``exc``'s traceback that is user code (outside torch and
     spmd_compiler, our example models excepted), as ``"path.py:42 in step: if loss > 0:"``."""
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if _is_user_path(f.filename.replace("\\", "/"))]
+    if not frames:
+        return None
+    f = frames[-1]
+    return f"{f.filename}:{f.lineno} in {f.name}: {(f.line or '').strip()}"
+
+
+def user_frame_here() -> str | None:
+    """The innermost user-code frame of the current call stack, formatted as :func:`user_frame_of`."""
+    frames = [f for f in traceback.extract_stack() if _is_user_path(f.filename.replace("\\", "/"))]
     if not frames:
         return None
     f = frames[-1]
@@ -209,3 +219,30 @@ class HostValueError(SpmdError):
             "\n  fix: return the value from the step instead (e.g. return {'loss': loss, ...}); "
             "the compiled step returns it after each call, and you can store it outside the step."
         )
+
+
+class HostSettingError(SpmdError):
+    """The step changed an optimizer setting (``param_groups[g]["lr"]``...) or a plain
+    Python attribute of the model (a counter, a flag) while it ran: an LR scheduler's
+    ``step()`` or an assignment inside the step. A compiled step
+    runs the step's Python code once, when it is traced, so the change would happen once
+    and never again (later calls would train with other settings than one device).
+    Attributes: ``settings`` (``"optimizer.param_groups[0]['lr']"``, ``"model.micro_steps"``...), ``source``."""
+
+    def __init__(self, settings: list[str], source: str | None, what: str, fix: str | None = None) -> None:
+        self.settings, self.source = settings, source
+        where = f"\n  user code:  {source}" if source else ""
+        super().__init__(
+            f"the training step changed {', '.join(settings)} while it ran ({what}); expected optimizer "
+            "settings and the model's Python attributes to change only between calls of the compiled step, got a change inside it (the "
+            "compiled step runs the step's Python code only once, when it is traced, so the change would "
+            f"never happen again and later calls would train differently than on one device){where}"
+            f"\n  fix: {fix or _SETTING_FIX}"
+        )
+
+
+_SETTING_FIX = (
+    "step the LR scheduler (or set param_group['lr'] / ['momentum'] / ['betas']) outside the "
+    "compiled step, after each call: `loss = train_step(model, opt, *batch); scheduler.step()`. "
+    "The compiled step reads these settings from the optimizer at every call without recompiling."
+)

@@ -306,3 +306,130 @@ def test_numbers_through_compile(mesh4):
         assert type(out["loss"]) is float and out["rows"] == 8  # the global batch: 4 ranks x 2 rows
         assert model.last_loss == out["loss"]
     assert step.compiles == 1
+
+
+# ------------------------------------------------------------ settings changed inside the step
+SCHEDULERS: dict[int, object] = {}
+
+
+def scheduler_inside_step(model, optimizer, x, y):
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    optimizer.step()
+    SCHEDULERS[id(optimizer)].step()  # once, at the trace: the compiled step would never step it again
+    optimizer.zero_grad()
+    return loss
+
+
+def lr_assigned_step(model, optimizer, x, y):
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    for group in optimizer.param_groups:
+        group["lr"] = group["lr"] * 0.5  # a warmup by hand: read over by the lifted lr input
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def decay_assigned_step(model, optimizer, x, y):
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    optimizer.step()
+    optimizer.param_groups[0]["weight_decay"] += 0.01  # a decay schedule by hand
+    optimizer.param_groups[0]["wd_seen"] = True
+    optimizer.zero_grad()
+    return loss
+
+
+@pytest.mark.parametrize("make", [
+    lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda i: 1.0 / (1 + i)),
+    lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.5, total_steps=10),
+], ids=["LambdaLR", "OneCycleLR"])
+def test_scheduler_stepped_inside_the_step_is_refused_with_its_line(dp2, make):
+    """Stepped inside, a scheduler ran once (at the trace) and later calls trained with a
+    stale learning rate: losses differed from one device from the second step on."""
+    model = MLP().double()
+    opt = _sgd(model.parameters())
+    sched = SCHEDULERS[id(opt)] = make(opt)
+    lr, epoch = opt.param_groups[0]["lr"], sched.last_epoch
+    with pytest.raises(sc.HostSettingError) as info:
+        SimulatedTraining(scheduler_inside_step, model, opt, dp2).step(*_batches(1)[0])
+    msg = str(info.value)
+    assert _line(scheduler_inside_step, "SCHEDULERS[id(optimizer)].step()") in msg
+    assert type(sched).__name__ + ".step() inside the step" in msg and "scheduler.step()" in msg.split("fix:")[1]
+    assert opt.param_groups[0]["lr"] == lr and sched.last_epoch == epoch  # nothing stepped
+    sched.step()  # the scheduler's own step() is back after the trace
+    assert sched.last_epoch == epoch + 1
+
+
+def test_param_group_setting_assigned_inside_the_step_is_refused(dp2):
+    model = MLP().double()
+    opt = _sgd(model.parameters())
+    with pytest.raises(sc.HostSettingError) as info:
+        SimulatedTraining(lr_assigned_step, model, opt, dp2).step(*_batches(1)[0])
+    assert info.value.settings == ["optimizer.param_groups[0]['lr']"]
+    assert opt.param_groups[0]["lr"] == 0.1 and type(opt.param_groups[0]["lr"]) is float
+    with pytest.raises(sc.HostSettingError) as info:  # a setting compiled in, assigned after optimizer.step()
+        SimulatedTraining(decay_assigned_step, model, opt, dp2).step(*_batches(1)[0])
+    assert info.value.settings == ["optimizer.param_groups[0]['wd_seen']", "optimizer.param_groups[0]['weight_decay']"]
+    assert opt.param_groups[0]["weight_decay"] == 0 and "wd_seen" not in opt.param_groups[0]  # put back
+
+
+def test_scheduler_stepped_between_calls_matches_one_device_with_one_program(dp2):
+    """The supported way: a scheduler stepped between calls, one program for every lr."""
+    model = MLP().double()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=0.05), torch.optim.AdamW(ref.parameters(), lr=0.05)
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda i: 1.0 / (1 + i)) for o in (opt, ref_opt)]
+    sim = SimulatedTraining(lr_step, model, opt, dp2)
+    for x, y in _batches(4):
+        out, ref_out = sim.step(x, y), lr_step(ref, ref_opt, x, y)
+        for s in scheds:
+            s.step()
+        torch.testing.assert_close(out["loss"], ref_out["loss"].detach(), atol=1e-12, rtol=1e-12)
+    assert sim.compiles == 2  # the first call, then the AdamW state the first step created
+
+
+def nonfinite_clip_step(model, optimizer, x, y):
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True, error_if_nonfinite=True)
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def test_clip_grad_norm_error_if_nonfinite_is_one_clear_error_with_its_own_fix(dp2):
+    model = MLP().double()
+    with pytest.raises(sc.DataDependentError) as info:
+        SimulatedTraining(nonfinite_clip_step, model, _sgd(model.parameters()), dp2).step(*_batches(1)[0])
+    msg = str(info.value)
+    assert _line(nonfinite_clip_step, "error_if_nonfinite=True") in msg
+    assert "Leave error_if_nonfinite out" in msg and "torch.isfinite(out['grad_norm'])" in msg
+
+
+def counted_accumulation_step(model, optimizer, x, y):
+    model.micro_steps = getattr(model, "micro_steps", 0) + 1  # a trainer's counter, kept on the model
+    loss = F.mse_loss(model(x), y) / 4
+    loss.backward()
+    if model.micro_steps % 4 == 0:  # traced once: every later call would replay this call's branch
+        optimizer.step()
+        optimizer.zero_grad()
+    return loss
+
+
+def test_counter_on_the_model_changed_inside_the_step_is_refused_and_restored(dp2):
+    """Unrefused, the counter was incremented at the traces only, and a call whose
+    signature matched an earlier one replayed that call's branch: with 4 micro-steps the
+    fourth reused the third's program and the optimizer never stepped."""
+    model = MLP().double()
+    model.micro_steps = 0
+    with pytest.raises(sc.HostSettingError) as info:
+        SimulatedTraining(counted_accumulation_step, model, _sgd(model.parameters()), dp2).step(*_batches(1)[0])
+    assert info.value.settings == ["model.micro_steps"]
+    assert "do_step=" in str(info.value).split("fix:")[1]
+    assert model.micro_steps == 0
+    fresh = MLP().double()  # an attribute the step creates is removed again
+    with pytest.raises(sc.HostSettingError):
+        SimulatedTraining(counted_accumulation_step, fresh, _sgd(fresh.parameters()), dp2).step(*_batches(1)[0])
+    assert not hasattr(fresh, "micro_steps")

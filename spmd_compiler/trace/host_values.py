@@ -32,7 +32,7 @@ import torch
 import torch.fx as fx
 
 from .. import _private_torch as pt
-from ..errors import DataDependentError, HostValueError, user_frame_of, user_source_line
+from ..errors import DataDependentError, HostSettingError, HostValueError, user_frame_of, user_source_line
 
 __all__ = ["HparamValue", "HostSnapshot", "as_data_dependent_error", "check_data_dependent_shapes", "resolve_constant", "user_outputs", "with_batch_sizes_named"]
 
@@ -61,13 +61,30 @@ _SCALER_FIX = (
 )
 
 
-def _in_grad_scaler(exc: BaseException) -> bool:
+_NONFINITE_FIX = (
+    "clip_grad_norm_(..., error_if_nonfinite=True) raises with a Python `if` on the total norm, "
+    "which a compiled step cannot trace. Leave error_if_nonfinite out (the default, False) and "
+    "check the norm clip_grad_norm_ returns outside the step: return it from the step "
+    "(`return {'loss': loss, 'grad_norm': norm}`) and raise when "
+    "`not torch.isfinite(out['grad_norm'])` after the call."
+)
+
+
+def _raised_in(exc: BaseException, path_suffix: str) -> bool:
     tb = exc.__traceback__
     while tb is not None:
-        if tb.tb_frame.f_code.co_filename.replace("\\", "/").endswith("amp/grad_scaler.py"):
+        if tb.tb_frame.f_code.co_filename.replace("\\", "/").endswith(path_suffix):
             return True
         tb = tb.tb_next
     return False
+
+
+def _branch_fix(exc: BaseException) -> str:
+    if _raised_in(exc, "amp/grad_scaler.py"):
+        return _SCALER_FIX
+    if _raised_in(exc, "nn/utils/clip_grad.py"):
+        return _NONFINITE_FIX
+    return _BRANCH_FIX
 
 
 def as_data_dependent_error(exc: BaseException) -> DataDependentError:
@@ -89,7 +106,7 @@ def as_data_dependent_error(exc: BaseException) -> DataDependentError:
         f"Python control flow on a tensor's value: `if` / bool() / a comparison needs `{expr}`, "
         f"a number read from a tensor ({_READ}), to decide what the step does"
     )
-    return DataDependentError(what, source, _SCALER_FIX if _in_grad_scaler(exc) else _BRANCH_FIX)
+    return DataDependentError(what, source, _branch_fix(exc))
 
 
 def check_data_dependent_shapes(gm: fx.GraphModule) -> None:
@@ -253,6 +270,28 @@ class HostSnapshot:
                     found.append((f"optimizer.state[<param>][{key!r}]", _symbols_of(entry.pop(key))))
         return found
 
+    def restore_plain_writes(self) -> list[str]:
+        """Put back every model attribute holding a plain Python value (bool, int, float,
+        str) that the step assigned a different value or created (``self.micro_steps += 1``)
+        and return their names: the step's Python runs once, at the trace, so such a
+        write would happen once and never again."""
+        found = []
+        for (label, d, skip), saved in zip(self._owners, self._saved):
+            if not label.startswith("model"):
+                continue
+            for key in [k for k in list(d) if k not in skip and _plain_scalar(d[k])]:
+                if key in saved:
+                    old = saved[key][0]
+                    if d[key] is old or (old is None or _plain_scalar(old)) and type(old) is type(d[key]) and old == d[key]:
+                        continue
+                    if not (old is None or _plain_scalar(old)):
+                        continue
+                    d[key] = old
+                else:
+                    del d[key]
+                found.append(f"{label}.{key}")
+        return found
+
     def stored_numbers(self) -> list[tuple[str, str, Any]]:
         """``(module, attribute, number)`` for each module attribute that now holds one
         number read from a tensor (``self.last_loss = loss.item()``): the compiled step
@@ -267,6 +306,9 @@ class HostSnapshot:
         ``stored`` ``(module, attribute)`` numbers, which the compiled step returns)."""
         done = {f"{label}.{key}" for label, key in stored}
         found = [(name, symbols) for name, symbols in self.restore_symbols() if name not in done]
+        written = self.restore_plain_writes()
+        if written and not found:
+            raise HostSettingError(written, None, "an assignment to a model attribute", _COUNTER_FIX)
         if not found:
             return
         sources = []
@@ -276,6 +318,18 @@ class HostSnapshot:
                 if line and line not in sources:
                     sources.append(line)
         raise HostValueError([name for name, _ in found], sources)
+
+
+_COUNTER_FIX = (
+    "keep counters and flags outside the compiled step, in the training loop, and pass what the "
+    "step needs as an argument: a Python bool or int argument selects a program of its own "
+    "(`train_step(model, opt, x, y, do_step=(i % 2 == 1))`), a tensor argument is data; "
+    "a number the step computes comes back if the step returns it."
+)
+
+
+def _plain_scalar(value: Any) -> bool:
+    return isinstance(value, (bool, int, float, str))
 
 
 def _copy(value: Any) -> Any:
@@ -325,3 +379,4 @@ def with_batch_sizes_named(exc: BaseException, inputs: list[Any], fakes: list[An
         + f"; sizes are symbols there: {', '.join(names)}). It raises on one device with this batch too. "
         "fix: correct the step or the batch (a single-device call of the step shows the concrete sizes)"
     )
+

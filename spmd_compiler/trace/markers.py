@@ -6,6 +6,8 @@ records it and dead-code elimination keeps it. The tracer inserts ``"backward"``
 ``optimizer.step()``; after tracing, each node is tagged with its phase
 (``node.meta["spmd_phase"]``: forward, backward, optimizer) and the markers are removed.
 Users place ``pipe_split`` markers (``tag="pipe_split"``) for pipeline stages.
+While the step is traced, an LR scheduler's ``step()`` raises
+(:func:`refuse_scheduler_steps`): inside the step it would run once, at the trace.
 """
 
 from __future__ import annotations
@@ -19,7 +21,10 @@ import torch
 import torch.fx as fx
 from torch.fx.node import has_side_effect
 
-__all__ = ["marker", "MARKER", "phase_markers", "tag_phases", "PHASES", "pipe_split", "SplitPoint", "split_point_hooks", "PIPE_SPLIT"]
+from ..errors import HostSettingError, user_frame_here
+
+__all__ = ["marker", "MARKER", "phase_markers", "tag_phases", "PHASES", "pipe_split", "SplitPoint", "split_point_hooks", "PIPE_SPLIT",
+           "refuse_scheduler_steps"]
 
 _lib = torch.library.Library("spmd_compiler", "DEF")
 _lib.define("marker(str tag) -> ()")
@@ -158,3 +163,36 @@ def tag_phases(gm: fx.GraphModule) -> None:
         node.meta["spmd_phase"] = "output" if node.op == "output" else phase
         if phase == "optimizer":
             since_backward.append(node)
+
+
+def _scheduler_classes() -> list[type]:
+    """LRScheduler and every subclass (torch's and the user's) that defines its own step()."""
+    base = torch.optim.lr_scheduler.LRScheduler
+    out, todo = [], [base]
+    while todo:
+        cls = todo.pop()
+        if "step" in vars(cls):
+            out.append(cls)
+        todo.extend(cls.__subclasses__())
+    return out
+
+
+@contextlib.contextmanager
+def refuse_scheduler_steps() -> Iterator[None]:
+    """While the step is traced, an LR scheduler's ``step()`` raises
+    :class:`~spmd_compiler.errors.HostSettingError` naming the user's line: it is Python
+    that would run once, at the trace, and never again (trace/state.py's
+    ``swapped_state`` catches any other change of a param group setting)."""
+    patched = [(cls, vars(cls)["step"]) for cls in _scheduler_classes()]
+
+    def step(self: Any, *args: Any, **kwargs: Any) -> None:
+        raise HostSettingError(["the optimizer's learning rate (param_groups[*]['lr'])"], user_frame_here(),
+                               f"{type(self).__name__}.step() inside the step")
+
+    for cls, _ in patched:
+        cls.step = step  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        for cls, original in patched:
+            cls.step = original  # type: ignore[method-assign]

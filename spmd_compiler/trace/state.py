@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from .. import _private_torch as pt
+from ..errors import HostSettingError
 
 log = logging.getLogger(__name__)
 
@@ -315,10 +316,15 @@ def swapped_state(
                 new_state[params[name]][key] = value
             optimizer.state = new_state
             saved_hparams = {(g, k): optimizer.param_groups[g][k] for (g, k) in (hparams or {})}
+            # every setting as the step should leave it: the step itself must not change them
+            expected = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+            original = [dict(e) for e in expected]
+            written: list[str] = []
 
             def install(opt: Any, args: Any, kwargs: Any) -> None:
+                written.extend(_changed_settings(opt, expected))  # an assignment before optimizer.step()
                 for (g, k), make in (hparams or {}).items():
-                    opt.param_groups[g][k] = make()
+                    opt.param_groups[g][k] = expected[g][k] = make()
 
             hook = optimizer.register_step_pre_hook(install) if hparams else None
 
@@ -334,6 +340,8 @@ def swapped_state(
 
         try:
             yield {"optim_state": current_optim_state}
+            if optimizer is not None:
+                written.extend(_changed_settings(optimizer, expected))
         finally:
             if optimizer is not None:
                 for group, ps in zip(optimizer.param_groups, saved_groups):
@@ -343,3 +351,38 @@ def swapped_state(
                 for (g, k), value in saved_hparams.items():
                     optimizer.param_groups[g][k] = value
                 optimizer.state = saved_state
+    if optimizer is not None and written:
+        for group, before in zip(optimizer.param_groups, original):  # put back what the step assigned
+            for k in set(group) - {"params"} - set(before):
+                del group[k]
+            group.update(before)
+        raise HostSettingError(sorted(set(written)), None, "an LR scheduler's step() or an assignment to a param group")
+
+
+def _changed_settings(optimizer: Any, expected: list[dict[str, Any]]) -> list[str]:
+    """The param group settings that differ from ``expected`` (the step assigned them)."""
+    out = []
+    for g, (group, before) in enumerate(zip(optimizer.param_groups, expected)):
+        for k in set(group) - {"params"}:
+            old, new = before.get(k, _MISSING), group[k]
+            if new is old or _symbolic(new):  # a number read from a tensor: HostSnapshot's (host_values.py)
+                continue
+            if old is _MISSING or not (_plain(new) and _plain(old)) or new != old:
+                out.append(f"optimizer.param_groups[{g}][{k!r}]")
+    return out
+
+
+_MISSING = object()
+
+
+def _symbolic(value: Any) -> bool:
+    if isinstance(value, (tuple, list)):
+        return any(_symbolic(v) for v in value)
+    return isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool))
+
+
+def _plain(value: Any) -> bool:
+    """A Python value compared by ``!=`` without a graph guard (no tensor, no symbol)."""
+    if isinstance(value, (tuple, list)):
+        return all(_plain(v) for v in value)
+    return value is None or isinstance(value, (bool, int, float, str))

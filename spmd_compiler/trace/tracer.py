@@ -25,7 +25,7 @@ from .. import _private_torch as pt
 from .decompositions import decomposition_table
 from .host_values import HostSnapshot, as_data_dependent_error, check_data_dependent_shapes, user_outputs, with_batch_sizes_named
 from .grad_links import gradient_links
-from .markers import phase_markers, split_point_hooks, tag_phases
+from .markers import phase_markers, refuse_scheduler_steps, split_point_hooks, tag_phases
 from .rewrites import contiguous_copies_written, symbolic_size_rewrites, traceable_scalars
 from .rng import RngLedger, replay_recomputed_draws, rng_replay
 from .state import collect_state, hparam_tensor, swapped_state
@@ -227,7 +227,7 @@ def trace(
     try:
         with phase_markers(optimizer), pt.preserve_node_meta(), split_point_hooks(model, split_points), \
                 host_scalar_values(mode, optimizer, bool(scalars)), traceable_scalars(), rng_replay(ledger), \
-                pt.size_oblivious(dynamic), rewrites:
+                pt.size_oblivious(dynamic), rewrites, refuse_scheduler_steps():
             gm = make_fx(
                 functional_step,
                 decomposition_table=decomposition_table(),
