@@ -70,6 +70,19 @@ def test_hf_model(name, attn, plan):
         assert SDPA not in ops
 
 
+@pytest.mark.parametrize(("name", "reentrant", "plan"), [("gpt2", False, "fsdp"), ("llama", True, "dp"), ("gpt2-dropout", False, "dp")])
+def test_hf_gradient_checkpointing_trains_as_on_one_device(name, reentrant, plan):
+    """The trainer's ``model.gradient_checkpointing_enable()`` (Hugging Face's activation
+    checkpointing, reentrant or not): the same numbers as one device, and nothing but
+    gradients (dp) or parameters (fsdp) moves. With GPT-2's default dropout, the
+    recomputed forward draws the masks the first forward drew, as on one device."""
+    model = (gpt2_with_dropout("eager") if name == "gpt2-dropout" else MODELS[name]("sdpa")).double()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    model.train()
+    assert model.is_gradient_checkpointing
+    run_case(lm_step, model, batches(), plan)
+
+
 @pytest.mark.parametrize("plan", ["dp", "fsdp"])
 def test_gpt2_four_ranks(plan):
     res = run_case(lm_step, gpt2("sdpa").double(), batches(), plan, ranks=4)
