@@ -138,3 +138,38 @@ def test_clip_after_accumulation_over_calls_reduce_scatters(defer):
             scatters = [n for n in comms if "reduce_scatter" in str(n.target)]
             assert len(scatters) == 1 and "4 gradient reduce_scatters" in scatters[0].meta["spmd_comm"]["reason"], _text(comms)
             assert all(_numel(n) <= 8 for n in comms if "all_reduce" in str(n.target)), _text(comms)
+
+
+def _clip_value_step(foreach: bool):
+    def step(model, optimizer, x, y):
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_value_(model.parameters(), clip_value=0.01, foreach=foreach)
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    return step
+
+
+@pytest.mark.parametrize("foreach", [True, False], ids=["foreach_clamp", "clamp_"])
+@pytest.mark.parametrize("plan_name", ["fsdp", "dp"])
+def test_clip_grad_value_reduces_each_gradient_to_its_parameter_layout(foreach, plan_name, caplog):
+    """clip_grad_value_ clamps each gradient in place while its sum is pending: the sum is
+    reduced to the parameter's layout first (one bucketed reduce_scatter under FSDP, the
+    all_reduce under DP), then each rank clamps its part. Before the rule the replicate
+    fallback all-reduced every gradient whole under FSDP, with a warning. The clip value
+    is small enough that most gradient entries are clamped: equal to one device."""
+    plan, mesh = (FSDP, fake_mesh((2,), ("dp",))) if plan_name == "fsdp" else (sc.Plan(), fake_mesh((2,), ("dp",)))
+    torch.manual_seed(0)
+    with caplog.at_level("WARNING"):
+        res = assert_training_matches(_clip_value_step(foreach), MLP(16, 32).double(), lambda p: torch.optim.AdamW(p, lr=0.05),
+                                      _batches(), mesh, plan, atol=1e-12, rtol=1e-10)
+    assert not [r for r in caplog.records if "no sharding strategy" in r.getMessage()], caplog.text
+    comms = res.sim.expansions[next(iter(res.sim.expansions))].collectives()
+    grads = sum(p.numel() for p in MLP(16, 32).parameters())
+    gradient_reductions = [n for n in comms if "all_gather" not in str(n.target) and _numel(n) >= grads // 2]
+    want = "reduce_scatter" if plan_name == "fsdp" else "all_reduce"
+    assert len(gradient_reductions) == 1 and want in str(gradient_reductions[0].target), _text(comms)
+    if plan_name == "fsdp":
+        assert not [n for n in comms if "all_reduce" in str(n.target) and _numel(n) > 8], _text(comms)

@@ -18,6 +18,12 @@ reduce_scatter. When the input is a parameter's gradient (the trace tags it:
 are reduced straight to the parameter's layout (``Partial -> Shard`` on an FSDP axis, a
 reduce_scatter; ``Replicate`` where the parameter is replicated, as before), provided its
 other axes already match the parameter; the norm is then taken shard-wise.
+
+``clip_grad_value_`` clamps each gradient in place (``clamp_``, or ``_foreach_clamp_min_``
+and ``_foreach_clamp_max_`` on GPU) while its sum is still pending. DTensor has no
+in-place strategy for a Partial input and the replicate fallback all-reduced the whole
+gradient; a clamp needs the sum only, so the same reduction applies: to the
+parameter's layout (a reduce_scatter under FSDP), then a clamp of each rank's shard.
 """
 
 from __future__ import annotations
@@ -69,6 +75,23 @@ def _sums_reduced(ctx: ExpandContext, b: SubgraphBuilder, x: Any, name: str) -> 
 
 @register_rule(*_NORMS)
 def _norm(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: dict) -> Any:
+    name = str(op).replace("aten.", "")
+    first = args[0]
+    if isinstance(first, (list, tuple)):
+        first = type(first)(_sums_reduced(ctx, b, x, name) for x in first)
+    else:
+        first = _sums_reduced(ctx, b, first, name)
+    return generic_expand(ctx, b, op, (first, *args[1:]), kwargs)
+
+
+_CLAMPS = [aten.clamp_.default, aten.clamp_min_.default, aten.clamp_max_.default,
+           aten._foreach_clamp_min_.Scalar, aten._foreach_clamp_max_.Scalar]
+
+
+@register_rule(*_CLAMPS)
+def _clamp_(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: dict) -> Any:
+    """An in-place clamp of values with a pending sum (``clip_grad_value_``): the sum reduced
+    first (to the parameter's layout for a gradient), then each rank clamps its part."""
     name = str(op).replace("aten.", "")
     first = args[0]
     if isinstance(first, (list, tuple)):
