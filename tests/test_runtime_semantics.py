@@ -7,7 +7,9 @@ once through ``compile()`` on gloo:
   back as the real Python numbers;
 - RAdam (its rectification branch on the step count) and OneCycleLR (momentum cycling:
   two compiles, not one per step) under data parallel;
-- FSDP-style with two ``backward()`` calls in one step.
+- FSDP-style with two ``backward()`` calls in one step;
+- train and eval mode between calls (each its own program), and ``model.train()`` /
+  ``.eval()`` inside the step (the modes it sets hold after every call).
 Float64, 1e-10 against one device.
 """
 
@@ -110,6 +112,53 @@ def _cases(rank: int, world: int) -> dict:
     err, _, step, _, _ = _train(rank, MLP(8, 16).double(), two_backward_step, lambda p: torch.optim.AdamW(p, lr=0.01),
                                 sc.Plan(params={"*": [sc.Shard(0)]}, fsdp_axes=(0,)), _batches(3), sharded_batch=True)
     out["fsdp_two_backward"] = err
+    out["modes"] = _modes_case(rank)
+    return out
+
+
+class DropoutMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2, self.drop = nn.Linear(8, 16), nn.Linear(16, 8), nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l2(self.drop(torch.relu(self.l1(x))))
+
+
+def _sets_modes(model, optimizer, x, y):
+    """A step that switches modes itself: train mode for its forward, dropout off after."""
+    model.train()
+    loss = _mse(model, optimizer, x, y)
+    model.drop.eval()
+    return loss
+
+
+def _modes_case(rank: int) -> dict:
+    """The same compiled step called with the model in train and in eval mode (a trainer's
+    evaluation between steps): each mode its own program, as one device computes it;
+    and a step that calls model.train() / .eval() itself leaves the modes it sets after
+    every call, not only the first (traced) one."""
+    out = {}
+    for name, fn, modes in (("toggled", _mse, ["train", "train", "eval", "eval", "train"]),
+                            ("in_step", _sets_modes, ["eval", "eval", "train", None, "eval"])):
+        torch.manual_seed(0)
+        model = DropoutMLP().double()
+        ref = copy.deepcopy(model)
+        opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=0.01), torch.optim.AdamW(ref.parameters(), lr=0.01)
+        step = sc.compile(fn, mesh=(2,))
+        errs, flags = [], []
+        for i, ((x, y), mode) in enumerate(zip(_batches(len(modes)), modes)):
+            if mode is not None:
+                getattr(model, mode)()
+                getattr(ref, mode)()
+            torch.manual_seed(50 + i)
+            got = step(model, opt, x.chunk(2)[rank], y.chunk(2)[rank])
+            torch.manual_seed(50 + i)
+            want = fn(ref, ref_opt, x, y)
+            errs.append(abs(float(got) - float(want)))
+            flags.append(([m.training for m in model.modules()], [m.training for m in ref.modules()]))
+        errs += [(p.full_tensor() - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters())]
+        out[name] = {"err": max(errs), "flags": flags, "compiles": step.compiles}
     return out
 
 
@@ -145,3 +194,15 @@ def test_radam_and_fsdp_two_backward(results):
         assert r["radam"]["err"] < 1e-10, r["radam"]
         assert r["radam"]["compiles"] >= 2, r["radam"]  # first call, state created, rectification branch
         assert r["fsdp_two_backward"] < 1e-10, r
+
+
+def test_train_and_eval_modes_select_their_program_and_step_set_modes_persist(results):
+    """Before: the mode was not in the call signature, so an eval-mode call ran the
+    train-mode program (dropout on: silently another loss), and a step's model.train()
+    ran only at the trace."""
+    for r in results:
+        toggled, in_step = r["modes"]["toggled"], r["modes"]["in_step"]
+        assert toggled["err"] < 1e-10 and in_step["err"] < 1e-10, r["modes"]
+        assert toggled["compiles"] == 3, toggled  # train (first call, then with AdamW state), eval (with state)
+        for got, want in in_step["flags"]:
+            assert got == want == [True, True, True, False], in_step

@@ -141,7 +141,7 @@ def signature(state: Any, batch: tuple, kwargs: dict, *, free_dims: dict[int, tu
         else:
             sig.append((path, type(leaf).__name__, leaf if isinstance(leaf, CONSTANT_LEAF_TYPES) else id(leaf)))
     grads = tuple(n for n, p in state.params.items() if p.grad is not None)
-    return (str(spec), tuple(sig), *state.signature(), grads, state.guard_outcomes())
+    return (str(spec), tuple(sig), *state.signature(), grads, state.guard_outcomes(), state.modes)
 
 
 def why_recompile(old: tuple | None, key: tuple) -> str:
@@ -167,6 +167,9 @@ def why_recompile(old: tuple | None, key: tuple) -> str:
             if a != b:
                 return f"optimizer hyperparameter param_groups[{b[0]}][{b[1]!r}] changed: {a[2]} -> {b[2]}"
         return "optimizer param groups changed"
+    if old[7:] != key[7:]:
+        return (f"module modes changed (model.train() / model.eval()): {len(key[7])} module(s) in eval mode, "
+                f"{len(old[7])} before")
     if old[5:] != key[5:]:
         return "a branch the optimizer takes on its own numbers (step count, momentum) went the other way"
     return "batch structure changed"

@@ -103,6 +103,10 @@ def store_outputs(
             missing(slot)
         else:
             raise AssertionError(f"output for optimizer state of {slot.name!r}, which the optimizer does not hold")
+    if traced.mode_writes:  # model.train() / .eval() in the step ran once, at the trace: as on one device, every call
+        modules = list(traced.model.modules())
+        for i, mode in traced.mode_writes:
+            modules[i].training = mode
     if traced.grads_left or traced.grads_in:
         kept = set(traced.grads_left)
         for name, p in state.params.items():  # zero_grad(set_to_none=True) in the step, as on one device

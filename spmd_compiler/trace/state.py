@@ -77,6 +77,7 @@ class ModelState:
     hparams: dict[tuple[int, str], Any] = field(default_factory=dict)  # (group, key) -> value
     value_guards: dict[str, Any] = field(default_factory=dict)  # key -> ValueGuard (trace/value_guards.py)
     cycling: set[tuple[int, str]] = field(default_factory=set)  # fused settings seen changing (see is_lifted)
+    modes: tuple[int, ...] = ()  # indices (in model.modules() order) of the modules in eval mode at this call
 
     def tensor_optim_keys(self) -> list[tuple[str, str]]:
         return [k for k, v in self.optim.items() if isinstance(v, torch.Tensor)]
@@ -177,7 +178,7 @@ def collect_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
         if n not in params:
             aliases[n] = by_id[id(p)]
     buffers = dict(model.named_buffers(remove_duplicate=True))
-    state = ModelState(params=params, buffers=buffers, aliases=aliases)
+    state = ModelState(params=params, buffers=buffers, aliases=aliases, modes=eval_modes(list(model.modules())))
     if optimizer is None:
         return state
     state.cycling = set(_CYCLING.get(optimizer, ()))
@@ -252,6 +253,7 @@ class StateCache:
                 for g, k in self.state.lifted_hparams():
                     self.state.hparams[(g, k)] = optimizer.param_groups[g][k]
                 self.state.value_guards = self.value_guards
+                self.state.modes = eval_modes(self._modules)
                 return self.state
         state = collect_state(model, optimizer)
         same = self._refs is not None and self._refs[0]() is model and self._refs[1]() is optimizer
@@ -262,7 +264,14 @@ class StateCache:
         self._refs = (weakref.ref(model), weakref.ref(optimizer) if optimizer is not None else (lambda: None))
         self.state = state
         state.value_guards = self.value_guards
+        state.modes = eval_modes(self._modules)
         return state
+
+
+def eval_modes(modules: list[torch.nn.Module]) -> tuple[int, ...]:
+    """The indices of ``modules`` in eval mode (``module.training`` False): part of the call
+    signature, since dropout, batch norm and user code branch on it at the trace."""
+    return tuple(i for i, m in enumerate(modules) if not m.training)
 
 
 def _mark_cycling(old: ModelState, new: ModelState, optimizer: Any) -> bool:

@@ -97,6 +97,8 @@ class TracedStep:
     host_numbers: dict[int, type] = field(default_factory=dict)  # user leaves returned as Python numbers
     # outputs past the user leaves: numbers the step stored on the model / optimizer, by (owner, attribute)
     host_attributes: dict[int, tuple[str, str]] = field(default_factory=dict)
+    # model.train() / model.eval() in the step: (index in model.modules(), mode) it leaves, set again after every call
+    mode_writes: tuple[tuple[int, bool], ...] = ()
 
     def placeholders(self) -> list[fx.Node]:
         return [n for n in self.gm.graph.nodes if n.op == "placeholder"]

@@ -221,6 +221,7 @@ def trace(
 
     start = time.perf_counter()
     host = HostSnapshot(model, optimizer)
+    modes_before = [m.training for m in model.modules()]
     ledger = RngLedger()
     pt.record_stack_traces_of(step_fn)  # the step's own lines (loss, `if`, .item()) get a user line
     rewrites = symbolic_size_rewrites(dynamic)
@@ -283,6 +284,7 @@ def trace(
         value_guards=value_guards,
         host_numbers=layout["numbers"],
         host_attributes=layout["attrs"],
+        mode_writes=tuple((i, m.training) for i, (m, was) in enumerate(zip(model.modules(), modes_before)) if m.training != was),
     )
     if aliased:
         traced.dynamic_fallback = aliased  # type: ignore[attr-defined]
