@@ -9,7 +9,8 @@ once through ``compile()`` on gloo:
   two compiles, not one per step) under data parallel;
 - FSDP-style with two ``backward()`` calls in one step;
 - train and eval mode between calls (each its own program), and ``model.train()`` /
-  ``.eval()`` inside the step (the modes it sets hold after every call).
+  ``.eval()`` inside the step (the modes it sets hold after every call);
+- ``torch.autocast`` and ``torch.no_grad()`` around the call (each context its own program).
 Float64, 1e-10 against one device.
 """
 
@@ -113,6 +114,7 @@ def _cases(rank: int, world: int) -> dict:
                                 sc.Plan(params={"*": [sc.Shard(0)]}, fsdp_axes=(0,)), _batches(3), sharded_batch=True)
     out["fsdp_two_backward"] = err
     out["modes"] = _modes_case(rank)
+    out["context"] = _context_case(rank)
     return out
 
 
@@ -162,6 +164,32 @@ def _modes_case(rank: int) -> dict:
     return out
 
 
+def _context_case(rank: int) -> dict:
+    """The same compiled step called inside and outside ``torch.autocast`` (bf16 on CPU),
+    and once inside ``torch.no_grad()``: the context is part of the call signature (before,
+    a call without autocast reused the bf16 program: another loss), and a backward under
+    no_grad is a ValueError naming the fix, as one device raises too."""
+    torch.manual_seed(0)
+    model = MLP(8, 16)
+    ref = copy.deepcopy(model)
+    opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=0.01), torch.optim.AdamW(ref.parameters(), lr=0.01)
+    step = sc.compile(_mse, mesh=(2,))
+    errs = []
+    for (x, y), amp in zip(_batches(4), [True, True, False, False]):
+        x, y = x.float(), y.float()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            got = step(model, opt, x.chunk(2)[rank], y.chunk(2)[rank])
+            want = _mse(ref, ref_opt, x, y)
+        errs.append((amp, abs(float(got) - float(want))))
+    with torch.no_grad():
+        try:
+            step(model, opt, x.chunk(2)[rank], y.chunk(2)[rank])
+            error = None
+        except ValueError as e:
+            error = str(e)
+    return {"errs": errs, "compiles": step.compiles, "error": error}
+
+
 def _mse(model, optimizer, x, y):
     loss = F.mse_loss(model(x), y)
     loss.backward()
@@ -206,3 +234,12 @@ def test_train_and_eval_modes_select_their_program_and_step_set_modes_persist(re
         assert toggled["compiles"] == 3, toggled  # train (first call, then with AdamW state), eval (with state)
         for got, want in in_step["flags"]:
             assert got == want == [True, True, True, False], in_step
+
+
+def test_autocast_and_grad_mode_at_the_call_select_their_program(results):
+    for r in results:
+        c = r["context"]
+        assert all(err < 1e-2 for amp, err in c["errs"] if amp), c  # bf16: DP's sums in another order
+        assert all(err < 1e-5 for amp, err in c["errs"] if not amp), c  # float32; was 5e-5 to 2e-4 (the bf16 program)
+        assert c["compiles"] == 3, c  # autocast (first call, then with AdamW state), float32 (with state)
+        assert c["error"] is not None and "torch.no_grad()" in c["error"], c

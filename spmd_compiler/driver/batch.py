@@ -141,7 +141,25 @@ def signature(state: Any, batch: tuple, kwargs: dict, *, free_dims: dict[int, tu
         else:
             sig.append((path, type(leaf).__name__, leaf if isinstance(leaf, CONSTANT_LEAF_TYPES) else id(leaf)))
     grads = tuple(n for n, p in state.params.items() if p.grad is not None)
-    return (str(spec), tuple(sig), *state.signature(), grads, state.guard_outcomes(), state.modes)
+    return (str(spec), tuple(sig), *state.signature(), grads, state.guard_outcomes(), state.modes, call_context())
+
+
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def call_context() -> tuple:
+    """The global modes a step is traced under and that change what it computes: grad mode
+    (``torch.no_grad()`` around the call) and autocast (``torch.autocast`` around the call,
+    per device type: enabled and dtype). Part of the call signature, so a call under
+    another context gets a program traced under it."""
+    return torch.is_grad_enabled(), tuple(
+        (d, torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES if torch.is_autocast_enabled(d))
+
+
+def _context_text(ctx: tuple) -> str:
+    grad, autocast = ctx
+    amp = ", ".join(f"autocast {d} {str(t).removeprefix('torch.')}" for d, t in autocast) or "no autocast"
+    return f"grad {'enabled' if grad else 'disabled'}, {amp}"
 
 
 def why_recompile(old: tuple | None, key: tuple) -> str:
@@ -167,6 +185,8 @@ def why_recompile(old: tuple | None, key: tuple) -> str:
             if a != b:
                 return f"optimizer hyperparameter param_groups[{b[0]}][{b[1]!r}] changed: {a[2]} -> {b[2]}"
         return "optimizer param groups changed"
+    if old[8:] != key[8:]:
+        return f"the call's context changed: {_context_text(old[8])} -> {_context_text(key[8])}"
     if old[7:] != key[7:]:
         return (f"module modes changed (model.train() / model.eval()): {len(key[7])} module(s) in eval mode, "
                 f"{len(old[7])} before")

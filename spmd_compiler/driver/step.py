@@ -289,9 +289,9 @@ class StepDriver(DriverIntrospection):
         self._states.add_value_guards(getattr(getattr(program.step, "traced", None), "value_guards", []))
         if len(self._states.value_guards) > known:  # the same on every rank (they agreed on the program)
             # the outcomes of the optimizer's branches it found join the signature (trace/value_guards.py)
-            # (with the modules' modes the call came in with: the step may have switched them, model.train())
-            key = signature(self._state(model, optimizer), batch, kwargs)[:-1] + key[-1:]
-            free = self._sizes.free_key(self._state(model, optimizer), batch, kwargs)[:-1] + free[-1:] if self._sizes is not None else None
+            # (with the modules' modes and the context the call came in with: the step may have switched them, model.train())
+            key = signature(self._state(model, optimizer), batch, kwargs)[:-2] + key[-2:]
+            free = self._sizes.free_key(self._state(model, optimizer), batch, kwargs)[:-2] + free[-2:] if self._sizes is not None else None
             payloads = tuple(exchange(self._payload(key, free, batch, kwargs)))
             everyone = payloads if self._sizes is None else tuple(p[0] for p in payloads)
         program.local_key = key

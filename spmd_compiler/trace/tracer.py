@@ -240,6 +240,13 @@ def trace(
         raise as_data_dependent_error(e) from e
     except (ValueError, RuntimeError, IndexError, TypeError) as e:
         host.restore_symbols()
+        if not torch.is_grad_enabled() and "does not require grad" in str(e):
+            raise ValueError(
+                f"the step's backward() found nothing to differentiate ({str(e).strip().splitlines()[0]}): the step was "
+                f"called with grad disabled (inside torch.no_grad() or torch.inference_mode()), as one device would raise "
+                f"too. fix: call the training step outside torch.no_grad(); an evaluation step without backward() may run "
+                f"under it"
+            ) from e
         named = with_batch_sizes_named(e, inputs, fakes, real)
         if named is None:
             raise
