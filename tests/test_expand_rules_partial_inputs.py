@@ -24,10 +24,10 @@ def fill_with_sum(x):
     return y
 
 
-@pytest.mark.parametrize("rows", [4, 5])  # even and uneven shards
-def test_fill_tensor_of_a_batch_sharded_slice_stays_local(mesh4, rows):
+@pytest.mark.parametrize(("rows", "symbolic"), [(4, "none"), (5, "none"), (5, "batch")])  # even, uneven, batch size an input
+def test_fill_tensor_of_a_batch_sharded_slice_stays_local(mesh4, rows, symbolic):
     ids = torch.randint(0, 30, (rows, 6))
-    run = assert_spmd_matches(shift_right, [ids], mesh4, [[Shard(0)]], symbolic="none")
+    run = assert_spmd_matches(shift_right, [ids], mesh4, [[Shard(0)]], symbolic=symbolic)
     step = next(iter(run.steps.values()))
     assert FILL in {n.target for n in step.gm.graph.nodes}
     assert_distributed(run, sharded=["batch[0]"], collectives={"all_gather": 0, "all_reduce": 0})  # was: the batch gathered by the fallback
