@@ -129,8 +129,18 @@ FLOAT32_NORM = {"atol": 5e-8, "rtol": 5e-6}
 TOLERANCE = {"gemma2": FLOAT32_NORM}
 
 
-@pytest.mark.parametrize("plan", ["dp", "fsdp"])
-@pytest.mark.parametrize("name", list(MODELS))
+# Both plans where the model brings ops of its own (sliding-window mask, soft-capping,
+# conv patches); one plan where the rest is covered elsewhere, to keep the module near a
+# minute: GPT-NeoX and OPT under FSDP (which also refuses any activation gather; NeoX's
+# replicated parameters run under TP below), T5 under DP (its tied embeddings under FSDP
+# as GPT-2's in test_zoo_hf.py). The pairs left out passed when this module was written.
+CASES = [
+    ("qwen2", "dp"), ("qwen2", "fsdp"), ("gemma2", "dp"), ("gemma2", "fsdp"), ("vit", "dp"), ("vit", "fsdp"),
+    ("neox", "fsdp"), ("opt", "fsdp"), ("t5", "dp"),
+]
+
+
+@pytest.mark.parametrize(("name", "plan"), CASES)
 def test_hf_more_model(name, plan):
     build, step, data = MODELS[name]
     torch.manual_seed(0)
