@@ -40,13 +40,14 @@ def mesh(n: int) -> Any:
     return fake_mesh((n,), ("dp",))
 
 
-def run_case(step: Any, model: torch.nn.Module, batches: list, plan_name: str, ranks: int = 2, *, dp_gathers: bool = False) -> Any:
+def run_case(step: Any, model: torch.nn.Module, batches: list, plan_name: str, ranks: int = 2, *, dp_gathers: bool = False, **tolerance: float) -> Any:
     """Train ``model`` under ``plan_name`` ("dp" or "fsdp") and check it; returns the
     TrainingComparison. Under "dp" nothing but gradients and the loss may move, under
     "fsdp" nothing is gathered but parameters: no batch, no buffer, no mask built from
-    one (``dp_gathers``: activations may be gathered too, for known gaps)."""
+    one (``dp_gathers``: activations may be gathered too, for known gaps). ``tolerance``:
+    ``atol``/``rtol`` for models that compute parts in float32 on purpose."""
     plan = dp_plan() if plan_name == "dp" else fsdp_plan()
-    res = assert_training_matches(step, model, adamw, batches, mesh(ranks), plan)
+    res = assert_training_matches(step, model, adamw, batches, mesh(ranks), plan, **tolerance)
     dist = assert_distributed(res, sharded=["batch[0]"], collectives=1)
     if plan_name == "fsdp":
         weights = [n for n, p in model.named_parameters() if p.dim() == 2]

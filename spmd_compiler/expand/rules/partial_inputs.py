@@ -10,6 +10,12 @@ not simply keep that placement:
 * ``fill_`` writes a value into a tensor that stays Partial (an in-place op keeps its
   placement): each rank stores ``value / n`` over the sum-partial axes, so the sum is
   ``value``. (Seen in ``cosine_embedding_loss``: ``empty_like(x).fill_(1) - x``.)
+
+``fill_.Tensor`` (a 0-dim tensor value, as ``ids[..., 0] = start_id`` traces in T5's
+``_shift_right``) has no DTensor strategy: on a tensor that is not Partial, the value is
+made Replicate (it is 0-dim: at most an all_reduce of a Partial scalar) and every rank
+fills its own shard, which keeps its placement; before, the filled tensor (the batch)
+was gathered to Replicate by the fallback.
 """
 
 from __future__ import annotations
@@ -22,8 +28,9 @@ import torch
 from ... import _private_torch as pt
 from ...errors import UnsupportedPlacementError
 from ..builder import SubgraphBuilder
-from ..args import ExpandContext, TensorArg
+from ..args import ExpandContext, TensorArg, _out_tensor
 from ..dispatch import generic_expand
+from ..redistribute import emit_redistribute
 from ..registry import register_rule
 
 aten = torch.ops.aten
@@ -58,6 +65,8 @@ def _like(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: 
 def _fill(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: dict) -> Any:
     x, value = args[0], args[1]
     axes = _partial_axes(x.spec) if isinstance(x, TensorArg) else []
+    if not axes and isinstance(value, TensorArg) and isinstance(x, TensorArg):
+        return _fill_local(ctx, b, op, x, value)
     if not axes:
         return generic_expand(ctx, b, op, args, kwargs)
     ops = {x.spec.placements[a].reduce_op for a in axes}
@@ -74,3 +83,17 @@ def _fill(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: 
     for a in axes:
         n *= ctx.mctx.shape[a]
     return generic_expand(ctx, b, op, (x, value / n, *args[2:]), kwargs)
+
+
+def _fill_local(ctx: ExpandContext, b: SubgraphBuilder, op: Any, x: TensorArg, value: TensorArg) -> Any:
+    """``fill(x, value)`` with a 0-dim tensor ``value`` on a non-Partial ``x``: the value
+    replicated, each rank fills its local ``x``, which keeps its placement."""
+    replicate = pt.make_spec(value.spec.mesh, [pt.Replicate()] * ctx.mctx.ndim, *_meta(value.spec))
+    local, _ = emit_redistribute(b, value.node, value.spec, replicate, mask=value.mask, reason=f"value of {op}")
+    node = b.call(op, x.node, local)
+    return _out_tensor(b, node, x.spec, {})
+
+
+def _meta(spec: Any) -> tuple:
+    meta = spec.tensor_meta
+    return meta.shape, meta.stride, meta.dtype
