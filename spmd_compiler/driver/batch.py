@@ -175,7 +175,7 @@ def why_recompile(old: tuple | None, key: tuple) -> str:
                 diffs = [f"{w} {x} -> {y}" for w, x, y in zip(what, a[1:], b[1:]) if x != y]
                 return f"{b[0]}: " + ", ".join(diffs)
     if old[3] != key[3]:
-        return "model parameters changed"
+        return _params_changed(old[3], key[3])
     if old[5] != key[5]:
         if not key[5]:
             return "no parameter holds a gradient any more (.grad is None)"
@@ -193,3 +193,15 @@ def why_recompile(old: tuple | None, key: tuple) -> str:
     if old[5:] != key[5:]:
         return "a branch the optimizer takes on its own numbers (step count, momentum) went the other way"
     return "batch structure changed"
+
+
+def _params_changed(old: tuple, new: tuple) -> str:
+    """Why the model's parameter records (name, shape, dtype, requires_grad) differ."""
+    before = {rec[0]: rec for rec in old}
+    frozen = [n for n, *_, rg in new if n in before and before[n][3] and not rg]
+    unfrozen = [n for n, *_, rg in new if n in before and not before[n][3] and rg]
+    if (frozen or unfrozen) and [r[:3] for r in old] == [r[:3] for r in new]:
+        parts = [f"{what} {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}"
+                 for what, names in (("frozen (requires_grad False):", frozen), ("unfrozen (requires_grad True):", unfrozen)) if names]
+        return "model parameters " + "; ".join(parts)
+    return "model parameters changed"

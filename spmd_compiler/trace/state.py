@@ -208,10 +208,14 @@ def collect_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
 
 
 def _fingerprint(modules: list[torch.nn.Module], optimizer: Any) -> tuple:
-    """Identities of everything :func:`collect_state` reads, and the fixed settings."""
+    """Identities of everything :func:`collect_state` reads, which parameters require a
+    gradient, and the fixed settings."""
     mods = tuple(
         (id(m), tuple(m._modules), tuple(map(id, m._modules.values())), tuple(m._parameters),
-         tuple(map(id, m._parameters.values())), tuple(m._buffers), tuple(map(id, m._buffers.values())))
+         tuple(map(id, m._parameters.values())), tuple(m._buffers), tuple(map(id, m._buffers.values())),
+         # freezing or unfreezing between calls (requires_grad_) changes which gradients
+         # the step computes and the optimizer applies: part of the call signature
+         tuple(p is not None and p.requires_grad for p in m._parameters.values()))
         for m in modules
     )
     if optimizer is None:
