@@ -73,25 +73,15 @@ def _sums_reduced(ctx: ExpandContext, b: SubgraphBuilder, x: Any, name: str) -> 
     return x.moved(node, dst, mask)
 
 
-@register_rule(*_NORMS)
-def _norm(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: dict) -> Any:
-    name = str(op).replace("aten.", "")
-    first = args[0]
-    if isinstance(first, (list, tuple)):
-        first = type(first)(_sums_reduced(ctx, b, x, name) for x in first)
-    else:
-        first = _sums_reduced(ctx, b, first, name)
-    return generic_expand(ctx, b, op, (first, *args[1:]), kwargs)
-
-
 _CLAMPS = [aten.clamp_.default, aten.clamp_min_.default, aten.clamp_max_.default,
            aten._foreach_clamp_min_.Scalar, aten._foreach_clamp_max_.Scalar]
 
 
-@register_rule(*_CLAMPS)
-def _clamp_(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: dict) -> Any:
-    """An in-place clamp of values with a pending sum (``clip_grad_value_``): the sum reduced
-    first (to the parameter's layout for a gradient), then each rank clamps its part."""
+@register_rule(*_NORMS, *_CLAMPS)
+def _sums_first(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: dict) -> Any:
+    """A norm, or an in-place clamp (``clip_grad_value_``), of values with a pending sum:
+    the sum reduced first (to the parameter's layout for a gradient), then DTensor's
+    strategy on each rank's part."""
     name = str(op).replace("aten.", "")
     first = args[0]
     if isinstance(first, (list, tuple)):
