@@ -64,7 +64,38 @@ def symbolic_fake_mode(*, specialize_zero_one: bool = True) -> FakeTensorMode:
     size of 1 stays a symbol too (dynamic=True: one program for every batch size).
     """
     shape_env = ShapeEnv(duck_shape=False, specialize_zero_one=specialize_zero_one)
-    return FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=False)
+    mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=False)
+    _no_folding_through_symbols(mode)
+    return mode
+
+
+def _no_folding_through_symbols(mode: FakeTensorMode) -> None:
+    """Make ``mode`` trace an op on a constant tensor that takes a symbolic number.
+
+    FakeTensorMode folds ops whose tensor inputs are all constants (``torch.tensor(1.0)``
+    made inside the step) by running them on the constants, with any SymFloat/SymInt
+    argument converted to a number: an unbacked SymFloat (a ``.item()``) becomes NaN, a
+    backed SymInt its example value (and a guard). NAdam's ``mu_product *= mu`` on the
+    call that creates its state folded to ``tensor(nan)``, and ``mu_product.item()`` put
+    that NaN into the graph as a constant. Here such a constant is dropped (with its
+    aliases) before the op runs, so the op is traced and the number stays a symbol.
+    Touches ``FakeTensorMode._dispatch_impl``, ``FakeTensor.constant`` and the
+    converter's ``invalidate_constant_aliases``."""
+    from torch.utils import _pytree as pytree
+
+    dispatch = mode._dispatch_impl
+    converter = mode.fake_tensor_converter
+
+    def _dispatch_impl(func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+        flat = pytree.arg_tree_leaves(*args, **(kwargs or {}))
+        if any(is_symbolic(a) for a in flat):
+            for a in flat:
+                if isinstance(a, FakeTensor) and a.constant is not None:
+                    converter.invalidate_constant_aliases(a.constant)
+                    a.constant = None
+        return dispatch(func, types, args, kwargs)
+
+    mode._dispatch_impl = _dispatch_impl  # type: ignore[method-assign]
 
 
 
