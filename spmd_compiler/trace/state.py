@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from .. import _private_torch as pt
-from ..errors import HostSettingError
+from ..errors import DataDependentError, HostSettingError
 
 log = logging.getLogger(__name__)
 
@@ -187,6 +187,7 @@ def collect_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
             f"expected the optimizer (second argument of the step) to be a torch.optim.Optimizer or None, "
             f"got {type(optimizer).__name__}"
         )
+    refuse_unsupported_optimizer(optimizer)
     for gi, group in enumerate(optimizer.param_groups):
         names = []
         for pi, p in enumerate(group["params"]):
@@ -205,6 +206,22 @@ def collect_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
             if key != "params":
                 state.hparams[(gi, key)] = value
     return state
+
+
+def refuse_unsupported_optimizer(optimizer: Any) -> None:
+    """Raise :class:`~spmd_compiler.errors.DataDependentError` for an optimizer whose
+    ``step()`` cannot be one program: ``LBFGS`` calls the step's closure (forward and
+    backward) again until its line search and its tests on the loss and gradients are met,
+    a number of times that depends on tensor values."""
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise DataDependentError(
+            f"{type(optimizer).__name__}.step(closure) evaluates the closure (forward and backward) a number of times "
+            "that depends on the loss and gradient values (line search, convergence tests with `if` on tensors), "
+            "and one compiled program runs a fixed sequence of ops",
+            None,
+            "use a first-order optimizer in the compiled step (torch.optim.Adam, SGD, ...), or run the LBFGS "
+            "step eagerly, without spmd_compiler.compile",
+        )
 
 
 def _fingerprint(modules: list[torch.nn.Module], optimizer: Any) -> tuple:

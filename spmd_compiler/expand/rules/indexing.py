@@ -12,8 +12,13 @@ arange over the same global size, split the same way), each rank's index holds e
 the global numbers of the rows it has: the local result is the indexed tensor's local
 rows taken at ``index - offset`` (this rank's first row), sharded where the index is;
 ``index_put`` (its backward, ``x[rows] = v``) writes each rank's own rows the same way.
-This is exact for uneven splits too (4 rows over 3 ranks: 2, 2, 0). Everything else
-goes to DTensor.
+This is exact for uneven splits too (4 rows over 3 ranks: 2, 2, 0).
+
+``x[mask] = v`` with a boolean mask of ``x``'s own shape and one value (Rprop's
+``grad[sign.eq(etaminus)] = 0``) is ``x.masked_fill(mask, v)``, a pointwise op that
+keeps every split of ``x``; DTensor's ``index_put`` strategy reads the mask as row
+numbers of dim 0 and would index a column-split ``x`` with the whole mask.
+Everything else goes to DTensor.
 """
 
 from __future__ import annotations
@@ -108,12 +113,28 @@ def _index(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs:
     return _out_tensor(b, node, spec, {})
 
 
-@register_rule(aten.index_put.default)
+def _mask_fill(x: Any, indices: list[Any], values: Any, accumulate: Any) -> bool:
+    """Whether ``index_put(x, indices, values, accumulate)`` is ``masked_fill``: one
+    boolean index of ``x``'s shape, one value, no accumulation."""
+    if accumulate or len(indices) != 1 or not isinstance(indices[0], TensorArg) or not isinstance(values, TensorArg):
+        return False
+    mask = indices[0]
+    return (mask.spec.tensor_meta.dtype == torch.bool and tuple(mask.spec.shape) == tuple(x.spec.shape)
+            and len(values.spec.shape) == 0)
+
+
+@register_rule(aten.index_put.default, aten.index_put_.default)
 def _index_put(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: dict) -> Any:
     """``x[rows, ...] = values`` (or ``+=``, the backward of the index above): each rank
     writes its own rows, taking the values of those rows, when ``values`` is split like
-    the index result or the same for every row."""
+    the index result or the same for every row. ``x[mask] = v``: ``masked_fill``."""
     x, indices, values = args[0], list(args[1]), args[2]
+    accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
+    if _mask_fill(x, indices, values, accumulate):
+        fill = aten.masked_fill_.Tensor if op is aten.index_put_.default else aten.masked_fill.Tensor
+        return generic_expand(ctx, b, fill, (x, indices[0], values), {})
+    if op is aten.index_put_.default:
+        return generic_expand(ctx, b, op, args, kwargs)
     found = _local_rows_plan(ctx, x, indices) if isinstance(values, TensorArg) and not kwargs else None
     if found is not None:
         axis, d, kb = found
