@@ -17,7 +17,9 @@ it was checked against, 2.13.0 and 2.14.1):
   and real-value propagation;
 * :mod:`.tracing`: fake modes, make_fx and fx node state, op schema facts, autograd
   hooks, inductor;
-* :mod:`.distributed`: process group names, timeouts and store, pipelining schedules.
+* :mod:`.distributed`: process group names, timeouts and store, pipelining schedules;
+* :mod:`.checkpointing`: activation checkpointing's regions and recomputation, marked while
+  tracing, and selective checkpointing's per-node policy.
 
 Submodules import one another only downwards (:mod:`.dtensor` uses :mod:`.dtensor_symbolic`,
 both use :mod:`.shapes`);
@@ -46,6 +48,7 @@ from .tracing import (
     inductor_compile, inductor_compile_symbolic, inductor_cache_counts, inductor_cache_dir,
     storage_owner, written_storages, compiled_original,
 )
+from .checkpointing import marked_checkpoints, selective_policy
 from .distributed import (
     world_info, group_name, set_group_timeout, default_store, pipeline_order, collectives_launched,
 )
@@ -65,5 +68,5 @@ __all__ = [
     "symbol_of", "unbacked_symbols", "branch_atom", "sympy_as_python", "set_real_value",
     "propagating_real_values", "real_value_branches", "is_real_value_log", "record_stack_traces_of",
     "data_dependent_exceptions", "batchnorm_base", "collectives_launched", "inductor_compile", "inductor_compile_symbolic", "inductor_cache_counts", "inductor_cache_dir",
-    "storage_owner", "written_storages",
+    "storage_owner", "written_storages", "marked_checkpoints", "selective_policy",
 ]

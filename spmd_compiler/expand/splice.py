@@ -18,6 +18,7 @@ from torch.utils import _pytree as pytree
 
 from .. import _private_torch as pt
 from ..errors import user_source_line
+from ..trace.markers import RECOMPUTE
 from .builder import OutScalar, OutTensor, Recipe, SubgraphBuilder
 from .redistribute import emit_redistribute
 from .values import DValue, RScalar
@@ -90,6 +91,8 @@ def splice_recipe(
         if record is not None:
             new.meta["spmd_origin"] = record
             new.meta["spmd_phase"] = origin.meta.get("spmd_phase", "output")
+            if RECOMPUTE in origin.meta:  # a checkpointed region's recomputation: passes keep it apart
+                new.meta[RECOMPUTE] = origin.meta[RECOMPUTE]
             if "stack_trace" in origin.meta:
                 new.meta["stack_trace"] = origin.meta["stack_trace"]
             if "spmd_comm" in n.meta:

@@ -7,7 +7,14 @@ same value can appear several times. This pass
   never across a write to an input (positions decide), never for values that are
   later written in place (two optimizer states must not share storage), and never an
   FSDP parameter gather made for backward with the forward's under
-  ``Plan(reshard_after_forward=True)`` (that would keep the full parameter alive);
+  ``Plan(reshard_after_forward=True)`` (that would keep the full parameter alive), and
+  never a node of a checkpointed region's recomputation (``meta[RECOMPUTE]``) with one
+  outside that recomputation: merged into the forward's node, the recomputation is gone
+  and the activation it was to recompute lives from forward to backward again, the
+  memory checkpointing saves (a GPT's static peak per rank stayed at 10.08 MiB with
+  checkpointing instead of 4.62 MiB). Values computed from parameters and buffers alone
+  (``t(weight)``, a parameter gather under ``reshard_after_forward=False``) are shared:
+  they hold no activation;
 * folds an all_gather whose result is immediately narrowed back to this rank's own chunk
   (``Shard -> Replicate -> Shard`` on the same dim and axis): the narrow is the input.
 
@@ -28,6 +35,7 @@ import torch
 import torch.fx as fx
 
 from ..expand.splice import FSDP_GATHER, RANK_SIZES
+from ..trace.markers import RECOMPUTE
 from .graph_utils import alias_root, is_collective, is_pure, is_wait, positions, writes_by_root, written_roots, written_through
 
 __all__ = ["remove_redundant_collectives_pass", "cse_pass"]
@@ -47,16 +55,31 @@ def _key(x: Any) -> Any:
     return (type(x).__name__, repr(x))
 
 
+def _from_state(node: fx.Node, memo: dict[fx.Node, bool]) -> bool:
+    """Whether ``node`` is computed from parameters, buffers and mesh coordinates alone."""
+    if node in memo:
+        return memo[node]
+    if node.op == "placeholder":
+        inp = node.meta.get("spmd_input")
+        out = "spmd_coord" in node.meta or (inp is not None and inp.kind in ("param", "buffer"))
+    else:
+        out = node.op == "call_function" and all(_from_state(a, memo) for a in node.all_input_nodes)
+    memo[node] = out
+    return out
+
+
 def cse_pass(gm: fx.GraphModule) -> fx.GraphModule:
     """Merge identical pure nodes when no input is written in place between them and the
     result itself is never written in place (two optimizer states must not share
     storage). A parameter read in forward and again in backward (an FSDP gather, before
     the optimizer updates it) is one value, unless its gathers are marked per phase
-    (``FSDP_GATHER``: the plan reshards after forward)."""
+    (``FSDP_GATHER``: the plan reshards after forward). A checkpointed region's
+    recomputation is merged only within itself (values of parameters alone excepted)."""
     written = written_through(gm)
     writes = writes_by_root(gm)
     pos = positions(gm)
     seen: dict[Any, fx.Node] = {}
+    from_state: dict[fx.Node, bool] = {}
     for node in list(gm.graph.nodes):
         if node.op != "call_function":
             continue
@@ -64,7 +87,10 @@ def cse_pass(gm: fx.GraphModule) -> fx.GraphModule:
             continue
         if node in written or RANK_SIZES in node.meta:  # sizes differ per rank: merging would be rank-specific
             continue
-        key = (node.target, _key(node.args), _key(node.kwargs), node.meta.get(FSDP_GATHER))
+        region = node.meta.get(RECOMPUTE)
+        if region is not None and _from_state(node, from_state):
+            region = None  # holds no activation: the forward's serves the recomputation
+        key = (node.target, _key(node.args), _key(node.kwargs), node.meta.get(FSDP_GATHER), region)
         prev = seen.get(key)
         if prev is None or any(pos[prev] < pos[w] < pos[node] for a in node.all_input_nodes for w in writes.get(alias_root(a), ())):
             seen[key] = node  # first of its kind, or an input changed since the last one

@@ -13,6 +13,7 @@ Plans follow Megatron-LM: attention q/k/v and MLP fc are split by output feature
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import Replicate, Shard
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
 from ..plan import Plan
 
@@ -57,6 +59,10 @@ class GPTConfig:
     layers: int = 2
     mlp_ratio: int = 4
     tie_embeddings: bool = False
+    # activation checkpointing of each block: None (off), "full" (torch.utils.checkpoint),
+    # or the aten ops whose outputs are saved (torchtitan's selective policy: those are not
+    # recomputed, the rest is)
+    checkpoint: Any = None
 
 
 class Attention(nn.Module):
@@ -113,8 +119,21 @@ class GPT(nn.Module):
         t = ids.shape[1]
         x = self.tok(ids) + self.pos(torch.arange(t, device=ids.device))
         for block in self.blocks:
-            x = block(x)
+            x = block(x) if self.cfg.checkpoint is None else checkpoint(
+                block, x, use_reentrant=False, context_fn=_checkpoint_contexts(self.cfg.checkpoint))
         return self.head(self.ln(x))
+
+
+def _checkpoint_contexts(mode: Any) -> Any:
+    """``context_fn`` of ``torch.utils.checkpoint`` for :attr:`GPTConfig.checkpoint`."""
+    if mode == "full":
+        return noop_context_fn
+    save = frozenset(mode)
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return functools.partial(create_selective_checkpoint_contexts, policy)
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,13 @@ records it and dead-code elimination keeps it. The tracer inserts ``"backward"``
 Users place ``pipe_split`` markers (``tag="pipe_split"``) for pipeline stages.
 While the step is traced, an LR scheduler's ``step()`` raises
 (:func:`refuse_scheduler_steps`): inside the step it would run once, at the trace.
+
+Activation checkpointing (``torch.utils.checkpoint``): a checkpointed region's forward is
+bracketed by ``checkpoint:<i>`` / ``checkpoint_end:<i>`` markers, and its recomputation in
+backward by ``recompute:<i>`` / ``recompute_end:<i>`` (:func:`recompute_markers`). The
+nodes of the forward get ``node.meta[CHECKPOINTED] = i``, those of the recomputation
+``node.meta[RECOMPUTE] = i``; the latter keep it through expansion, so passes can tell a
+recomputation from the forward it repeats (they must not merge them).
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from torch.fx.node import has_side_effect
 from ..errors import HostSettingError, user_frame_here
 
 __all__ = ["marker", "MARKER", "phase_markers", "tag_phases", "PHASES", "pipe_split", "SplitPoint", "split_point_hooks", "PIPE_SPLIT",
-           "refuse_scheduler_steps"]
+           "refuse_scheduler_steps", "recompute_markers", "RECOMPUTE", "CHECKPOINTED"]
 
 _lib = torch.library.Library("spmd_compiler", "DEF")
 _lib.define("marker(str tag) -> ()")
@@ -48,6 +55,20 @@ def marker(tag: str) -> None:
 
 
 PIPE_SPLIT = "pipe_split"
+# node.meta keys: the checkpointed region (an int) whose recomputation in backward computed
+# the node / whose forward computed it
+RECOMPUTE = "spmd_recompute"
+CHECKPOINTED = "spmd_checkpointed"
+_REGION_TAGS = {"checkpoint": CHECKPOINTED, "recompute": RECOMPUTE}
+
+
+@contextlib.contextmanager
+def recompute_markers() -> Iterator[None]:
+    """While tracing: mark each checkpointed region's forward and recomputation (see module doc)."""
+    from .. import _private_torch as pt
+
+    with pt.marked_checkpoints(lambda what, i: marker(f"{what}:{i}")):
+        yield
 
 
 def pipe_split() -> None:
@@ -145,12 +166,28 @@ def tag_phases(gm: fx.GraphModule) -> None:
     within the step) computes the next micro-batch's forward between them: what lies
     between one backward's end and the next backward is ``forward``. The output node
     (and what rebuild adds for it, such as reducing a Partial loss) is ``output``.
+    Nodes between ``checkpoint:<i>`` and ``checkpoint_end:<i>`` markers get
+    ``meta[CHECKPOINTED] = i``, between ``recompute:<i>`` and ``recompute_end:<i>``
+    ``meta[RECOMPUTE] = i`` (the innermost region); those markers are erased too.
     Other markers (pipe_split) are left in place.
     """
     phase = "forward"
     tags = {"backward": "backward", "backward_end": "optimizer", "optimizer": "optimizer", "optimizer_end": "optimizer"}
     since_backward: list[fx.Node] = []  # optimizer-phase nodes since the last marker
+    regions: list[tuple[str, int]] = []  # (meta key, region) the node is in, innermost last
     for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is MARKER and node.args[0].split(":")[0].removesuffix("_end") in _REGION_TAGS:
+            tag, _, region = node.args[0].partition(":")
+            entry = (_REGION_TAGS[tag.removesuffix("_end")], int(region))
+            if not tag.endswith("_end"):
+                regions.append(entry)
+            elif entry in regions:
+                regions.remove(entry)
+            gm.graph.erase_node(node)
+            continue
+        if regions and node.op == "call_function":
+            key, region = regions[-1]
+            node.meta[key] = region
         if node.op == "call_function" and node.target is MARKER and node.args[0] in tags:
             tag = node.args[0]
             if tag == "backward":

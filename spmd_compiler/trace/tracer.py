@@ -22,10 +22,11 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
 from .. import _private_torch as pt
+from .checkpointing import recompute_selected
 from .decompositions import decomposition_table
 from .host_values import HostSnapshot, as_data_dependent_error, check_data_dependent_shapes, user_outputs, with_batch_sizes_named
 from .grad_links import gradient_links
-from .markers import phase_markers, refuse_scheduler_steps, split_point_hooks, tag_phases
+from .markers import phase_markers, recompute_markers, refuse_scheduler_steps, split_point_hooks, tag_phases
 from .rewrites import contiguous_copies_written, symbolic_size_rewrites, traceable_scalars
 from .rng import RngLedger, replay_recomputed_draws, rng_replay
 from .state import collect_state, hparam_tensor, swapped_state
@@ -228,7 +229,7 @@ def trace(
     try:
         with phase_markers(optimizer), pt.preserve_node_meta(), split_point_hooks(model, split_points), \
                 host_scalar_values(mode, optimizer, bool(scalars)), traceable_scalars(), rng_replay(ledger), \
-                pt.size_oblivious(dynamic), rewrites, refuse_scheduler_steps():
+                pt.size_oblivious(dynamic), rewrites, refuse_scheduler_steps(), recompute_markers():
             gm = make_fx(
                 functional_step,
                 decomposition_table=decomposition_table(),
@@ -263,6 +264,9 @@ def trace(
 
     replay_recomputed_draws(gm, ledger)
     tag_phases(gm)
+    recomputed = recompute_selected(gm)  # selective activation checkpointing's policy
+    if recomputed:
+        log.info("selective activation checkpointing: %d forward nodes recomputed in backward", recomputed)
     _cleanup(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     # make_fx makes one placeholder per argument of functional_step, in order; from here
