@@ -13,6 +13,7 @@ import torch.fx as fx
 
 from .. import _private_torch as pt
 from ..expand.redistribute import COLLECTIVE_OPS
+from ..trace.markers import RECOMPUTE
 
 __all__ = [
     "is_inplace",
@@ -218,9 +219,16 @@ def hoist(
     """Move ``node`` (and its prep chain) to right after the latest of its inputs, or after
     ``not_before`` if that is later (the prep chain too: a fused gather's copy-in buffer is
     not made long before its collective). Never moves a node past a write to one of its
-    inputs. ``pos`` (from :func:`positions`) is kept up to date; pass ``writes`` (from
-    :func:`writes_by_root`) when hoisting many nodes."""
+    inputs, and never a node of a checkpointed region's recomputation (``meta[RECOMPUTE]``)
+    before the region's first node: it would run in forward and hold its result until
+    backward, the memory checkpointing saves. ``pos`` (from :func:`positions`) is kept up
+    to date; pass ``writes`` (from :func:`writes_by_root`) when hoisting many nodes."""
     writes = writes if writes is not None else writes_by_root(gm)
+    region = node.meta.get(RECOMPUTE)
+    if region is not None:
+        first = min((n for n in gm.graph.nodes if n.meta.get(RECOMPUTE) == region), key=lambda n: pos[n])
+        if first.prev.op != "root" and (not_before is None or pos[first.prev] > pos[not_before]):
+            not_before = first.prev
     if is_collective(node):
         for prep in reversed(prep_chain(node)):
             hoist(gm, prep, pos, not_before=not_before, writes=writes)
