@@ -7,6 +7,7 @@ Stages (one subpackage each): ``trace`` -> ``expand`` -> ``rebuild`` -> ``optimi
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from .errors import (
+    CheckpointError,
     CollectiveError,
     DataDependentError,
     HostSettingError,
@@ -50,6 +51,7 @@ __all__ = [
     "UnevenShardingError",
     "RankMismatchError",
     "CollectiveError",
+    "CheckpointError",
     "DataDependentError",
     "HostValueError",
     "HostSettingError",

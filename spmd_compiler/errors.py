@@ -188,6 +188,25 @@ class CollectiveError(SpmdError):
 __all__ += ["CollectiveError"]
 
 
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded whole (a damaged or missing shard file, a key,
+    shape or dtype other than the model and plan expect). Raised by
+    ``step.load_checkpoint`` before anything is written: the model and optimizer are left
+    as they were. Attributes: ``path`` (the checkpoint folder), ``files`` (the damaged
+    files, relative to it; empty when the files are fine but their content does not fit)."""
+
+    def __init__(self, path: str, what: str, files: list[str] | None = None, fix: str | None = None) -> None:
+        self.path, self.files = path, list(files or [])
+        named = f" (damaged: {', '.join(self.files)})" if self.files else ""
+        super().__init__(
+            f"cannot load checkpoint {path}{named}: {what}. Nothing was loaded: the model and the optimizer are as "
+            f"they were before the call.\n  fix: {fix or 'load an intact checkpoint (an earlier one, or save this one again)'}"
+        )
+
+
+__all__ += ["CheckpointError"]
+
+
 class DataDependentError(SpmdError):
     """The step's Python control flow or an op's output shape depends on tensor values
     (``if loss > 0:``, ``x[mask]``, ``.item()`` used as a size), which one compiled

@@ -18,6 +18,7 @@ it was checked against, 2.13.0 and 2.14.1):
 * :mod:`.tracing`: fake modes, make_fx and fx node state, op schema facts, autograd
   hooks, inductor;
 * :mod:`.distributed`: process group names, timeouts and store, pipelining schedules;
+* :mod:`.dcp`: torch.distributed.checkpoint's stored items and key flattening;
 * :mod:`.checkpointing`: activation checkpointing's regions and recomputation, marked while
   tracing, and selective checkpointing's per-node policy.
 
@@ -49,6 +50,7 @@ from .tracing import (
     storage_owner, written_storages, compiled_original,
 )
 from .checkpointing import marked_checkpoints, selective_policy
+from .dcp import StoredItem, flatten_state, item_is_readable, read_checkpoint_metadata, stored_items
 from .distributed import (
     world_info, group_name, set_group_timeout, default_store, pipeline_order, collectives_launched,
 )
@@ -69,4 +71,5 @@ __all__ = [
     "propagating_real_values", "real_value_branches", "is_real_value_log", "record_stack_traces_of",
     "data_dependent_exceptions", "batchnorm_base", "collectives_launched", "inductor_compile", "inductor_compile_symbolic", "inductor_cache_counts", "inductor_cache_dir",
     "storage_owner", "written_storages", "marked_checkpoints", "selective_policy",
+    "StoredItem", "flatten_state", "item_is_readable", "read_checkpoint_metadata", "stored_items",
 ]

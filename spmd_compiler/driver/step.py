@@ -37,6 +37,7 @@ from .agreement import check_agreement, exchange
 from .batch import signature, why_recompile
 from .batch_digest import batch_digests, value_slots, values_error
 from .build import Options
+from .checkpoint import DriverCheckpoints
 from .distribute import distribute_state, is_distributed
 from .failure import collective_failure
 from .guard import GuardError, Resync, StepGuard
@@ -66,7 +67,7 @@ class Program:
     slot: int = 1  # its id in the cache, 1 to cache_size, the same on every rank (carried by a folded check)
 
 
-class StepDriver(DriverIntrospection):
+class StepDriver(DriverIntrospection, DriverCheckpoints):
     """A training step compiled for a mesh; call it like the original step.
 
     Attributes:
@@ -132,7 +133,6 @@ class StepDriver(DriverIntrospection):
         model = unwrap_compiled(model)
         if not is_distributed(model):
             distribute_state(model, optimizer, self.mesh, self.plan)
-
     def _state(self, model: torch.nn.Module, optimizer: Any) -> Any:
         """The named state of ``model``/``optimizer`` (cached between calls; while a cached
         program runs, the state its call signature was computed from, with no second
