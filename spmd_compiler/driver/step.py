@@ -37,6 +37,7 @@ from .agreement import check_agreement, exchange
 from .batch import signature, why_recompile
 from .batch_digest import batch_digests, value_slots, values_error
 from .build import Options
+from .cache_watch import CacheWatch
 from .checkpoint import DriverCheckpoints
 from .distribute import distribute_state, is_distributed
 from .failure import collective_failure
@@ -99,6 +100,7 @@ class StepDriver(DriverIntrospection, DriverCheckpoints):
         self._pinned: tuple[Any, Any, Any] | None = None  # (model, optimizer, state) while a cached program runs
         _LIVE.add(self)
         self._programs: OrderedDict[Any, Program] = OrderedDict()  # by every rank's signature, least recent first
+        self._watch = CacheWatch(self.options.cache_size)  # warns once when the cache thrashes
         self._current: Program | None = None  # the program every rank agreed on last
         self._guard: StepGuard | None = None
         self.checks: Counter[str] = Counter()  # steps per check path ("folded", "standalone", "resync (folded)", ...)
@@ -302,8 +304,10 @@ class StepDriver(DriverIntrospection, DriverCheckpoints):
             assert broken is None, broken  # compiled for these sizes
             everyone = self._sizes.new_key(self._programs, tuple(p[1] for p in payloads), reason)
         while everyone not in self._programs and len(self._programs) >= self.options.cache_size:
-            _, old = self._programs.popitem(last=False)
+            dropped, old = self._programs.popitem(last=False)
+            self._watch.drop(dropped)
             log.info("compile cache full (cache_size=%d): dropped the least recently used program (%s)", self.options.cache_size, old.reason)
+        self._watch.compiled(everyone, compiles=self.compiles, calls=self.calls, seconds=program.compile_seconds)
         # its id, carried by a folded check (fold.py): the lowest slot free, the same on every rank (the cache is)
         used = {p.slot for k, p in self._programs.items() if k != everyone}
         program.slot = min(set(range(1, self.options.cache_size + 1)) - used)
