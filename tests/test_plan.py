@@ -161,3 +161,10 @@ def test_reshard_after_forward_is_a_bool_defaulting_to_fully_shards():
     assert sc.Plan(fsdp_axes=("dp",)).reshard_after_forward is True  # fully_shard's default
     with pytest.raises(TypeError, match=r"reshard_after_forward='no'.*expected True .* or False .*fix: pass a bool"):
         sc.Plan(fsdp_axes=("dp",), reshard_after_forward="no")
+
+
+@pytest.mark.parametrize("axes", [None, "dp", 0, ("dp", 1.5)])
+def test_fsdp_axes_must_be_a_tuple_of_axis_names_or_indices(axes):
+    with pytest.raises(TypeError, match=r"Plan\(fsdp_axes=.*\): expected a tuple of mesh axis names or indices.*fix: fsdp_axes=\('dp',\)"):
+        sc.Plan(fsdp_axes=axes)
+    assert sc.Plan(fsdp_axes=["dp", 1]).fsdp_axes == ["dp", 1]

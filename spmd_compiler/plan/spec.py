@@ -94,6 +94,15 @@ class Plan:
     defer_grad_sync: bool = False
 
     def __post_init__(self) -> None:
+        axes = self.fsdp_axes
+        if isinstance(axes, (str, bytes)) or not isinstance(axes, (tuple, list)) or not all(
+                isinstance(a, str) or (isinstance(a, int) and not isinstance(a, bool)) for a in axes):
+            raise TypeError(
+                f"Plan(fsdp_axes={axes!r}): expected a tuple of mesh axis names or indices (the axes over which "
+                f"parameters are stored sharded and gathered for compute), got a {type(axes).__name__}"
+                f"{'' if not isinstance(axes, (tuple, list)) else ' with ' + ', '.join(sorted({type(a).__name__ for a in axes}))}. "
+                f"fix: fsdp_axes=('dp',) (or (0,)), or leave it out for no FSDP"
+            )
         if not isinstance(self.defer_grad_sync, bool):
             raise TypeError(
                 f"Plan(defer_grad_sync={self.defer_grad_sync!r}): expected True (gradients kept across calls stay "
