@@ -149,3 +149,23 @@ def test_every_rank_that_failed_to_compile_is_named(monkeypatch):
     monkeypatch.setattr(agreement, "fingerprint", lambda gm, groups, with_sizes: _A)
     with pytest.raises(RankMismatchError, match=r"^ranks 1, 3 failed to compile the step \(rank 1: ValueError: bad\)"):
         agreement.check_agreement(object(), {}, with_sizes=True, error=None)
+
+
+def test_an_input_dtype_that_differs_on_one_rank_is_named():
+    """A rank called with a float32 batch where the others pass float64: the first
+    difference is the input itself, and the message says dtype (it used to point at a
+    _to_copy deep in the graph)."""
+    from spmd_compiler.testing.models import MLP, mse_train_step
+
+    mesh = fake_mesh((2,), ("dp",))
+    try:
+        programs = []
+        for dtype in (torch.float64, torch.float32):
+            model = MLP(4, 8).double()
+            x = torch.randn(4, 4, dtype=dtype)
+            step = sc.expand(sc.trace(mse_train_step, model, torch.optim.SGD(model.parameters(), lr=0.1), x, x), mesh)
+            programs.append(fingerprint(step.gm, _groups(step)))
+    finally:
+        torch.distributed.destroy_process_group()
+    with pytest.raises(RankMismatchError, match=r"in_batch_0 .*dtype=torch\.float64.*rank 1 has %in_batch_0 .*dtype=torch\.float32.*fix: .*dtypes"):
+        compare_fingerprints(programs, rank=1)

@@ -69,9 +69,18 @@ def fingerprint(gm: fx.GraphModule, group_axes: dict[str, str], *, with_sizes: b
         # a collective's sizes (group_size, split sizes) must agree even where shards are uneven
         sizes = _keeps_sizes(node, with_sizes)
         text = f"{node.op} {target} {_canon(node.args, index, group_axes, sizes)} {_canon(node.kwargs, index, group_axes, sizes)}"
+        if node.op == "placeholder":  # an input's dtype (and shape) as this rank was called with it
+            text += _input_text(node, with_sizes)
         shown = text if len(text) <= 160 else text[:157] + "..."
         out.append((f"%{node.name} = {shown}", hashlib.sha1(text.encode()).hexdigest()[:12]))
     return out
+
+
+def _input_text(node: fx.Node, with_sizes: bool) -> str:
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return ""
+    return f" dtype={val.dtype}" + (f" shape={tuple(val.shape)}" if with_sizes else "")
 
 
 def comm_device(group: Any = None) -> torch.device:
@@ -191,7 +200,7 @@ def compare_fingerprints(everyone: list[list[tuple[str, str]]], rank: int = 0) -
     shown = [everyone[g[0]][node][0] for g in groups if node < len(everyone[g[0]])]
     if len(shown) == len(groups) and len(set(shown)) == 1:  # same short text: check_agreement adds the whole node
         err = RankMismatchError(
-            f"{head} ({shown[0]}), past the part shown. fix: make the model, plan, batch shapes and Python "
+            f"{head} ({shown[0]}), past the part shown. fix: make the model, plan, batch shapes and dtypes and Python "
             f"scalars the step uses identical on every rank (uneven batch sizes are fine only along the sharded dim)."
         )
         err.node_index = node  # type: ignore[attr-defined]
@@ -200,6 +209,6 @@ def compare_fingerprints(everyone: list[list[tuple[str, str]]], rank: int = 0) -
     here = [groups[0]] + [g for g, i in zip(groups[1:], first) if i == node]
     later = "".join(f"; {_ranks(g)} first differ{'s' * (len(g) == 1)} at node {i}" for g, i in zip(groups[1:], first) if i != node)
     raise RankMismatchError(
-        f"{head}: {_holds(here, texts)}{later}. fix: make the model, plan and batch shapes "
+        f"{head}: {_holds(here, texts)}{later}. fix: make the model, plan, batch shapes and dtypes "
         f"identical on every rank (uneven batch sizes are fine only along the sharded dim)."
     )
