@@ -7,12 +7,23 @@ the node the per-rank program was running (from the generated code's line), its
 collective's provenance (kind, mesh axis, which value, which traced node, the user's
 source line), and a roll call through the rendezvous store: every surviving rank writes
 where it failed and waits a few seconds for the others; the ranks that never write are
-named as not having arrived (dead, or stuck elsewhere).
+named as not having arrived.
+
+Not arriving is not dying. A rank blocked in the same collective on a live peer (a ring
+all_reduce: rank 0 waits for rank 1's data while rank 1, next to the dead rank 2, has
+already failed) fails only when that peer's process ends or its own timeout passes, after
+the roll call: it used to be named with the dead ("rank(s) [0, 2] did not report ...
+(dead, or stuck elsewhere)" about a live rank 0). So every rank of a step keeps a
+heartbeat in the store (:func:`start_heartbeat`: a daemon thread adds 1 to its counter
+every second, also while the main thread waits in a collective, which releases the GIL),
+and the roll call tells the ranks whose counter moved during its wait (alive, blocked in a
+collective or elsewhere) from those whose did not (dead, or hung with the GIL held).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import traceback
 from typing import Any
@@ -24,11 +35,42 @@ from .. import _private_torch as pt
 from ..errors import CollectiveError, user_source_line
 from ..optimize.graph_utils import is_collective, is_wait
 
-__all__ = ["collective_failure", "failed_node", "is_collective_node"]
+__all__ = ["collective_failure", "failed_node", "is_collective_node", "start_heartbeat"]
 
 log = logging.getLogger(__name__)
 
 ROLL_CALL_SECONDS = 5.0
+HEARTBEAT_SECONDS = 1.0
+_HEARTBEAT = "spmd_compiler/heartbeat"
+_beating: dict[int, threading.Thread] = {}  # id of the store -> its heartbeat thread (one per process)
+
+
+def start_heartbeat() -> None:
+    """Start this process's heartbeat (once; a daemon thread): ``store.add`` of 1 to its
+    rank's counter every :data:`HEARTBEAT_SECONDS`. Stops quietly when the store goes."""
+    store = pt.default_store()
+    if store is None or not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    if id(store) in _beating and _beating[id(store)].is_alive():
+        return
+    key = f"{_HEARTBEAT}/{dist.get_rank()}"
+
+    def beat() -> None:
+        while True:
+            try:
+                store.add(key, 1)
+            except Exception:  # the store (on rank 0) went away, or the group was torn down
+                return
+            time.sleep(HEARTBEAT_SECONDS)
+
+    thread = threading.Thread(target=beat, name="spmd_compiler heartbeat", daemon=True)
+    _beating[id(store)] = thread
+    thread.start()
+
+
+def _beats(store: Any, ranks: list[int]) -> dict[int, int]:
+    """The heartbeat counters of ``ranks`` (-1 for a rank that has none)."""
+    return {r: int(store.add(f"{_HEARTBEAT}/{r}", 0)) if store.check([f"{_HEARTBEAT}/{r}"]) else -1 for r in ranks}
 
 
 def failed_node(error: BaseException, runner: Any) -> fx.Node | None:
@@ -66,24 +108,51 @@ def _provenance(node: fx.Node) -> str:
 
 
 def _roll_call(tag: str, what: str) -> str:
-    """Write this rank's failure to the store and name the ranks that do not write theirs."""
+    """Write this rank's failure to the store and name the ranks that do not write theirs.
+
+    The store lives in rank 0's process. Rank 0 stays until every rank that reported has
+    finished its roll call (``done``), so a survivor still waiting for a dead peer is not
+    cut off by rank 0 raising and its process exiting, which used to be reported as
+    "rank 0 may be the rank that died" about a live rank 0. Should the store go away all
+    the same after rank 0 reported, the message says so instead of blaming rank 0."""
     store = pt.default_store()
     if store is None or not dist.is_initialized():
         return "no rendezvous store to ask which ranks are alive"
     rank, world = dist.get_rank(), dist.get_world_size()
+    key = f"spmd_compiler/failure/{tag}"
+    missing = list(range(world))
     try:
-        store.set(f"spmd_compiler/failure/{tag}/{rank}", what)
-        missing = list(range(world))
+        store.set(f"{key}/{rank}", what)
+        before = _beats(store, [r for r in range(world) if r != rank])
         deadline = time.monotonic() + ROLL_CALL_SECONDS
         while missing and time.monotonic() < deadline:
-            missing = [r for r in missing if not store.check([f"spmd_compiler/failure/{tag}/{r}"])]
+            missing = [r for r in missing if not store.check([f"{key}/{r}"])]
             if missing:
                 time.sleep(0.1)
-    except Exception as e:  # the store lives on rank 0's host: it may be the one that died
+        after = _beats(store, missing)
+        store.set(f"{key}/done/{rank}", "1")
+        if rank == 0:  # keep the store up for the ranks still calling the roll
+            reported = [r for r in range(world) if r not in missing]
+            until = time.monotonic() + ROLL_CALL_SECONDS + 1.0
+            while time.monotonic() < until and not all(store.check([f"{key}/done/{r}"]) for r in reported):
+                time.sleep(0.1)
+    except Exception as e:  # the store lives on rank 0's host
+        if 0 not in missing:
+            left = [r for r in missing if r != rank]
+            return (f"the rendezvous store (on rank 0, which reported the same failure) closed during the roll call "
+                    f"({type(e).__name__})" + (f"; rank(s) {left} had not reported by then (dead, or stuck elsewhere)" if left else ""))
         return f"could not reach the rendezvous store ({type(e).__name__}); rank 0, which hosts it, may be the rank that died"
     if not missing:
         return "every rank reported the same failure"
-    return f"rank(s) {missing} did not report within {ROLL_CALL_SECONDS:.0f}s (dead, or stuck elsewhere)"
+    alive = [r for r in missing if after[r] > before.get(r, -1) >= 0]
+    silent = [r for r in missing if r not in alive]
+    parts = []
+    if silent:
+        parts.append(f"rank(s) {silent} did not report within {ROLL_CALL_SECONDS:.0f}s and their heartbeat stopped (dead, or hung)")
+    if alive:
+        parts.append(f"rank(s) {alive} are alive (their heartbeat goes on) but did not report: blocked in a collective "
+                     f"(waiting for a rank above) or busy elsewhere")
+    return "; ".join(parts)
 
 
 def collective_failure(

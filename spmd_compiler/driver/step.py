@@ -40,7 +40,7 @@ from .build import Options
 from .cache_watch import CacheWatch
 from .checkpoint import DriverCheckpoints
 from .distribute import distribute_state, is_distributed
-from .failure import collective_failure
+from .failure import collective_failure, start_heartbeat
 from .guard import GuardError, Resync, StepGuard
 from .introspect import DriverIntrospection
 from .mesh import _LIVE, as_mesh
@@ -247,7 +247,10 @@ class StepDriver(DriverIntrospection, DriverCheckpoints):
             self._sizes = self._batch_sizes(self._guard.group is not None)
             if self._sizes is None:  # the sizes cannot ride in the step check: one program per shape
                 self.options = dataclasses.replace(self.options, dynamic=False)
-        if timeout is None or not dist.is_initialized() or dist.get_backend() == "fake":
+        if not dist.is_initialized() or dist.get_backend() == "fake":
+            return
+        start_heartbeat()  # a roll call after a failed collective tells blocked ranks from dead ones
+        if timeout is None:
             return
         for axis in range(self.mesh.ndim):
             pt.set_group_timeout(self.mesh.get_group(axis), timeout)
