@@ -12,6 +12,7 @@ from .errors import (
     DataDependentError,
     HostSettingError,
     HostValueError,
+    IntentError,
     RankMismatchError,
     SpmdError,
     UnevenShardingError,
@@ -55,4 +56,5 @@ __all__ = [
     "DataDependentError",
     "HostValueError",
     "HostSettingError",
+    "IntentError",
 ]

@@ -188,6 +188,26 @@ class CollectiveError(SpmdError):
 __all__ += ["CollectiveError"]
 
 
+class IntentError(SpmdError):
+    """The per-rank program lost part of what the step wrote (``compile(check_intent=True)``,
+    on in the test harness; ``spmd_compiler/driver/intent.py``): a recomputation merged
+    away, a host number computed from a NaN, a parameter update or a whole phase gone.
+    Attributes: ``where`` (the trace, expansion or the pass that lost it), ``losses``."""
+
+    def __init__(self, where: str, losses: list[str]) -> None:
+        self.where, self.losses = where, list(losses)
+        name = where.removeprefix("pass ")
+        fix = (f"compile(..., passes_disabled=({name},)) compiles without that pass" if where.startswith("pass ")
+               else "compile(..., check_intent=False) runs the program as it is (with the loss above)")
+        shown = self.losses[:5] + ([f"... and {len(self.losses) - 5} more"] if len(self.losses) > 5 else [])
+        lines = [f"the per-rank program lost what the step wrote, in {where}:"] + [f"  - {loss}" for loss in shown]
+        lines += ["  this is a bug in spmd-compiler; please report it with this message", f"  fix for now: {fix}"]
+        super().__init__("\n".join(line if len(line) <= 600 else line[:597] + "..." for line in lines))
+
+
+__all__ += ["IntentError"]
+
+
 class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded whole (a damaged or missing shard file, a key,
     shape or dtype other than the model and plan expect). Raised by

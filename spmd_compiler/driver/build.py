@@ -62,6 +62,11 @@ class Options:
         backend: what runs the per-rank program: "eager" (one aten call per node, from
             generated straight-line Python) or "inductor" (the whole program compiled by
             torch's inductor; a program it cannot compile runs eagerly, with a WARNING).
+        check_intent: check at every compile that the per-rank program kept what the step
+            wrote (:mod:`.intent`: no host number from a NaN, every activation-checkpointing
+            recomputation, every parameter update, every phase), after the trace, the
+            expansion and every pass; IntentError names where it was lost. Off by default
+            (about 1% of a compile); on in the test harness.
     """
 
     fallback: str = "replicate"
@@ -77,6 +82,7 @@ class Options:
     rng: str = "exact"
     backend: str = "eager"
     dynamic: bool = False
+    check_intent: bool = False
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -88,6 +94,8 @@ class Options:
             raise ValueError(f"rng={self.rng!r}: expected one of {list(RNG)} (see docs/randomness.md)")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend={self.backend!r}: expected one of {list(BACKENDS)} (the per-rank program's runner)")
+        if not isinstance(self.check_intent, bool):
+            raise ValueError(f"check_intent={self.check_intent!r}: expected True (check the program against its trace) or False")
         if not isinstance(self.dynamic, bool):
             raise ValueError(f"dynamic={self.dynamic!r}: expected True (one program for every batch size) or False")
         if self.dynamic and self.symbolic == "none":
@@ -192,13 +200,15 @@ def expand(
 
 
 def optimize_program(
-    step: ExpandedStep, passes: Sequence[Any], *, disabled: Sequence[str] = (), texts: dict[str, Any] | None = None
+    step: ExpandedStep, passes: Sequence[Any], *, disabled: Sequence[str] = (), texts: dict[str, Any] | None = None,
+    check: Callable[[str, Any], None] | None = None,
 ) -> ExpandedStep:
     """Stage 4 on ``step`` (its ``gm`` is replaced); with ``texts``, the annotated graph
-    before and after every pass is recorded there for a dump."""
+    before and after every pass is recorded there for a dump; ``check(name, gm)`` runs
+    after every pass (the intent check)."""
     from ..optimize import run_passes
 
-    after: Callable[[str, Any], None] | None = None
+    after: Callable[[str, Any], None] | None = check
     if texts is not None:
         from ..dump.printer import annotated_code
         from ..dump.sizes import SizeContext
@@ -211,6 +221,8 @@ def optimize_program(
 
         def record(name: str, gm: Any) -> None:
             texts["passes"].append((name, annotated_code(gm, title=f"after pass {name}", sizes=sizes)))
+            if check is not None:
+                check(name, gm)
 
         after = record
 
@@ -262,7 +274,14 @@ def build_program(
             )
         else:
             step = expand(traced, mesh, plan, coordinate=coordinate, fallback=options.fallback, cache=cache, rng=options.rng)
-    step = optimize_program(step, options.pass_list(), disabled=options.passes_disabled, texts=texts)
+    check = None
+    if options.check_intent:
+        from .intent import check_intent, check_trace
+
+        intent = check_trace(traced.gm)
+        check_intent(intent, step.gm, "expansion")
+        check = lambda name, gm: check_intent(intent, gm, f"pass {name!r}")  # noqa: E731
+    step = optimize_program(step, options.pass_list(), disabled=options.passes_disabled, texts=texts, check=check)
     if step.size_symbols:  # after the passes: every decision on a size symbol is a guard by now
         shape_env = pt.shape_env_of(pt.fake_mode_of(traced.placeholders()[step.size_symbols[0].index].meta["val"]))
         step.size_guards = SizeGuards(shape_env, step.size_symbols, step.size_definitions, step.size_coordinates,

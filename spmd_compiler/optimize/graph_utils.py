@@ -225,7 +225,7 @@ def hoist(
     to date; pass ``writes`` (from :func:`writes_by_root`) when hoisting many nodes."""
     writes = writes if writes is not None else writes_by_root(gm)
     region = node.meta.get(RECOMPUTE)
-    if region is not None:
+    if region is not None and not (is_collective(node) and _reads_state_only(node)):  # a parameter gather may prefetch
         first = min((n for n in gm.graph.nodes if n.meta.get(RECOMPUTE) == region), key=lambda n: pos[n])
         if first.prev.op != "root" and (not_before is None or pos[first.prev] > pos[not_before]):
             not_before = first.prev
@@ -245,6 +245,16 @@ def hoist(
                 anchor = w
     if anchor is not node.prev:
         move_after(node, anchor, pos)
+
+
+def _reads_state_only(collective: fx.Node) -> bool:
+    """The collective's input (through its prep chain) is a graph input's storage (a
+    parameter shard an FSDP gather reads): it holds no activation, wherever it is issued."""
+    roots = [alias_root(a) for a in collective.all_input_nodes]
+    chain = prep_chain(collective)
+    if chain:
+        roots = [alias_root(a) for c in chain for a in c.all_input_nodes if a not in chain]
+    return bool(roots) and all(isinstance(r, fx.Node) and r.op == "placeholder" for r in roots)
 
 
 def fake_call(target: Any, args: tuple, kwargs: dict | None = None) -> Any:

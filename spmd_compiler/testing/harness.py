@@ -56,7 +56,8 @@ class SimulatedTraining:
         self.mesh = mesh
         self.mesh_shape = tuple(mesh.shape)
         self.plan = plan or Plan()
-        self.options = Options.from_kwargs({"check_ranks": True, **options})
+        # the intent check (driver/intent.py) is on: a program that lost what the step wrote fails the test
+        self.options = Options.from_kwargs({"check_ranks": True, "check_intent": True, **options})
         self.cache = ExpansionCache()
         self._states = StateCache()
         self.coords = rank_coordinates(self.mesh_shape)
