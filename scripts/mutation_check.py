@@ -395,6 +395,30 @@ MUTANTS: list[Mutant] = [
         ("tests/zoo/test_zoo_torch_nn.py::test_batchnorm_statistics_are_global",),
         "BatchNorm on a batch-sharded input normalizes with each rank's own statistics",
     ),
+    # ------------------------------------------------------------------ issue #34: caught by the intent check
+    Mutant(
+        "trace-fold-through-symbols", "spmd_compiler/_private_torch/shapes.py",
+        "    _no_folding_through_symbols(mode)\n    return mode",
+        "    return mode",
+        ("tests/test_driver_intent.py::test_nadam_state_creating_call_keeps_its_host_numbers",),
+        "the fake mode folds an op on a constant tensor through a symbolic number: NAdam's mu_product on the "
+        "state-creating call is tensor(nan), every parameter NaN after the first call",
+    ),
+    Mutant(
+        "optimize-cse-merges-recompute", "spmd_compiler/optimize/redundant.py",
+        "node.meta.get(FSDP_GATHER), region)",
+        "node.meta.get(FSDP_GATHER))",
+        ("tests/test_driver_intent.py::test_a_checkpointed_model_keeps_its_recomputation",),
+        "CSE merges a checkpointed region's recomputation into the forward it repeats: same numbers, the memory "
+        "checkpointing saves is gone",
+    ),
+    Mutant(
+        "driver-checkpoint-in-place", "spmd_compiler/driver/checkpoint.py",
+        'fresh = {"model": _fresh(msd), "optim": _fresh(osd)}',
+        'fresh = {"model": msd, "optim": osd}',
+        ("tests/test_driver_checkpoint.py",),
+        "a DCP checkpoint is read straight into the live tensors: a damaged shard leaves the model half loaded",
+    ),
     Mutant(
         "expand-no-write-back", "spmd_compiler/expand/dispatch.py",
         "    _write_back(b, op, args, kwargs, tensors, locals_, dst_specs)\n",
