@@ -66,7 +66,7 @@ class Options:
             wrote (:mod:`.intent`: no host number from a NaN, every activation-checkpointing
             recomputation, every parameter update, every phase), after the trace, the
             expansion and every pass; IntentError names where it was lost. Off by default
-            (about 1% of a compile); on in the test harness.
+            (it walks the program once per pass); on in the test harness.
     """
 
     fallback: str = "replicate"

@@ -22,7 +22,7 @@ expansion, or the optimization pass that lost it):
 
 It is on in the test harness (:class:`spmd_compiler.testing.SimulatedTraining`) and a
 compile option for users, ``compile(..., check_intent=True)`` (off by default: it costs
-a walk of the program per pass at each compile, about 1% of a compile).
+a few walks of the program per pass at each compile).
 """
 
 from __future__ import annotations

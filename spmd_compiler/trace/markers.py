@@ -168,7 +168,8 @@ def tag_phases(gm: fx.GraphModule) -> None:
     (and what rebuild adds for it, such as reducing a Partial loss) is ``output``.
     Nodes between ``checkpoint:<i>`` and ``checkpoint_end:<i>`` markers get
     ``meta[CHECKPOINTED] = i``, between ``recompute:<i>`` and ``recompute_end:<i>``
-    ``meta[RECOMPUTE] = i`` (the innermost region); those markers are erased too.
+    ``meta[RECOMPUTE] = i`` (the innermost region of each kind: a region checkpointed
+    inside another's recomputation is both); those markers are erased too.
     Other markers (pipe_split) are left in place.
     """
     phase = "forward"
@@ -186,8 +187,8 @@ def tag_phases(gm: fx.GraphModule) -> None:
             gm.graph.erase_node(node)
             continue
         if regions and node.op == "call_function":
-            key, region = regions[-1]
-            node.meta[key] = region
+            for key, region in regions:  # the innermost region of each kind is written last
+                node.meta[key] = region
         if node.op == "call_function" and node.target is MARKER and node.args[0] in tags:
             tag = node.args[0]
             if tag == "backward":
