@@ -121,11 +121,16 @@ def test_a_recomputation_moved_into_forward_is_named():
     x = g.placeholder("x")
     early = g.call_function(aten.relu.default, (x,))
     early.meta.update({RECOMPUTE: 0, "spmd_phase": "backward"})
+    loss = g.call_function(aten.sum.default, (x,))  # the forward is not done yet
+    loss.meta["spmd_phase"] = "forward"
     start = g.call_function(aten.neg.default, (x,))
     start.meta["spmd_phase"] = "backward"
-    g.output((early, start))
-    lost = intent_losses(Intent(frozenset({"backward"}), frozenset({0}), frozenset()), fx.GraphModule(torch.nn.Module(), g))
+    g.output((early, loss, start))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    lost = intent_losses(Intent(frozenset({"forward", "backward"}), frozenset({0}), frozenset()), gm)
     assert len(lost) == 1 and "region 0's recomputation runs before backward starts" in lost[0]
+    loss.append(early)  # after the forward's last node: in backward, where it belongs
+    assert intent_losses(Intent(frozenset({"forward", "backward"}), frozenset({0}), frozenset()), gm) == []
 
 
 def test_host_arithmetic_on_a_nan_constant_is_named():

@@ -88,8 +88,10 @@ def _compile(plan: str, mode):
     return res.sim.expansions[(0,)].gm
 
 
-CASES = [("dp", "full"), ("tp", "selective"), pytest.param("dp", "selective", marks=pytest.mark.slow),
-         pytest.param("tp", "full", marks=pytest.mark.slow), pytest.param("fsdp", "full", marks=pytest.mark.slow),
+# tp-full: the last block's recomputed all_reduce once had the forward's tail sunk behind it
+# (optimize/schedule.py), the recomputation starting before the loss (the intent check's catch)
+CASES = [("dp", "full"), ("tp", "full"), pytest.param("dp", "selective", marks=pytest.mark.slow),
+         pytest.param("tp", "selective", marks=pytest.mark.slow), pytest.param("fsdp", "full", marks=pytest.mark.slow),
          pytest.param("fsdp", "selective", marks=pytest.mark.slow)]
 
 

@@ -101,14 +101,16 @@ def intent_losses(intent: Intent, gm: fx.GraphModule) -> list[str]:
     computing = [n for n in nodes if _computes(n)]
     phases = {n.meta.get("spmd_phase") for n in computing}
     out += [f"the trace computes in {p}, the program does not" for p in _PHASES if p in intent.phases and p not in phases]
+    # "before backward starts": before the first backward node and the forward's last node
     first_backward = next((i for i, n in enumerate(nodes) if n.meta.get("spmd_phase") == "backward" and RECOMPUTE not in n.meta), None)
+    last_forward = max((i for i, n in enumerate(nodes) if n.meta.get("spmd_phase") == "forward" and _computes(n)), default=-1)
     regions = Counter(n.meta[RECOMPUTE] for n in computing if RECOMPUTE in n.meta)
     for r in sorted(intent.regions):
         if not regions[r]:
             out.append(f"checkpointed region {r}'s recomputation in backward is gone (merged into the forward it repeats: "
                        f"its activations live from forward to backward again)")
-    if first_backward is not None:
-        early = [n for i, n in enumerate(nodes[:first_backward]) if RECOMPUTE in n.meta and _computes(n)]
+    if first_backward is not None and last_forward >= 0:
+        early = [n for n in nodes[:min(first_backward, last_forward)] if RECOMPUTE in n.meta and _computes(n)]
         if early:
             out.append(f"checkpointed region {early[0].meta[RECOMPUTE]}'s recomputation runs before backward starts "
                        f"({early[0].format_node()}): its result lives from forward to backward")

@@ -19,7 +19,10 @@ into that gap, in two ways:
   "optimizer in backward" does by hand, with the same results: only order changes).
 
 Both keep every data dependency and every ordering a mutation implies
-(:func:`~.graph_utils.mutation_edges`). Parameter gathers of FSDP plans, random ops
+(:func:`~.graph_utils.mutation_edges`). Nothing is sunk past a collective of a
+checkpointed region's recomputation (``meta[RECOMPUTE]``): the forward's tail (the head,
+the loss) moved behind the last block's recomputed all_reduce (TP) made that
+recomputation start before the forward ended. Parameter gathers of FSDP plans, random ops
 and pipeline markers never move, and nothing moves across them. Each moved node
 records why in ``meta["spmd_schedule"]``.
 """
@@ -29,7 +32,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from ..expand.rules.random import is_random
-from ..trace.markers import MARKER
+from ..trace.markers import MARKER, RECOMPUTE
 from .graph_utils import alias_root, is_collective, is_wait, move_before, mutation_edges, positions, written_inputs
 from .overlap import is_param_gather
 
@@ -77,8 +80,9 @@ def _sink_independent(gm: fx.GraphModule, preds: dict[fx.Node, set[fx.Node]]) ->
             continue
         needed = _needed_by(c, set(region), preds)
         anchor = c
+        recomputed = RECOMPUTE in c.meta  # a checkpointed region's recomputation starts no earlier than it did
         for n in region:
-            if n in needed or is_wait(n) or n.op != "call_function":
+            if n in needed or is_wait(n) or n.op != "call_function" or (recomputed and RECOMPUTE not in n.meta):
                 continue
             anchor.append(n)
             n.meta["spmd_schedule"] = f"runs while {c.name} is in flight (does not feed it)"
