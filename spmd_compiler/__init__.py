@@ -10,6 +10,7 @@ from .errors import (
     CollectiveError,
     DataDependentError,
     HostSettingError,
+    IncompleteStepError,
     HostValueError,
     RankMismatchError,
     SpmdError,
@@ -53,4 +54,5 @@ __all__ = [
     "DataDependentError",
     "HostValueError",
     "HostSettingError",
+    "IncompleteStepError",
 ]

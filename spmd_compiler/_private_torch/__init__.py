@@ -17,6 +17,8 @@ it was checked against, 2.13.0 and 2.14.1):
   and real-value propagation;
 * :mod:`.tracing`: fake modes, make_fx and fx node state, op schema facts, autograd
   hooks, inductor;
+* :mod:`.devices`: tracing on ``meta`` for a target device (the Python meta kernels that
+  hide an op's autograd, foreach clipping, SDPA's kernel: :mod:`.sdpa`);
 * :mod:`.distributed`: process group names, timeouts and store, pipelining schedules.
 
 Submodules import one another only downwards (:mod:`.dtensor` uses :mod:`.dtensor_symbolic`,
@@ -46,11 +48,14 @@ from .tracing import (
     inductor_compile, inductor_compile_symbolic, inductor_cache_counts, inductor_cache_dir,
     storage_owner, written_storages, compiled_original,
 )
+from .devices import composite_autograd_on_meta, foreach_on_meta, meta_trace_for, sdpa_for_device, shadowed_composites
+from .sdpa import sdpa_choice
 from .distributed import (
     world_info, group_name, set_group_timeout, default_store, pipeline_order, collectives_launched,
 )
 
 __all__ = [
+    "composite_autograd_on_meta", "shadowed_composites", "foreach_on_meta", "sdpa_for_device", "meta_trace_for", "sdpa_choice",
     "DTensorSpec", "TensorMeta", "OpSchema", "OutputSharding", "MaskPartial", "NormPartial", "StridedShard", "symbolic_split", "split_period",
     "FakeTensor", "FakeTensorMode", "TransformStep", "StrategyCandidate", "make_spec", "propagate_sharding",
     "transform_steps", "local_shape_and_offset", "reparametrize_module", "symbolic_fake_mode",
