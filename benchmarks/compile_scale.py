@@ -1,0 +1,261 @@
+"""Compile time at real scale: Llama-3 8B and 70B training steps, compiled on ``meta``.
+
+The zoo's torchtitan-style Llama (tests/zoo/titan_llama.py) at Llama-3 dimensions,
+sequence 8192, AdamW in its steady state (optimizer state exists), torchtitan's step
+(cross entropy in float32, backward, ``clip_grad_norm_(foreach=True)``, update), every
+tensor on ``meta``, a fake process group (explain mode: compiled, never run), the program
+traced for CUDA (``device_type="cuda"``: SDPA as the efficient kernel a GPU runs for
+float32). Per row, in a fresh process:
+
+    trace / expand / rebuild / passes   seconds of each stage of ``compile()`` (and the
+                                        slowest passes), total: the whole first call
+    RSS                                 peak resident memory of the process (GiB)
+    nodes                               traced and per-rank graph nodes
+    collectives, bytes                  per rank per step, and the analytic minimum bytes
+                                        (below); ``bytes / min``
+    peak                                the static memory trace's peak per rank (float32
+                                        parameters, no activation checkpointing)
+
+Plans: ``fsdp`` = FSDP over 8 ranks (every parameter Shard(0), ``fsdp_axes=("dp",)``,
+resharded after forward); ``2d`` = FSDP 8 x torchtitan's Megatron TP 8 (64 ranks: each
+weight sharded on ``dp`` along the dim TP leaves whole). Global batch 8 (one sequence
+per data-parallel rank). ``--dynamic`` rows compile with ``dynamic=True``.
+
+Analytic minimum (bytes of collective buffers per rank per step, as ``comm_summary``
+counts them): FSDP gathers every parameter in forward, the blocks' parameters again in
+backward (the root unit's forward gather is kept), and reduce-scatters every gradient:
+``2 P + P_blocks`` of the parameters a rank's TP shard holds; Megatron TP adds 2 forward
+and 2 backward all_reduces of one ``[1, 8192, dim]`` float32 activation per layer; the
+loss and the gradient norm add a few scalars (counted: 4 bytes each).
+
+The depth table compiles the 8B 2-D step with 2 to 80 layers and fits ``time ~ layers^k``
+between the shallowest and deepest rows (k = 1: linear).
+
+Hooks for more rows (not measured here yet): ``ROW_KINDS`` takes a "3d" kind (pipeline
+pp x dp x tp) and ``--memory-policy`` a bf16 / activation-checkpointing policy; both
+raise NotImplementedError until their owners add them (issue #33).
+
+Usage::
+
+    python benchmarks/compile_scale.py                     # the whole table (about 15 min)
+    python benchmarks/compile_scale.py --rows 8B:2d:static --no-depth
+    python benchmarks/compile_scale.py --one 8B:2d:static  # one row, JSON on stdout (what the table runs)
+
+Writes benchmarks/results/compile_scale.md (with the load average before and after).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import pathlib
+import platform
+import resource
+import subprocess
+import sys
+import time
+from typing import Any
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))  # _table.py
+sys.path.insert(0, str(HERE.parent / "tests" / "zoo"))  # titan_llama.py
+
+SEQ, BATCH, WORLD = 8192, 8, 8
+CONFIGS = {
+    "8B": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, hidden_dim=14336),
+    "70B": dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, hidden_dim=28672),
+}
+VOCAB = 128256
+ROW_KINDS = ("fsdp", "2d")  # "3d": pipeline rows, to be added (issue #33)
+DEFAULT_ROWS = ["8B:fsdp:static", "8B:2d:static", "8B:2d:dynamic", "70B:2d:static", "70B:fsdp:static", "70B:2d:dynamic"]
+DEPTHS = [2, 8, 32, 80]
+
+
+def _plan(kind: str) -> tuple[Any, tuple[int, ...], tuple[str, ...]]:
+    import spmd_compiler as sc
+    from torch.distributed.tensor import Replicate, Shard
+
+    if kind == "fsdp":
+        return sc.Plan(params={"*": [Shard(0)]}, default_input=[Shard(0)], fsdp_axes=("dp",)), (WORLD,), ("dp",)
+    if kind == "2d":
+        col, row = [Shard(1), Shard(0)], [Shard(0), Shard(1)]  # FSDP on dp along the dim TP leaves whole
+        params = {"layers.*.attention.w[qkv].weight": col, "layers.*.attention.wo.weight": row,
+                  "layers.*.feed_forward.w[13].weight": col, "layers.*.feed_forward.w2.weight": row,
+                  "*": [Shard(0), Replicate()]}
+        plan = sc.Plan(params=params, default_input=[Shard(0), Replicate()], fsdp_axes=("dp",))
+        return plan, (WORLD, 8), ("dp", "tp")
+    raise NotImplementedError(f"row kind {kind!r}: 3-D (pipeline) rows are to be added (issue #33)")
+
+
+def _model(config: str, layers: int | None) -> Any:
+    import torch
+    from titan_llama import Transformer
+
+    cfg = dict(CONFIGS[config])
+    if layers is not None:
+        cfg["n_layers"] = layers
+    with torch.device("meta"):
+        model = Transformer(**cfg, vocab=VOCAB, max_seq=SEQ, rope_theta=500000.0)
+    return model
+
+
+def _steady_adamw(model: Any) -> Any:
+    """AdamW with its state made (one update of zero gradients, on meta: nothing computed)."""
+    import torch
+
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return opt
+
+
+def analytic_min(model: Any, kind: str, config: str, layers: int) -> int:
+    """The analytic minimum of the module docstring, for this rank."""
+    tp = 8 if kind == "2d" else 1
+    tp_split = ("attention.w", "feed_forward.w")
+    total = blocks = 0
+    for name, p in model.named_parameters():
+        b = p.numel() * p.element_size() // (tp if any(s in name for s in tp_split) else 1)
+        total += b
+        blocks += b if name.startswith("layers.") else 0
+    fsdp = 2 * total + blocks
+    megatron = 4 * layers * (BATCH // WORLD) * SEQ * CONFIGS[config]["dim"] * 4 if tp > 1 else 0
+    return fsdp + megatron
+
+
+def measure(config: str, kind: str, dynamic: bool, layers: int | None = None, memory_policy: str | None = None) -> dict:
+    """Compile one row in this process; its figures."""
+    if memory_policy is not None:
+        raise NotImplementedError(f"memory policy {memory_policy!r}: bf16 / activation checkpointing rows are to be added (issue #33)")
+    os.environ["SPMD_COMPILER_EXPLAIN"] = "1"
+    import torch
+
+    import spmd_compiler as sc
+    from spmd_compiler.testing import fake_mesh
+    from titan_llama import train_step
+
+    torch.set_num_threads(1)
+    plan, shape, names = _plan(kind)
+    model = _model(config, layers)
+    opt = _steady_adamw(model)
+    n_layers = layers or CONFIGS[config]["n_layers"]
+    expected = analytic_min(model, kind, config, n_layers)
+    mesh = fake_mesh(shape, names, world_size=math.prod(shape))
+    local = BATCH // WORLD
+    ids = torch.zeros(local, SEQ, dtype=torch.long, device="meta")
+    step = sc.compile(train_step, mesh=mesh, plan=plan, dynamic=dynamic, device_type="cuda", check_ranks=False)
+    t0 = time.perf_counter()
+    step(model, opt, ids, ids)
+    total = time.perf_counter() - t0
+    t = step.timings()
+    comm = step.comm_summary()
+    mem = step.memory_trace()
+    passes = sorted(((k[5:], v) for k, v in t.items() if k.startswith("pass ")), key=lambda kv: -kv[1])
+    return {
+        "config": config, "kind": kind, "dynamic": dynamic, "layers": n_layers,
+        "trace": t.get("trace", 0.0), "expand": t.get("expand", 0.0), "rebuild": t.get("rebuild", 0.0),
+        "passes": t.get("passes", 0.0), "slowest passes": passes[:3], "total": total,
+        "rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "traced nodes": len(step.last.traced.gm.graph.nodes), "nodes": len(step.last.gm.graph.nodes),
+        "collectives": comm.total_count, "bytes": comm.total_bytes, "min bytes": expected,
+        "peak": mem.peak_bytes,
+    }
+
+
+def _run_row(spec: str, layers: int | None = None) -> dict:
+    cmd = [sys.executable, __file__, "--one", spec] + (["--layers", str(layers)] if layers else [])
+    out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(HERE.parent)})
+    if out.returncode != 0:
+        raise RuntimeError(f"{spec} failed:\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _gib(b: float) -> str:
+    return f"{b / 2**30:.1f}"
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| model | plan | shapes | trace s | expand s | rebuild s | passes s (slowest) | total s | RSS GiB | traced nodes | "
+            "per-rank nodes | collectives | bytes/rank GiB | bytes / min | static peak GiB/rank |")
+    out = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        slow = ", ".join(f"{n} {s:.1f}" for n, s in r["slowest passes"][:2])
+        out.append(
+            f"| {r['config']} | {r['kind']} | {'dynamic' if r['dynamic'] else 'static'} | {r['trace']:.1f} | {r['expand']:.1f} | "
+            f"{r['rebuild']:.1f} | {r['passes']:.1f} ({slow}) | {r['total']:.1f} | {r['rss_gib']:.2f} | {r['traced nodes']:,} | "
+            f"{r['nodes']:,} | {r['collectives']} | {_gib(r['bytes'])} | {r['bytes'] / r['min bytes']:.4f} | {_gib(r['peak'])} |"
+        )
+    return "\n".join(out)
+
+
+def depth_table(rows: list[dict]) -> str:
+    out = ["| layers | trace s | expand s | passes s | total s | per-rank nodes | total / layer s |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['layers']} | {r['trace']:.1f} | {r['expand']:.1f} | {r['passes']:.1f} | {r['total']:.1f} | "
+                   f"{r['nodes']:,} | {r['total'] / r['layers']:.2f} |")
+    if len(rows) >= 2:
+        lo, hi = rows[0], rows[-1]
+        k = math.log(hi["total"] / lo["total"]) / math.log(hi["layers"] / lo["layers"])
+        mid = [r for r in rows if r["layers"] >= 8]
+        out.append("")
+        out.append(f"growth exponent k (time ~ layers^k), {lo['layers']} -> {hi['layers']} layers: {k:.2f}")
+        if len(mid) >= 2:
+            a, b = mid[0], mid[-1]
+            out.append(f"{a['layers']} -> {b['layers']} layers: time x{b['total'] / a['total']:.2f} for layers x{b['layers'] / a['layers']:.1f} "
+                       f"(k = {math.log(b['total'] / a['total']) / math.log(b['layers'] / a['layers']):.2f})")
+    return "\n".join(out)
+
+
+def _load() -> str:
+    return ", ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", nargs="+", default=DEFAULT_ROWS, help="model:plan:shapes, e.g. 8B:2d:static 70B:fsdp:dynamic")
+    p.add_argument("--depths", type=int, nargs="+", default=DEPTHS, help="layers of the depth table (8B dims, 2-D)")
+    p.add_argument("--no-depth", action="store_true", help="skip the depth table")
+    p.add_argument("--one", help="measure one row in this process and print it as JSON")
+    p.add_argument("--layers", type=int, default=None, help="--one: override the model's layers")
+    p.add_argument("--memory-policy", default=None, help="bf16 / activation checkpointing rows (to be added, issue #33)")
+    args = p.parse_args()
+    if args.one:
+        config, kind, shapes = args.one.split(":")
+        print(json.dumps(measure(config, kind, shapes == "dynamic", args.layers, args.memory_policy)))
+        return
+    from _table import results_path, write_results
+    import torch
+
+    load_before = _load()
+    rows = []
+    for spec in args.rows:
+        rows.append(_run_row(spec))
+        print(f"{spec}: {rows[-1]['total']:.1f}s", flush=True)
+    depth = []
+    if not args.no_depth:
+        for n in args.depths:
+            depth.append(_run_row("8B:2d:static", n))
+            print(f"8B 2d {n} layers: {depth[-1]['total']:.1f}s", flush=True)
+    text = table(rows) + ("\n\nDepth (8B dimensions, 2-D FSDP 8 x TP 8, static):\n\n" + depth_table(depth) if depth else "")
+    lines = [
+        "# Compile time at scale",
+        "",
+        f"`python benchmarks/compile_scale.py` on {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"one thread; load average (1, 5, 15 min) before: {load_before}, after: {_load()}.",
+        f"Llama-3 dimensions (vocab {VOCAB:,}, sequence {SEQ}, global batch {BATCH}), AdamW steady state, every tensor on meta,",
+        "fake process group (explain mode), traced for CUDA; each row in a fresh process. See the script's docstring",
+        "for the plans and the analytic minimum. Static peak: float32 parameters and state, no activation checkpointing.",
+        "",
+        text,
+        "",
+    ]
+    write_results(results_path("compile_scale"), lines)
+
+
+if __name__ == "__main__":
+    main()
