@@ -19,6 +19,8 @@ it was checked against, 2.13.0 and 2.14.1):
   hooks, inductor;
 * :mod:`.devices`: tracing on ``meta`` for a target device (the Python meta kernels that
   hide an op's autograd, foreach clipping, SDPA's kernel: :mod:`.sdpa`);
+* :mod:`.stack_traces`: make_fx's user stack traces from the live frames, symbolic
+  powers without their runtime assert (trace time at scale);
 * :mod:`.distributed`: process group names, timeouts and store, pipelining schedules.
 
 Submodules import one another only downwards (:mod:`.dtensor` uses :mod:`.dtensor_symbolic`,
@@ -50,11 +52,13 @@ from .tracing import (
 )
 from .devices import composite_autograd_on_meta, foreach_on_meta, meta_trace_for, sdpa_for_device, shadowed_composites
 from .sdpa import sdpa_choice
+from .stack_traces import fast_stack_traces, unchecked_symbolic_pow
 from .distributed import (
     world_info, group_name, set_group_timeout, default_store, pipeline_order, collectives_launched,
 )
 
 __all__ = [
+    "fast_stack_traces", "unchecked_symbolic_pow",
     "composite_autograd_on_meta", "shadowed_composites", "foreach_on_meta", "sdpa_for_device", "meta_trace_for", "sdpa_choice",
     "DTensorSpec", "TensorMeta", "OpSchema", "OutputSharding", "MaskPartial", "NormPartial", "StridedShard", "symbolic_split", "split_period",
     "FakeTensor", "FakeTensorMode", "TransformStep", "StrategyCandidate", "make_spec", "propagate_sharding",

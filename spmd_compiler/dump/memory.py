@@ -129,12 +129,25 @@ def _int(x: Any, sizes: Any = None) -> int:
         return int(hint) if hint is not None else 0
 
 
-def tensor_bytes(t: torch.Tensor, sizes: Any = None) -> int:
+def _memo_int(x: Any, sizes: Any, memo: dict | None) -> int:
+    """:func:`_int`, remembered per symbolic expression in ``memo`` (a program's tensors
+    share a few size expressions; each costs a sympy evaluation)."""
+    if memo is None or not isinstance(x, torch.SymInt):
+        return _int(x, sizes)
+    key = (id(x.node.shape_env), x.node.expr)
+    out = memo.get(key)
+    if out is None:
+        out = memo[key] = _int(x, sizes)
+    return out
+
+
+def tensor_bytes(t: torch.Tensor, sizes: Any = None, memo: dict | None = None) -> int:
     """Bytes of the storage a fresh tensor like ``t`` needs (its strides' extent);
-    ``sizes``: the SizeContext symbolic sizes are evaluated with (see the module doc)."""
-    if _int(t.numel(), sizes) == 0:
+    ``sizes``: the SizeContext symbolic sizes are evaluated with (see the module doc);
+    ``memo``: a dict that remembers evaluated sizes across calls with the same ``sizes``."""
+    if _memo_int(t.numel(), sizes, memo) == 0:
         return 0
-    extent = 1 + sum((_int(s, sizes) - 1) * abs(_int(st, sizes)) for s, st in zip(t.shape, t.stride()))
+    extent = 1 + sum((_memo_int(s, sizes, memo) - 1) * abs(_memo_int(st, sizes, memo)) for s, st in zip(t.shape, t.stride()))
     return extent * t.element_size()
 
 
@@ -147,7 +160,7 @@ def _returns_alias(target: Any) -> bool:
     return bool(rets and rets[0].alias_info is not None)
 
 
-def _copies(node: fx.Node, sizes: Any = None) -> bool:
+def _copies(node: fx.Node, sizes: Any = None, memo: dict | None = None) -> bool:
     """Whether a ``reshape`` / ``contiguous`` (aliasing in the schema) copies here."""
     src, out = node.args[0], node.meta.get("val")
     src_val = src.meta.get("val") if isinstance(src, fx.Node) else None
@@ -155,9 +168,10 @@ def _copies(node: fx.Node, sizes: Any = None) -> bool:
         return True
     if node.target is torch.ops.aten.contiguous.default:
         return not src_val.is_contiguous()
-    probe = torch.empty_strided([_int(s, sizes) for s in src_val.shape], [_int(s, sizes) for s in src_val.stride()], device="meta")
+    probe = torch.empty_strided([_memo_int(s, sizes, memo) for s in src_val.shape], [_memo_int(s, sizes, memo) for s in src_val.stride()],
+                                device="meta")
     try:
-        probe.view([_int(s, sizes) for s in out.shape])
+        probe.view([_memo_int(s, sizes, memo) for s in out.shape])
     except RuntimeError:
         return True
     return False
@@ -203,6 +217,7 @@ def storages(gm: fx.GraphModule, *, backend: str | None = None, sizes: Any = Non
     :func:`memory_trace` reports them, and the inputs' bytes by kind. One walk of the
     graph; moving nodes (without changing what they read) leaves the result valid."""
     staging = STAGING.get(backend or "", {})
+    memo: dict = {}
     nodes = list(gm.graph.nodes)
     first, out_node = nodes[0] if nodes else None, nodes[-1] if nodes else None
     found: dict[Any, Storage] = {}
@@ -213,7 +228,7 @@ def storages(gm: fx.GraphModule, *, backend: str | None = None, sizes: Any = Non
         if n.op == "placeholder":
             if isinstance(val, torch.Tensor):
                 kind = getattr(n.meta.get("spmd_input"), "kind", "input")
-                nbytes = tensor_bytes(val, sizes)
+                nbytes = tensor_bytes(val, sizes, memo)
                 found[n] = Storage(first, nbytes, kind, n.name, [out_node])
                 input_bytes[kind] = input_bytes.get(kind, 0) + nbytes
                 holds[n] = [n]
@@ -229,7 +244,7 @@ def storages(gm: fx.GraphModule, *, backend: str | None = None, sizes: Any = Non
             else:
                 holds[n] = [parent[i]] if isinstance(i, int) else list(parent)
         elif n.op == "call_function" and src is not None and _returns_alias(n.target) and not (
-            n.target in _MAYBE_COPY and _copies(n, sizes)
+            n.target in _MAYBE_COPY and _copies(n, sizes, memo)
         ):
             holds[n] = list(holds.get(src, []))
         else:
@@ -238,7 +253,7 @@ def storages(gm: fx.GraphModule, *, backend: str | None = None, sizes: Any = Non
             for j, t in enumerate(_tensors(val)):
                 if t is None:
                     continue
-                found[(n, j)] = Storage(n, tensor_bytes(t, sizes), what, n.name)
+                found[(n, j)] = Storage(n, tensor_bytes(t, sizes, memo), what, n.name)
                 ids.append((n, j))
             if isinstance(val, (list, tuple)):
                 holds[n] = [(n, j) if t is not None else None for j, t in enumerate(_tensors(val))]
@@ -253,7 +268,7 @@ def storages(gm: fx.GraphModule, *, backend: str | None = None, sizes: Any = Non
             like = val if staging[kind] == "output" else (src.meta.get("val") if src is not None else None)
             if isinstance(like, torch.Tensor):  # from its issue to its wait
                 what = f"{n.meta.get('spmd_phase', '?')} {kind} staging ({backend})"
-                found[(n, "staging")] = Storage(n, tensor_bytes(like, sizes), what, n.name, list(n.users))
+                found[(n, "staging")] = Storage(n, tensor_bytes(like, sizes, memo), what, n.name, list(n.users))
     return list(found.values()), input_bytes
 
 

@@ -236,7 +236,8 @@ def trace(
         with phase_markers(optimizer), pt.preserve_node_meta(), split_point_hooks(model, split_points), \
                 host_scalar_values(mode, optimizer, bool(scalars)), traceable_scalars(), rng_replay(ledger), \
                 pt.size_oblivious(dynamic), rewrites, refuse_scheduler_steps(), \
-                pt.meta_trace_for(device_type, enabled=any(t.device.type == "meta" for t in real)):
+                pt.meta_trace_for(device_type, enabled=any(t.device.type == "meta" for t in real)), \
+                pt.fast_stack_traces(), pt.unchecked_symbolic_pow():
             gm = make_fx(
                 functional_step,
                 decomposition_table=decomposition_table(),
