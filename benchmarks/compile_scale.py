@@ -7,8 +7,11 @@ tensor on ``meta``, a fake process group (explain mode: compiled, never run), th
 traced for CUDA (``device_type="cuda"``: SDPA as the efficient kernel a GPU runs for
 float32). Per row, in a fresh process:
 
-    trace / expand / rebuild / passes   seconds of each stage of ``compile()`` (and the
-                                        slowest passes), total: the whole first call
+    trace / expand / passes             wall seconds of each stage of the compile (expand:
+                                        plan resolution, expansion and rebuild, the rebuild's
+                                        share in brackets; passes: the two slowest named);
+                                        other: the rest (rank agreement, bookkeeping);
+                                        total: the whole compile (``step.timings()["total"]``)
     RSS                                 peak resident memory of the process (GiB)
     nodes                               traced and per-rank graph nodes
     collectives, bytes                  per rank per step, and the analytic minimum bytes
@@ -26,7 +29,15 @@ counts them): FSDP gathers every parameter in forward, the blocks' parameters ag
 backward (the root unit's forward gather is kept), and reduce-scatters every gradient:
 ``2 P + P_blocks`` of the parameters a rank's TP shard holds; Megatron TP adds 2 forward
 and 2 backward all_reduces of one ``[1, 8192, dim]`` float32 activation per layer; the
-loss and the gradient norm add a few scalars (counted: 4 bytes each).
+loss and the gradient norm add a few scalars (not counted). The table gives the ratio per
+mesh axis: FSDP's (``dp``) is at the minimum; on ``tp`` the backward reduces the input
+gradients of ``wq`` and of ``wk``/``wv``, and of ``w1`` and of ``w3``, apart (6
+all_reduces per layer where Megatron sums first and makes 4), hence 1.5 there.
+
+``dynamic=True`` rows: explain mode compiles one program per batch shape (it makes the
+step's outputs from the program's static shapes), so those rows are compiled outside it,
+on the same fake process group; the step then runs on meta tensors (nothing computed,
+not counted in the compile's seconds).
 
 The depth table compiles the 8B 2-D step with 2 to 80 layers and fits ``time ~ layers^k``
 between the shallowest and deepest rows (k = 1: linear).
@@ -114,8 +125,8 @@ def _steady_adamw(model: Any) -> Any:
     return opt
 
 
-def analytic_min(model: Any, kind: str, config: str, layers: int) -> int:
-    """The analytic minimum of the module docstring, for this rank."""
+def analytic_min(model: Any, kind: str, config: str, layers: int) -> dict[str, int]:
+    """The analytic minimum of the module docstring for this rank, per mesh axis."""
     tp = 8 if kind == "2d" else 1
     tp_split = ("attention.w", "feed_forward.w")
     total = blocks = 0
@@ -123,16 +134,49 @@ def analytic_min(model: Any, kind: str, config: str, layers: int) -> int:
         b = p.numel() * p.element_size() // (tp if any(s in name for s in tp_split) else 1)
         total += b
         blocks += b if name.startswith("layers.") else 0
-    fsdp = 2 * total + blocks
-    megatron = 4 * layers * (BATCH // WORLD) * SEQ * CONFIGS[config]["dim"] * 4 if tp > 1 else 0
-    return fsdp + megatron
+    out = {"dp": 2 * total + blocks}
+    if tp > 1:
+        out["tp"] = 4 * layers * (BATCH // WORLD) * SEQ * CONFIGS[config]["dim"] * 4
+    return out
+
+
+class _StageClock:
+    """Wall seconds of the stages of ``compile()``'s first call, by wrapping the functions
+    ``driver.build.build_program`` calls: ``trace``, ``expand`` (plan resolution,
+    expansion, rebuild) and ``optimize_program`` (the passes)."""
+
+    STAGES = {"trace": "trace", "expand": "expand", "optimize_program": "passes"}
+
+    def __init__(self) -> None:
+        from spmd_compiler.driver import build
+
+        self.seconds: dict[str, float] = {}
+        self._build, self._saved = build, {}
+        for fn, stage in self.STAGES.items():
+            self._saved[fn] = original = getattr(build, fn)
+            setattr(build, fn, self._timed(stage, original))
+
+    def _timed(self, stage: str, fn: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - t0
+
+        return timed
+
+    def close(self) -> None:
+        for fn, original in self._saved.items():
+            setattr(self._build, fn, original)
 
 
 def measure(config: str, kind: str, dynamic: bool, layers: int | None = None, memory_policy: str | None = None) -> dict:
     """Compile one row in this process; its figures."""
     if memory_policy is not None:
         raise NotImplementedError(f"memory policy {memory_policy!r}: bf16 / activation checkpointing rows are to be added (issue #33)")
-    os.environ["SPMD_COMPILER_EXPLAIN"] = "1"
+    if not dynamic:  # explain mode compiles one program per batch shape: dynamic rows run (on meta: nothing computed)
+        os.environ["SPMD_COMPILER_EXPLAIN"] = "1"
     import torch
 
     import spmd_compiler as sc
@@ -149,20 +193,29 @@ def measure(config: str, kind: str, dynamic: bool, layers: int | None = None, me
     local = BATCH // WORLD
     ids = torch.zeros(local, SEQ, dtype=torch.long, device="meta")
     step = sc.compile(train_step, mesh=mesh, plan=plan, dynamic=dynamic, device_type="cuda", check_ranks=False)
-    t0 = time.perf_counter()
-    step(model, opt, ids, ids)
-    total = time.perf_counter() - t0
+    clock = _StageClock()
+    try:
+        step(model, opt, ids, ids)
+    finally:
+        clock.close()
     t = step.timings()
+    if dynamic and not step.last.size_symbols:
+        raise RuntimeError(f"{config} {kind}: dynamic=True compiled a program per shape")
     comm = step.comm_summary()
+    by_axis: dict[str, int] = {}
+    for r in comm.rows:
+        by_axis[r.axis] = by_axis.get(r.axis, 0) + r.bytes
     mem = step.memory_trace()
     passes = sorted(((k[5:], v) for k, v in t.items() if k.startswith("pass ")), key=lambda kv: -kv[1])
+    stages = {k: clock.seconds.get(k, 0.0) for k in ("trace", "expand", "passes")}
     return {
-        "config": config, "kind": kind, "dynamic": dynamic, "layers": n_layers,
-        "trace": t.get("trace", 0.0), "expand": t.get("expand", 0.0), "rebuild": t.get("rebuild", 0.0),
-        "passes": t.get("passes", 0.0), "slowest passes": passes[:3], "total": total,
+        "config": config, "kind": kind, "dynamic": dynamic, "layers": n_layers, **stages,
+        "rebuild": t.get("rebuild", 0.0), "slowest passes": passes[:3], "total": t["total"],
+        "other": t["total"] - sum(stages.values()),
         "rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "traced nodes": len(step.last.traced.gm.graph.nodes), "nodes": len(step.last.gm.graph.nodes),
-        "collectives": comm.total_count, "bytes": comm.total_bytes, "min bytes": expected,
+        "collectives": comm.total_count, "bytes": comm.total_bytes, "min bytes": sum(expected.values()),
+        "axis bytes": by_axis, "axis min": expected,
         "peak": mem.peak_bytes,
     }
 
@@ -180,24 +233,40 @@ def _gib(b: float) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| model | plan | shapes | trace s | expand s | rebuild s | passes s (slowest) | total s | RSS GiB | traced nodes | "
-            "per-rank nodes | collectives | bytes/rank GiB | bytes / min | static peak GiB/rank |")
+    head = ("| model | plan | shapes | trace s | expand s (rebuild) | passes s (slowest two) | other s | total s | RSS GiB | "
+            "traced / per-rank nodes | collectives | bytes/rank GiB | bytes / min (dp; tp) | static peak GiB/rank |")
     out = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         slow = ", ".join(f"{n} {s:.1f}" for n, s in r["slowest passes"][:2])
+        axes = "; ".join(f"{r['axis bytes'].get(a, 0) / m:.3f}" for a, m in r["axis min"].items())
         out.append(
-            f"| {r['config']} | {r['kind']} | {'dynamic' if r['dynamic'] else 'static'} | {r['trace']:.1f} | {r['expand']:.1f} | "
-            f"{r['rebuild']:.1f} | {r['passes']:.1f} ({slow}) | {r['total']:.1f} | {r['rss_gib']:.2f} | {r['traced nodes']:,} | "
-            f"{r['nodes']:,} | {r['collectives']} | {_gib(r['bytes'])} | {r['bytes'] / r['min bytes']:.4f} | {_gib(r['peak'])} |"
+            f"| {r['config']} | {r['kind']} | {'dynamic' if r['dynamic'] else 'static'} | {r['trace']:.1f} | "
+            f"{r['expand']:.1f} ({r['rebuild']:.1f}) | {r['passes']:.1f} ({slow}) | {r['other']:.1f} | {r['total']:.1f} | "
+            f"{r['rss_gib']:.2f} | {r['traced nodes']:,} / {r['nodes']:,} | {r['collectives']} | {_gib(r['bytes'])} | "
+            f"{r['bytes'] / r['min bytes']:.3f} ({axes}) | {_gib(r['peak'])} |"
         )
     return "\n".join(out)
 
 
-def depth_table(rows: list[dict]) -> str:
-    out = ["| layers | trace s | expand s | passes s | total s | per-rank nodes | total / layer s |", "|---|---|---|---|---|---|---|"]
+def ratios(rows: list[dict]) -> str:
+    """dynamic=True against the static compile of the same model and plan."""
+    out = []
+    static = {(r["config"], r["kind"]): r for r in rows if not r["dynamic"]}
     for r in rows:
-        out.append(f"| {r['layers']} | {r['trace']:.1f} | {r['expand']:.1f} | {r['passes']:.1f} | {r['total']:.1f} | "
-                   f"{r['nodes']:,} | {r['total'] / r['layers']:.2f} |")
+        base = static.get((r["config"], r["kind"]))
+        if r["dynamic"] and base is not None:
+            out.append(f"- {r['config']} {r['kind']}: dynamic=True / static = {r['total'] / base['total']:.2f}x "
+                       f"({r['total']:.1f} s / {base['total']:.1f} s); same collectives: {r['collectives'] == base['collectives']}, "
+                       f"same bytes: {r['bytes'] == base['bytes']}")
+    return "\n".join(out)
+
+
+def depth_table(rows: list[dict]) -> str:
+    out = ["| layers | trace s | expand s | passes s | other s | total s | per-rank nodes | total / layer s | RSS GiB |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['layers']} | {r['trace']:.1f} | {r['expand']:.1f} | {r['passes']:.1f} | {r['other']:.1f} | {r['total']:.1f} | "
+                   f"{r['nodes']:,} | {r['total'] / r['layers']:.2f} | {r['rss_gib']:.2f} |")
     if len(rows) >= 2:
         lo, hi = rows[0], rows[-1]
         k = math.log(hi["total"] / lo["total"]) / math.log(hi["layers"] / lo["layers"])
@@ -241,7 +310,9 @@ def main() -> None:
         for n in args.depths:
             depth.append(_run_row("8B:2d:static", n))
             print(f"8B 2d {n} layers: {depth[-1]['total']:.1f}s", flush=True)
-    text = table(rows) + ("\n\nDepth (8B dimensions, 2-D FSDP 8 x TP 8, static):\n\n" + depth_table(depth) if depth else "")
+    text = table(rows) + "\n\n" + ratios(rows)
+    if depth:
+        text += "\n\nDepth (8B dimensions, 2-D FSDP 8 x TP 8, static):\n\n" + depth_table(depth)
     lines = [
         "# Compile time at scale",
         "",
