@@ -29,7 +29,7 @@ counts them): FSDP gathers every parameter in forward, the blocks' parameters ag
 backward (the root unit's forward gather is kept), and reduce-scatters every gradient:
 ``2 P + P_blocks`` of the parameters a rank's TP shard holds; Megatron TP adds 2 forward
 and 2 backward all_reduces of one ``[1, 8192, dim]`` float32 activation per layer; the
-loss and the gradient norm add a few scalars (not counted). The table gives the ratio per
+loss and the gradient norm add a few scalars (not counted: a few KiB). The table gives the ratio per
 mesh axis: FSDP's (``dp``) is at the minimum; on ``tp`` the backward reduces the input
 gradients of ``wq`` and of ``wk``/``wv``, and of ``w1`` and of ``w3``, apart (6
 all_reduces per layer where Megatron sums first and makes 4), hence 1.5 there.
@@ -183,7 +183,6 @@ def measure(config: str, kind: str, dynamic: bool, layers: int | None = None, me
     from spmd_compiler.testing import fake_mesh
     from titan_llama import train_step
 
-    torch.set_num_threads(1)
     plan, shape, names = _plan(kind)
     model = _model(config, layers)
     opt = _steady_adamw(model)
@@ -294,6 +293,9 @@ def main() -> None:
     p.add_argument("--memory-policy", default=None, help="bf16 / activation checkpointing rows (to be added, issue #33)")
     args = p.parse_args()
     if args.one:
+        import torch
+
+        torch.set_num_threads(1)
         config, kind, shapes = args.one.split(":")
         print(json.dumps(measure(config, kind, shapes == "dynamic", args.layers, args.memory_policy)))
         return
