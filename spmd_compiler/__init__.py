@@ -11,6 +11,7 @@ from .errors import (
     CollectiveError,
     DataDependentError,
     HostSettingError,
+    IncompleteStepError,
     HostValueError,
     IntentError,
     RankMismatchError,
@@ -57,4 +58,5 @@ __all__ = [
     "HostValueError",
     "HostSettingError",
     "IntentError",
+    "IncompleteStepError",
 ]

@@ -24,6 +24,7 @@ __all__ = [
     "DataDependentError",
     "HostValueError",
     "HostSettingError",
+    "IncompleteStepError",
     "user_source_line",
     "user_frame_of",
     "describe_node",
@@ -285,3 +286,16 @@ _SETTING_FIX = (
     "compiled step, after each call: `loss = train_step(model, opt, *batch); scheduler.step()`. "
     "The compiled step reads these settings from the optimizer at every call without recompiling."
 )
+
+
+class IncompleteStepError(SpmdError):
+    """The traced step would not train as the single-device step does: ``backward()``
+    went through an op with no autograd kernel on the tracing device (its gradient would
+    be missing), or ``optimizer.step()`` found no gradient and would update nothing.
+    Never compiled silently into a forward-only program. Attributes: ``what``, ``source``
+    (the user's line, or None)."""
+
+    def __init__(self, what: str, source: str | None, fix: str) -> None:
+        self.what, self.source = what, source
+        where = f"\n  user code:  {source}" if source else ""
+        super().__init__(f"the traced training step is incomplete: {what}{where}\n  fix: {fix}")

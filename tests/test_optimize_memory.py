@@ -11,6 +11,8 @@ import spmd_compiler as sc
 from spmd_compiler.dump import memory_trace
 from spmd_compiler.optimize import PassSpec, default_passes, run_passes
 from spmd_compiler.optimize.graph_utils import is_collective, is_wait, positions, prep_chain
+from spmd_compiler.optimize.live_bytes import LiveBytes
+from spmd_compiler.optimize.memory import _storage_last_use
 from spmd_compiler.optimize.overlap import is_param_gather
 from spmd_compiler.testing import assert_training_matches, fake_mesh
 from spmd_compiler.testing.models import GPT, GPTConfig, gpt_fsdp_plan, train_step
@@ -109,3 +111,70 @@ def test_memory_passes_keep_training_numerics(reshard):
     )
     gms = [step.gm for step in res.sim.expansions.values()]
     assert len(gms) == 2 and all(sum("spmd_remat" in n.meta for n in g.graph.nodes) >= 2 for g in gms)
+
+
+def _before_budget(step):
+    gm, _ = run_passes(copy.deepcopy(step.gm), _passes(skip=("budget_prefetch",)))
+    return gm
+
+
+def test_live_bytes_is_the_memory_trace_through_moves(bench_steps):
+    """LiveBytes counts the program once and recounts only the nodes a move passes: after
+    every move, its counts are a fresh memory trace's, node for node."""
+    from spmd_compiler.optimize.memory import _to_latest
+
+    gm = _before_budget(bench_steps[True])
+    pos = positions(gm)
+    gathers = [n for n in gm.graph.nodes if is_collective(n) and is_param_gather(n)]
+    assert len(gathers) >= 4 and all(_to_latest(gm, g, pos) for g in gathers)  # as the pass starts: each block in one piece
+    live = LiveBytes(gm, backend="gloo")
+    assert live.live == memory_trace(gm, backend="gloo").live
+    for g in gathers:  # each gather (its copy-in with it) to the earliest place its inputs allow, in 3 steps
+        block = sorted(prep_chain(g), key=pos.__getitem__) + [g]
+        hi = live.index[block[0]]
+        assert live.order[hi : hi + len(block)] == block
+        ready = max(live.index[a] for b in block for a in b.all_input_nodes if a not in block) + 1
+        for at in sorted({hi - (hi - ready) // 3, hi - 2 * (hi - ready) // 3, ready} - {hi}, reverse=True):
+            predicted, end = live.peak_if_moved(block, at), live.index[block[0]] + len(block)
+            anchor = live.order[at]
+            live.move(block, at)
+            for m in block:
+                anchor.prepend(m)
+            trace = memory_trace(gm, backend="gloo")
+            assert live.order == list(gm.graph.nodes) and live.live == trace.live and live.peak == trace.peak_bytes
+            assert predicted == max(trace.live[at:end])
+
+
+def test_budget_prefetch_counts_the_program_once(bench_steps, monkeypatch):
+    """The pass's cost grows with the program, not with the program times its gathers:
+    one walk of the graph (dump.memory.storages), no whole memory trace per try."""
+    from spmd_compiler.dump import memory as dump_memory
+    from spmd_compiler.optimize import live_bytes
+    from spmd_compiler.optimize.memory import budget_prefetch_pass
+
+    gm = _before_budget(bench_steps[True])
+    calls = {"storages": 0, "memory_trace": 0}
+
+    def counting(name, fn):
+        def wrapped(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(live_bytes, "storages", counting("storages", dump_memory.storages))
+    monkeypatch.setattr(dump_memory, "memory_trace", counting("memory_trace", dump_memory.memory_trace))
+    out = budget_prefetch_pass(gm, backend="gloo")
+    assert calls == {"storages": 1, "memory_trace": 0}
+    assert any("earlier would raise the peak" in n.meta.get("spmd_prefetch_budget", "") for n in out.graph.nodes)
+
+
+def test_rematerialize_counts_last_uses_once(bench_steps, monkeypatch):
+    """Each recomputed activation updates the last uses of the storages it touches
+    instead of recounting the whole program."""
+    from spmd_compiler.optimize import memory as opt_memory
+
+    gm, _ = run_passes(copy.deepcopy(bench_steps[False].gm), _passes(skip=("rematerialize", "budget_prefetch")))
+    calls = []
+    monkeypatch.setattr(opt_memory, "_storage_last_use", lambda *a: calls.append(1) or _storage_last_use(*a))
+    out = opt_memory.rematerialize_pass(gm)
+    assert sum("spmd_remat" in n.meta for n in out.graph.nodes) >= 2 and len(calls) == 1

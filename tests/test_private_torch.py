@@ -46,3 +46,46 @@ def test_storage_owner_and_written_storages():
     assert pt.storage_owner(nodes[aten.slice.Tensor]) is nodes[aten.clone.default]
     assert pt.storage_owner(y) is y
     assert pt.written_storages(gm.graph) == {x}
+
+
+def _adamw_gpt_trace():
+    import spmd_compiler as sc
+    from spmd_compiler.testing.models import GPT, train_step
+
+    torch.manual_seed(0)
+    model = GPT(vocab=64, seq=8, dim=32, heads=4, layers=2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 64, (8, 8))
+    train_step(model, opt, ids, ids)  # AdamW state: the steady step, Adam's bias corrections on symbols
+    return sc.trace(train_step, model, opt, ids, ids)
+
+
+def test_stack_traces_from_live_frames_are_torchs_text(monkeypatch):
+    """make_fx's stack traces come from the live frames (not a symbolized capture of the
+    whole stack at every node): the same text on every node."""
+    import contextlib
+    import traceback
+
+    from torch.utils._traceback import CapturedTraceback
+
+    symbolized = []  # whole-stack captures symbolized for a node (torch.fx.proxy's create_node)
+    real = CapturedTraceback.summary
+
+    def summary(self):
+        symbolized.extend(f for f in traceback.extract_stack(limit=3) if f.filename.endswith("torch/fx/proxy.py"))
+        return real(self)
+
+    monkeypatch.setattr(CapturedTraceback, "summary", summary)
+    fast = [(n.name, n.meta.get("stack_trace")) for n in _adamw_gpt_trace().gm.graph.nodes]
+    assert symbolized == [] and sum(1 for _, s in fast if s and "in forward" in s) > 50
+    monkeypatch.setattr(pt, "fast_stack_traces", contextlib.nullcontext)
+    assert [(n.name, n.meta.get("stack_trace")) for n in _adamw_gpt_trace().gm.graph.nodes] == fast
+    assert symbolized
+
+
+def test_symbolic_powers_record_no_runtime_asserts():
+    """Adam's ``bias_correction2 ** 0.5`` on a symbolic step count: torch's ``base >= 0``
+    check is a deferred runtime assert per parameter that nothing emits (sympy work only)."""
+    traced = _adamw_gpt_trace()
+    env = pt.shape_env_of(pt.fake_mode_of(traced.placeholders()[0].meta["val"]))
+    assert env.var_to_range and sum(len(v) for v in env.deferred_runtime_asserts.values()) == 0

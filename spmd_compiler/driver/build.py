@@ -67,6 +67,10 @@ class Options:
             recomputation, every parameter update, every phase), after the trace, the
             expansion and every pass; IntentError names where it was lost. Off by default
             (it walks the program once per pass); on in the test harness.
+        device_type: the device type the program is for ("cpu", "cuda"; None: the mesh's).
+            It matters for a model on ``meta`` (explain mode, compile-only checks): SDPA is
+            traced as the fused kernel that device runs, so the program and its memory
+            trace are that device's (``trace(device_type=...)``).
     """
 
     fallback: str = "replicate"
@@ -83,6 +87,7 @@ class Options:
     backend: str = "eager"
     dynamic: bool = False
     check_intent: bool = False
+    device_type: str | None = None
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -103,6 +108,8 @@ class Options:
         object.__setattr__(self, "passes_disabled", tuple(self.passes_disabled))
         if not isinstance(self.cache_size, int) or self.cache_size < 1:
             raise ValueError(f"cache_size={self.cache_size!r}: expected an int >= 1 (compiled programs to keep)")
+        if self.device_type is not None and not isinstance(self.device_type, str):
+            raise ValueError(f"device_type={self.device_type!r}: expected a device type such as 'cuda' or 'cpu', or None")
         if self.timeout is not None and not (isinstance(self.timeout, (int, float)) and self.timeout > 0):
             raise ValueError(f"timeout={self.timeout!r}: expected seconds > 0, or None for the process group's own")
 
@@ -262,7 +269,7 @@ def build_program(
             traced = trace(
                 fn, model, optimizer, *args, symbolic=options.symbolic,
                 symbolic_dims=sharded_batch_dims(plan, args, kwargs, len(tuple(mesh.shape)), dynamic=options.dynamic),
-                dynamic=options.dynamic, **kwargs,
+                dynamic=options.dynamic, device_type=options.device_type or getattr(mesh, "device_type", None), **kwargs,
             )
     with gc_paused():
         if options.dynamic:

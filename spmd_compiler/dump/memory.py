@@ -40,7 +40,7 @@ import torch.fx as fx
 
 from .format import format_bytes
 
-__all__ = ["MemoryTrace", "LiveValue", "memory_trace", "tensor_bytes"]
+__all__ = ["MemoryTrace", "LiveValue", "Storage", "memory_trace", "storages", "tensor_bytes"]
 
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
 # what a backend's collectives stage while in flight: kind -> the buffer it copies ("output"/"input")
@@ -129,12 +129,25 @@ def _int(x: Any, sizes: Any = None) -> int:
         return int(hint) if hint is not None else 0
 
 
-def tensor_bytes(t: torch.Tensor, sizes: Any = None) -> int:
+def _memo_int(x: Any, sizes: Any, memo: dict | None) -> int:
+    """:func:`_int`, remembered per symbolic expression in ``memo`` (a program's tensors
+    share a few size expressions; each costs a sympy evaluation)."""
+    if memo is None or not isinstance(x, torch.SymInt):
+        return _int(x, sizes)
+    key = (id(x.node.shape_env), x.node.expr)
+    out = memo.get(key)
+    if out is None:
+        out = memo[key] = _int(x, sizes)
+    return out
+
+
+def tensor_bytes(t: torch.Tensor, sizes: Any = None, memo: dict | None = None) -> int:
     """Bytes of the storage a fresh tensor like ``t`` needs (its strides' extent);
-    ``sizes``: the SizeContext symbolic sizes are evaluated with (see the module doc)."""
-    if _int(t.numel(), sizes) == 0:
+    ``sizes``: the SizeContext symbolic sizes are evaluated with (see the module doc);
+    ``memo``: a dict that remembers evaluated sizes across calls with the same ``sizes``."""
+    if _memo_int(t.numel(), sizes, memo) == 0:
         return 0
-    extent = 1 + sum((_int(s, sizes) - 1) * abs(_int(st, sizes)) for s, st in zip(t.shape, t.stride()))
+    extent = 1 + sum((_memo_int(s, sizes, memo) - 1) * abs(_memo_int(st, sizes, memo)) for s, st in zip(t.shape, t.stride()))
     return extent * t.element_size()
 
 
@@ -147,7 +160,7 @@ def _returns_alias(target: Any) -> bool:
     return bool(rets and rets[0].alias_info is not None)
 
 
-def _copies(node: fx.Node, sizes: Any = None) -> bool:
+def _copies(node: fx.Node, sizes: Any = None, memo: dict | None = None) -> bool:
     """Whether a ``reshape`` / ``contiguous`` (aliasing in the schema) copies here."""
     src, out = node.args[0], node.meta.get("val")
     src_val = src.meta.get("val") if isinstance(src, fx.Node) else None
@@ -155,9 +168,10 @@ def _copies(node: fx.Node, sizes: Any = None) -> bool:
         return True
     if node.target is torch.ops.aten.contiguous.default:
         return not src_val.is_contiguous()
-    probe = torch.empty_strided([_int(s, sizes) for s in src_val.shape], [_int(s, sizes) for s in src_val.stride()], device="meta")
+    probe = torch.empty_strided([_memo_int(s, sizes, memo) for s in src_val.shape], [_memo_int(s, sizes, memo) for s in src_val.stride()],
+                                device="meta")
     try:
-        probe.view([_int(s, sizes) for s in out.shape])
+        probe.view([_memo_int(s, sizes, memo) for s in out.shape])
     except RuntimeError:
         return True
     return False
@@ -183,38 +197,46 @@ def _what(n: fx.Node) -> str:
     return f"{phase} {getattr(n.target, '__name__', str(n.target))}"
 
 
-def memory_trace(gm: fx.GraphModule, *, backend: str | None = None, sizes: Any = None) -> MemoryTrace:
-    """The bytes alive at each node of the per-rank program ``gm`` and the peak (see the
-    module doc). ``backend``: the process group's backend (``"gloo"`` adds the buffers its
-    collectives stage while in flight; others, or None, add nothing). ``sizes``: for a
-    symbolic program, the :class:`~spmd_compiler.dump.sizes.SizeContext` of the call
-    whose sizes the bytes are counted at."""
+@dataclass
+class Storage:
+    """One storage of a per-rank program, independent of the node order: the node that
+    allocates it (an input's: the graph's first node, it is held for the whole step),
+    its bytes, what it is (see :class:`LiveValue`), the name it is reported under, and
+    every node that reads it through any alias (the output node when it is returned).
+    In a given order it is alive from its allocation to its last reader."""
+
+    alloc: fx.Node
+    bytes: int
+    what: str
+    name: str
+    readers: list[fx.Node] = field(default_factory=list)
+
+
+def storages(gm: fx.GraphModule, *, backend: str | None = None, sizes: Any = None) -> tuple[list[Storage], dict[str, int]]:
+    """The storages of ``gm`` (see :class:`Storage` and the module doc) in the order
+    :func:`memory_trace` reports them, and the inputs' bytes by kind. One walk of the
+    graph; moving nodes (without changing what they read) leaves the result valid."""
     staging = STAGING.get(backend or "", {})
+    memo: dict = {}
     nodes = list(gm.graph.nodes)
-    pos = {n: i for i, n in enumerate(nodes)}
-    end = len(nodes) - 1
-    # storage id -> [first node, last use, bytes, what]; node -> storage ids it holds
-    storages: dict[Any, list[Any]] = {}
-    holds: dict[fx.Node, list[Any]] = {}
+    first, out_node = nodes[0] if nodes else None, nodes[-1] if nodes else None
+    found: dict[Any, Storage] = {}
+    holds: dict[fx.Node, list[Any]] = {}  # node -> storage ids it holds
     input_bytes: dict[str, int] = {}
     for n in nodes:
         val = n.meta.get("val")
         if n.op == "placeholder":
             if isinstance(val, torch.Tensor):
-                inp = n.meta.get("spmd_input")
-                kind = getattr(inp, "kind", "input")
-                nbytes = tensor_bytes(val, sizes)
-                storages[n] = [0, end, nbytes, kind]
+                kind = getattr(n.meta.get("spmd_input"), "kind", "input")
+                nbytes = tensor_bytes(val, sizes, memo)
+                found[n] = Storage(first, nbytes, kind, n.name, [out_node])
                 input_bytes[kind] = input_bytes.get(kind, 0) + nbytes
                 holds[n] = [n]
             continue
-        if n.op == "output":
-            for a in n.all_input_nodes:
-                for s in holds.get(a, ()):
-                    storages[s][1] = end
-            continue
         src = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
-        if n.op == "call_function" and n.target is operator.getitem and src is not None:
+        if n.op == "output":
+            pass
+        elif n.op == "call_function" and n.target is operator.getitem and src is not None:
             parent = holds.get(src, [])
             i = n.args[1]
             if _returns_alias(src.target) or len(parent) <= (i if isinstance(i, int) else 0):
@@ -222,7 +244,7 @@ def memory_trace(gm: fx.GraphModule, *, backend: str | None = None, sizes: Any =
             else:
                 holds[n] = [parent[i]] if isinstance(i, int) else list(parent)
         elif n.op == "call_function" and src is not None and _returns_alias(n.target) and not (
-            n.target in _MAYBE_COPY and _copies(n, sizes)
+            n.target in _MAYBE_COPY and _copies(n, sizes, memo)
         ):
             holds[n] = list(holds.get(src, []))
         else:
@@ -231,37 +253,48 @@ def memory_trace(gm: fx.GraphModule, *, backend: str | None = None, sizes: Any =
             for j, t in enumerate(_tensors(val)):
                 if t is None:
                     continue
-                sid = (n, j)
-                storages[sid] = [pos[n], pos[n], tensor_bytes(t, sizes), what]
-                ids.append(sid)
+                found[(n, j)] = Storage(n, tensor_bytes(t, sizes, memo), what, n.name)
+                ids.append((n, j))
             if isinstance(val, (list, tuple)):
                 holds[n] = [(n, j) if t is not None else None for j, t in enumerate(_tensors(val))]
             else:
                 holds[n] = ids
         for a in n.all_input_nodes:
-            for s in holds.get(a, ()):
-                if s is not None and storages[s][1] < pos[n]:
-                    storages[s][1] = pos[n]
+            for sid in holds.get(a, ()):
+                if sid is not None:
+                    found[sid].readers.append(n)
         kind = (n.meta.get("spmd_comm") or {}).get("kind")
         if kind in staging and n.op == "call_function" and n.users:
             like = val if staging[kind] == "output" else (src.meta.get("val") if src is not None else None)
-            if isinstance(like, torch.Tensor):
-                until = max(pos[u] for u in n.users)  # its wait
-                storages[(n, "staging")] = [pos[n], until, tensor_bytes(like, sizes), f"{n.meta.get('spmd_phase', '?')} {kind} staging ({backend})"]
+            if isinstance(like, torch.Tensor):  # from its issue to its wait
+                what = f"{n.meta.get('spmd_phase', '?')} {kind} staging ({backend})"
+                found[(n, "staging")] = Storage(n, tensor_bytes(like, sizes, memo), what, n.name, list(n.users))
+    return list(found.values()), input_bytes
+
+
+def memory_trace(gm: fx.GraphModule, *, backend: str | None = None, sizes: Any = None) -> MemoryTrace:
+    """The bytes alive at each node of the per-rank program ``gm`` and the peak (see the
+    module doc). ``backend``: the process group's backend (``"gloo"`` adds the buffers its
+    collectives stage while in flight; others, or None, add nothing). ``sizes``: for a
+    symbolic program, the :class:`~spmd_compiler.dump.sizes.SizeContext` of the call
+    whose sizes the bytes are counted at."""
+    found, input_bytes = storages(gm, backend=backend, sizes=sizes)
+    nodes = list(gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    spans = []
     delta = [0] * (len(nodes) + 1)
-    for first, last, nbytes, _ in storages.values():
-        delta[first] += nbytes
-        delta[last + 1] -= nbytes
+    for s in found:
+        first = pos[s.alloc]
+        last = max(first, max((pos[r] for r in s.readers), default=first))
+        spans.append((first, last))
+        delta[first] += s.bytes
+        delta[last + 1] -= s.bytes
     live, running = [], 0
     for i in range(len(nodes)):
         running += delta[i]
         live.append(running)
     peak_at = max(range(len(live)), key=lambda i: (live[i], -i)) if live else 0
-    at_peak = [
-        LiveValue(s.name if isinstance(s, fx.Node) else s[0].name, nbytes, what)
-        for s, (first, last, nbytes, what) in storages.items()
-        if first <= peak_at <= last and nbytes
-    ]
+    at_peak = [LiveValue(s.name, s.bytes, s.what) for s, (first, last) in zip(found, spans) if first <= peak_at <= last and s.bytes]
     at_peak.sort(key=lambda v: -v.bytes)
     peak_node = nodes[peak_at] if nodes else None
     return MemoryTrace(

@@ -111,6 +111,7 @@ def _written_between(m: fx.Node, start: float, end: float, pos: dict[fx.Node, fl
 
 
 def _fuse(gm: fx.GraphModule, members: list[fx.Node], unit: str, pos: dict[fx.Node, float]) -> None:
+    """Replace ``members`` by one gather (see the pass); ``pos`` is kept up to date."""
     g = gm.graph
     gathered = _gathered_what(members)  # before the copy-in reads the members' prep chains
     members = sorted(members, key=lambda m: pos[m])
@@ -129,11 +130,14 @@ def _fuse(gm: fx.GraphModule, members: list[fx.Node], unit: str, pos: dict[fx.No
         if FSDP_GATHER in members[0].meta:
             node.meta[FSDP_GATHER] = members[0].meta[FSDP_GATHER]
         node.meta["spmd_origin"] = {"node": f"gather of unit {unit or '<root>'}", "op": "bucket_parameter_gathers", "source": None}
+        placed.append(node)
         return node
 
+    placed: list[fx.Node] = []  # moved or made, all right before the anchor in this order
     for m in members:  # each member's input preparation (contiguous, pad) comes first
         for prep in reversed(prep_chain(m)):
             anchor.prepend(prep)
+            placed.append(prep)
     flats = [add(aten.reshape.default, (m.args[0], [-1])) for m in members]
     sizes = [int(f.meta["val"].numel()) for f in flats]
     buf = add(aten.cat.default, (flats,))
@@ -154,6 +158,20 @@ def _fuse(gm: fx.GraphModule, members: list[fx.Node], unit: str, pos: dict[fx.No
         w.replace_all_uses_with(out)
         g.erase_node(w)
         g.erase_node(m)
+    _place_run(gm, placed, anchor, pos)
+
+
+def _place_run(gm: fx.GraphModule, run: list[fx.Node], anchor: fx.Node, pos: dict[fx.Node, float]) -> None:
+    """Positions for ``run``, the nodes right before ``anchor`` in this order, between
+    their neighbours' (all positions afresh if the floats between are used up)."""
+    lo, hi = pos[run[0].prev], pos[anchor]
+    step = (hi - lo) / (len(run) + 1)
+    if lo + step <= lo or hi - step >= hi:
+        pos.clear()
+        pos.update(positions(gm))
+        return
+    for i, n in enumerate(run, 1):
+        pos[n] = lo + i * step
 
 
 def bucket_parameter_gathers_pass(gm: fx.GraphModule, *, by: str = "unit") -> fx.GraphModule:
@@ -181,6 +199,5 @@ def bucket_parameter_gathers_pass(gm: fx.GraphModule, *, by: str = "unit") -> fx
         members = _fusable(members, pos, writes)
         if len(members) > 1:
             _fuse(gm, members, unit, pos)
-            pos = positions(gm)
     gm.graph.eliminate_dead_code()
     return gm

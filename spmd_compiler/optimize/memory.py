@@ -31,7 +31,8 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from ..trace.markers import MARKER
-from .graph_utils import alias_root, is_collective, is_view, is_wait, move_before, positions, prep_chain, writes_by_root, written_inputs
+from .live_bytes import LiveBytes
+from .graph_utils import alias_root, is_collective, is_inplace, is_view, is_wait, move_before, positions, prep_chain, writes_by_root, written_inputs
 from .overlap import is_param_gather
 
 __all__ = ["rematerialize_pass", "budget_prefetch_pass", "RECOMPUTABLE"]
@@ -54,6 +55,26 @@ def _storage_last_use(gm: fx.GraphModule, pos: dict[fx.Node, float]) -> dict[Any
     return out
 
 
+def _last_use_of(root: fx.Node, pos: dict[fx.Node, float]) -> float | None:
+    """Position of the last node reading ``root``'s storage (through any alias: the views
+    and in-place results taken of it), or None: what :func:`_storage_last_use` says for
+    one root, from the nodes around it."""
+    aliases, todo, last = {root}, [root], None
+    while todo:
+        for u in todo.pop().users:
+            p = pos[u]
+            last = p if last is None or p > last else last
+            if u not in aliases and (is_view(u) or is_inplace(u)) and u.args and u.args[0] in aliases:
+                aliases.add(u)
+                todo.append(u)
+    return last
+
+
+def _insert_position(node: fx.Node, pos: dict[fx.Node, float]) -> None:
+    """A position for ``node``, just inserted, between its neighbours'."""
+    pos[node] = (pos[node.prev] + pos[node.next]) / 2.0
+
+
 def _forward_views(n: fx.Node) -> list[fx.Node]:
     """``n`` and the forward views taken of it (transitively), in program order."""
     out, todo = [n], [n]
@@ -69,8 +90,8 @@ def rematerialize_pass(gm: fx.GraphModule, *, ops: frozenset | set | None = None
     """Recompute saved elementwise activations in backward where that frees memory
     (see module doc). ``ops``: the recomputable targets (default :data:`RECOMPUTABLE`)."""
     ops = RECOMPUTABLE if ops is None else ops
-    pos = positions(gm)
-    last_use = _storage_last_use(gm, pos)
+    pos = positions(gm)  # kept up to date as copies are inserted (floats between their neighbours)
+    last_use = _storage_last_use(gm, pos)  # and this, for the roots each rewrite touches
     written = writes_by_root(gm)
     for n in list(gm.graph.nodes):
         if n.op != "call_function" or n.target not in ops or _phase(n) != "forward" or len(n.all_input_nodes) != 1:
@@ -100,15 +121,24 @@ def rematerialize_pass(gm: fx.GraphModule, *, ops: frozenset | set | None = None
                 c.meta["spmd_phase"] = _phase(first)
                 c.meta["spmd_remat"] = f"{v.name} computed again for backward (its input {src.name} is alive there anyway)"
                 copies[v] = c
+                _insert_position(c, pos)
+        touched = {alias_root(a) for c in copies.values() for a in c.all_input_nodes} | {root, n, copies[n]}
         for u in readers:
             for v in needed:
                 if v in u.all_input_nodes:
                     u.replace_input_with(v, copies[v])
         for v in reversed(views):
             if not v.users:
+                touched.update(alias_root(a) for a in v.all_input_nodes)
                 gm.graph.erase_node(v)
-        pos = positions(gm)
-        last_use = _storage_last_use(gm, pos)
+                touched.discard(v)
+                del pos[v]
+        for r in touched:
+            last = _last_use_of(r, pos)
+            if last is None:
+                last_use.pop(r, None)
+            else:
+                last_use[r] = last
     gm.graph.lint()
     return gm
 
@@ -150,13 +180,13 @@ def _place(gm: fx.GraphModule, movers: list[fx.Node], anchor: fx.Node, pos: dict
         move_before(m, anchor, pos)
 
 
-def _to_latest(gm: fx.GraphModule, g: fx.Node) -> tuple[list[fx.Node], set[fx.Node]] | None:
+def _to_latest(gm: fx.GraphModule, g: fx.Node, pos: dict[fx.Node, float]) -> tuple[list[fx.Node], set[fx.Node]] | None:
     """Move gather ``g`` (and its prep chain) as late as it may go; returns the movers and
-    the nodes it may be issued before again (where it was, up to there), or None."""
+    the nodes it may be issued before again (where it was, up to there), or None.
+    ``pos`` (:func:`~.graph_utils.positions`) is kept up to date."""
     waits = [u for u in g.users if is_wait(u)]
     if len(waits) != 1 or not isinstance(g.meta.get("val"), torch.Tensor):
         return None
-    pos = positions(gm)
     chain = sorted(prep_chain(g), key=lambda c: pos[c])
     movers = [*chain, g]
     after, limit = _window(g, waits[0], chain)
@@ -171,28 +201,27 @@ def _to_latest(gm: fx.GraphModule, g: fx.Node) -> tuple[list[fx.Node], set[fx.No
     return movers, spots
 
 
-def _pull_earlier(gm: fx.GraphModule, movers: list[fx.Node], spots: set[fx.Node], backend: str | None, staged: bool) -> None:
+def _pull_earlier(gm: fx.GraphModule, movers: list[fx.Node], spots: set[fx.Node], live: LiveBytes, staged: bool,
+                  pos: dict[fx.Node, float]) -> None:
     """Issue the gather (``movers[-1]``) at the earliest of ``spots`` from which holding
-    its buffers does not raise the program's peak."""
-    from ..dump.memory import memory_trace, tensor_bytes
+    its buffers does not raise the program's peak (``live``: the program's memory trace,
+    kept up to date)."""
+    from ..dump.memory import tensor_bytes
 
     g = movers[-1]
     out = tensor_bytes(g.meta["val"]) * (2 if staged else 1)  # its output (and staging) until the wait
-    trace = memory_trace(gm, backend=backend)
-    peak, nodes = trace.peak_bytes, list(gm.graph.nodes)
-    hi = at = nodes.index(movers[0])
-    home = g.next
-    while at > 0 and nodes[at - 1] in spots and trace.live[at - 1] + out <= peak:
+    peak, nodes, counts = live.peak, live.order, live.live
+    hi = at = live.index[movers[0]]
+    while at > 0 and nodes[at - 1] in spots and counts[at - 1] + out <= peak:
         at -= 1
-    while at < hi:  # the copy-in is alive at the issue too: check the placement itself
-        _place(gm, movers, nodes[at], positions(gm))
-        if memory_trace(gm, backend=backend).peak_bytes <= peak:
-            break
+    while at < hi and live.peak_if_moved(movers, at) > peak:  # the copy-in is alive at the issue too: check the placement
         at += 1
-    if at == hi and g.next is not home:
-        _place(gm, movers, home, positions(gm))
-    if nodes[at - 1] in spots:
-        g.meta["spmd_prefetch_budget"] = f"issued before {nodes[at].name}: earlier would raise the peak ({peak} bytes)"
+    before, anchor = nodes[at - 1], nodes[at]
+    if at < hi:
+        live.move(movers, at)
+        _place(gm, movers, anchor, pos)
+    if before in spots:
+        g.meta["spmd_prefetch_budget"] = f"issued before {anchor.name}: earlier would raise the peak ({peak} bytes)"
 
 
 def budget_prefetch_pass(gm: fx.GraphModule, *, backend: str | None = "auto") -> fx.GraphModule:
@@ -200,14 +229,19 @@ def budget_prefetch_pass(gm: fx.GraphModule, *, backend: str | None = "auto") ->
     ``backend``: the process group's backend whose staging buffers count ("auto": the
     initialized default group's, None: none). Every gather first goes as late as it may
     (the budget: that program's peak), then each, in program order, as early as fits
-    under that peak."""
+    under that peak. The memory trace is counted once and kept up to date per move
+    (:class:`~.live_bytes.LiveBytes`): the pass's cost grows with the program, not with
+    the program times its gathers."""
     from ..dump.memory import STAGING
 
     backend = _backend(backend)
     staged = STAGING.get(backend or "", {}).get("all_gather") == "output"
     gathers = [n for n in gm.graph.nodes if is_collective(n) and is_param_gather(n)]
-    spans = [s for s in (_to_latest(gm, g) for g in gathers) if s is not None]
-    for movers, spots in spans:
-        _pull_earlier(gm, movers, spots, backend, staged)
+    pos = positions(gm)
+    spans = [s for s in (_to_latest(gm, g, pos) for g in gathers) if s is not None]
+    if spans:
+        live = LiveBytes(gm, backend=backend)  # the budget: the peak with every gather as late as it may go
+        for movers, spots in spans:
+            _pull_earlier(gm, movers, spots, live, staged, pos)
     gm.graph.lint()
     return gm

@@ -29,6 +29,8 @@ records why in ``meta["spmd_schedule"]``.
 
 from __future__ import annotations
 
+from bisect import insort
+
 import torch.fx as fx
 
 from ..expand.rules.random import is_random
@@ -137,13 +139,25 @@ def _updates_into_waits(gm: fx.GraphModule, pos: dict[fx.Node, float], preds: di
     asynchronously), so a node that writes the storage of a collective still in flight
     at that point stays where it is (an FSDP re-gather of a parameter shard while
     weight decay scales the shard would race).
+
+    The waits are visited in program order and a node is looked at only once every
+    input from outside the tail precedes the wait (``ready_at``, which only grows), in
+    tail order: linear in the program, not in waits times tail nodes.
     """
     tail = _tail(gm)
     if not tail or any(_pinned(n) for n in tail if n.op == "call_function"):
         return 0
     in_tail = set(tail)
     pending = [n for n in tail if n.op == "call_function" and not is_wait(n) and not is_collective(n)]
-    flights = []  # (issue, wait, storages read) of collectives issued before the tail
+    order = {n: i for i, n in enumerate(pending)}
+    tail_deps: dict[fx.Node, list[fx.Node]] = {}
+    ready_at: dict[fx.Node, float] = {}  # the position every dependency from outside the tail precedes
+    for n in pending:
+        deps = list(n.all_input_nodes) + list(preds.get(n, ()))
+        tail_deps[n] = [d for d in deps if d in in_tail]
+        ready_at[n] = max((pos[d] for d in deps if d not in in_tail), default=float("-inf"))
+    by_ready = sorted(pending, key=lambda n: ready_at[n])
+    flights = []  # (issue, wait, storages read) of collectives issued before the tail, by issue
     for c in gm.graph.nodes:
         if is_collective(c) and c not in in_tail:
             waits = [u for u in c.users if is_wait(u)]
@@ -151,20 +165,31 @@ def _updates_into_waits(gm: fx.GraphModule, pos: dict[fx.Node, float], preds: di
             flights.append((pos[c], end, {alias_root(x) for x in c.all_input_nodes}))
     moved: set[fx.Node] = set()
     windows = [n for n in gm.graph.nodes if is_wait(n) and n not in in_tail and n.args[0].meta.get("spmd_phase") == "backward"]
-    for w in windows:
+    candidates: list[fx.Node] = []  # pending, every outside dependency before the wait; tail order
+    active: list[tuple[float, float, set]] = []  # flights issued before the wait
+    k = f = 0
+    for w in windows:  # in program order: positions grow
         at = pos[w]
-        busy = set().union(*(roots for start, end, roots in flights if start < at <= end))
+        while k < len(by_ready) and ready_at[by_ready[k]] < at:
+            insort(candidates, by_ready[k], key=order.__getitem__)
+            k += 1
+        if not candidates:
+            continue
+        while f < len(flights) and flights[f][0] < at:
+            active.append(flights[f])
+            f += 1
+        active = [fl for fl in active if at <= fl[1]]
+        busy = set().union(*(roots for _, _, roots in active))
         left = []
-        for n in pending:  # tail order is topological, so one sweep settles chains
-            deps = list(n.all_input_nodes) + list(preds.get(n, ()))
-            ready = all(d in moved if d in in_tail else pos[d] < at for d in deps)
+        for n in candidates:  # tail order is topological, so one sweep settles chains
+            ready = all(d in moved for d in tail_deps[n])
             if ready and not busy.intersection(alias_root(x) for x in written_inputs(n)):
                 move_before(n, w, pos)
                 moved.add(n)
                 n.meta["spmd_schedule"] = f"optimizer work that runs while {w.args[0].name} is in flight (its gradient is final)"
             else:
                 left.append(n)
-        pending = left
+        candidates = left
     pos.update(positions(gm))  # many moves before one wait exhaust the fractional positions
     return len(moved)
 

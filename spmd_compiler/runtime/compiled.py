@@ -168,7 +168,9 @@ def compile(fn: Callable[..., Any] | None = None, *, mesh: Any, plan: Plan | Non
             program for every size of the sharded batch dims, docs/dynamic_shapes.md; default
             False; the ranks agree on the global sizes in the step check; pipelines keep one
             program per shape; backend="inductor" compiles each segment once for every size,
-            :mod:`spmd_compiler.runtime.inductor_dynamic`); and ``pipeline`` (a :class:`spmd_compiler.Pipeline`: run
+            :mod:`spmd_compiler.runtime.inductor_dynamic`); ``device_type`` (the device the program is
+            for, "cpu" | "cuda"; default the mesh's: a model on ``meta`` then traces SDPA as
+            that device's fused kernel); and ``pipeline`` (a :class:`spmd_compiler.Pipeline`: run
             the step as a pipeline over one mesh axis; the plan then gives placements for
             the other axes).
     """

@@ -21,14 +21,16 @@ from __future__ import annotations
 
 import contextlib
 import enum
-from collections.abc import Iterator
+import re
+import warnings
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch.fx.node import has_side_effect
 
-from ..errors import HostSettingError, user_frame_here
+from ..errors import HostSettingError, IncompleteStepError, user_frame_here
 
 __all__ = ["marker", "MARKER", "phase_markers", "tag_phases", "PHASES", "pipe_split", "SplitPoint", "split_point_hooks", "PIPE_SPLIT",
            "refuse_scheduler_steps", "recompute_markers", "RECOMPUTE", "CHECKPOINTED"]
@@ -115,7 +117,7 @@ def phase_markers(optimizer: Any) -> Iterator[None]:
     def backward(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         marker("backward")
         pt.link_backward_to_forward(self)
-        out = orig_backward(self, *args, **kwargs)
+        out = _with_autograd_checked(lambda: orig_backward(self, *args, **kwargs))
         marker("backward_end")
         return out
 
@@ -124,7 +126,7 @@ def phase_markers(optimizer: Any) -> Iterator[None]:
         for t in tensors if isinstance(tensors, (list, tuple)) else [tensors]:
             if isinstance(t, torch.Tensor):
                 pt.link_backward_to_forward(t)
-        out = orig_autograd_backward(tensors, *args, **kwargs)
+        out = _with_autograd_checked(lambda: orig_autograd_backward(tensors, *args, **kwargs))
         marker("backward_end")
         return out
 
@@ -139,6 +141,7 @@ def phase_markers(optimizer: Any) -> Iterator[None]:
         def step(*args: Any, **kwargs: Any) -> Any:
             marker("optimizer")
             out = orig_step(*args, **kwargs)
+            _check_some_gradient(optimizer)
             marker("optimizer_end")
             return out
 
@@ -154,6 +157,50 @@ def phase_markers(optimizer: Any) -> Iterator[None]:
                 optimizer.step = orig_step
             else:
                 del optimizer.step
+
+
+# torch's autograd fallback for an op with no autograd kernel: backward() goes on without
+# that op's gradient and only warns (autograd_not_implemented_fallback.cpp)
+_NO_AUTOGRAD = re.compile(r"^(\S+): an autograd kernel was not registered to the Autograd key")
+
+
+def _with_autograd_checked(run: Callable[[], Any]) -> Any:
+    """Run a traced ``backward()``; raise :class:`IncompleteStepError` naming the ops
+    whose gradient it skipped (torch warns and leaves their inputs without one). Other
+    warnings are issued again."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = run()
+    missing = []
+    for w in caught:
+        m = _NO_AUTOGRAD.match(str(w.message))
+        if m:
+            missing.append(m.group(1))
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+    if missing:
+        ops = ", ".join(dict.fromkeys(missing))
+        raise IncompleteStepError(
+            f"backward() went through {ops}, which has no autograd kernel here (torch skips its gradient and only warns), "
+            "so every gradient behind it would be missing and the compiled step would not train",
+            user_frame_here(),
+            "register an autograd formula for the op (torch.library.register_autograd), or trace on a device where it "
+            "has one (a custom op's Meta kernel alone gives no backward)",
+        )
+    return out
+
+
+def _check_some_gradient(optimizer: Any) -> None:
+    """After a traced ``optimizer.step()``: some parameter it updates has a gradient,
+    or raise :class:`IncompleteStepError` (a step that updates nothing)."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if params and all(getattr(p, "grad", None) is None for p in params):
+        raise IncompleteStepError(
+            f"optimizer.step() found no gradient on any of its {len(params)} parameters, so it would update nothing "
+            "(backward() was not called before it, or the loss does not depend on the parameters)",
+            user_frame_here(),
+            "call loss.backward() before optimizer.step() in the step, on a loss computed from the model's parameters",
+        )
 
 
 def tag_phases(gm: fx.GraphModule) -> None:

@@ -57,6 +57,7 @@ def trace(
     symbolic_dims: dict[int, tuple[int, ...]] | None = None,
     fused_optimizer: bool = True,
     dynamic: bool = False,
+    device_type: str | None = None,
     **batch_kwargs: Any,
 ) -> TracedStep:
     """Trace ``step_fn(model, optimizer, *batch, **batch_kwargs)`` into a :class:`TracedStep`.
@@ -88,6 +89,12 @@ def trace(
     ``dynamic=True`` keeps a batch size of 0 or 1 symbolic as well (torch otherwise makes
     it a constant and assumes the others are at least 2), so a program compiled with
     ``compile(dynamic=True)`` can serve it; a branch on such a size is a guard.
+
+    ``device_type`` ("cpu", "cuda") is the device the program is for, when the model
+    and batch are on ``meta``: SDPA is traced as the fused kernel that device runs
+    (``_private_torch/sdpa.py``; None: the math decomposition ``meta`` itself takes). On
+    ``meta``, composite ops keep their autograd and foreach gradient clipping works as on
+    a real device, whatever ``device_type``.
 
     Example::
 
@@ -229,7 +236,9 @@ def trace(
     try:
         with phase_markers(optimizer), pt.preserve_node_meta(), split_point_hooks(model, split_points), \
                 host_scalar_values(mode, optimizer, bool(scalars)), traceable_scalars(), rng_replay(ledger), \
-                pt.size_oblivious(dynamic), rewrites, refuse_scheduler_steps(), recompute_markers():
+                pt.size_oblivious(dynamic), rewrites, refuse_scheduler_steps(), recompute_markers(), \
+                pt.meta_trace_for(device_type, enabled=any(t.device.type == "meta" for t in real)), \
+                pt.fast_stack_traces(), pt.unchecked_symbolic_pow():
             gm = make_fx(
                 functional_step,
                 decomposition_table=decomposition_table(),

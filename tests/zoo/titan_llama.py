@@ -82,10 +82,10 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int) -> None:
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, hidden_dim: int | None = None) -> None:
         super().__init__()
         self.attention = Attention(dim, n_heads, n_kv_heads)
-        self.feed_forward = FeedForward(dim, 4 * dim)
+        self.feed_forward = FeedForward(dim, hidden_dim or 4 * dim)
         self.attention_norm = nn.RMSNorm(dim, eps=1e-5)
         self.ffn_norm = nn.RMSNorm(dim, eps=1e-5)
 
@@ -96,13 +96,14 @@ class TransformerBlock(nn.Module):
 
 class Transformer(nn.Module):
     def __init__(self, dim: int = 32, n_layers: int = 2, n_heads: int = 4, n_kv_heads: int = 2,
-                 rope_dtype: torch.dtype = torch.float32) -> None:
+                 rope_dtype: torch.dtype = torch.float32, *, vocab: int = VOCAB, hidden_dim: int | None = None,
+                 max_seq: int = SEQ * 2, rope_theta: float = 10000.0) -> None:
         super().__init__()
-        self.tok_embeddings = nn.Embedding(VOCAB, dim)
-        self.register_buffer("freqs_cis", precompute_freqs_cis(dim // n_heads, SEQ * 2, dtype=rope_dtype), persistent=False)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(dim, n_heads, n_kv_heads) for i in range(n_layers)})
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.register_buffer("freqs_cis", precompute_freqs_cis(dim // n_heads, max_seq, rope_theta, dtype=rope_dtype), persistent=False)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(dim, n_heads, n_kv_heads, hidden_dim) for i in range(n_layers)})
         self.norm = nn.RMSNorm(dim, eps=1e-5)
-        self.output = nn.Linear(dim, VOCAB, bias=False)
+        self.output = nn.Linear(dim, vocab, bias=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens)

@@ -1,0 +1,31 @@
+"""benchmarks/compile_scale.py on one layer of Llama-3 8B (on meta, compile only): the
+row it measures, FSDP bytes at the analytic minimum, and its tables."""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
+
+from compile_scale import depth_table, measure, ratios, table  # noqa: E402
+
+
+@pytest.mark.parametrize("kind", ["fsdp", "2d"])
+def test_one_layer_row(kind, monkeypatch):
+    monkeypatch.setenv("SPMD_COMPILER_EXPLAIN", "1")
+    row = measure("8B", kind, False, layers=1)
+    assert row["layers"] == 1 and row["nodes"] > row["traced nodes"] > 100 and row["peak"] > 0
+    assert row["trace"] > 0 and row["expand"] > 0 and row["passes"] > 0 and row["total"] >= row["trace"]
+    # FSDP moves the analytic minimum (and the loss and norm scalars riding along);
+    # Megatron's backward reduces two more input gradients per layer than a hand-written
+    # one (see the script's docstring)
+    assert 0 <= row["axis bytes"]["dp"] - row["axis min"]["dp"] < 1024
+    if kind == "2d":
+        assert 0 <= row["axis bytes"]["tp"] - 1.5 * row["axis min"]["tp"] < 16384
+    text = table([row])
+    assert text.count("\n") == 2 and "| 8B |" in text
+    assert "dynamic=True / static = 1.10x" in ratios([row, {**row, "dynamic": True, "total": row["total"] * 1.1}])
+    assert "growth exponent k" in depth_table([row, {**row, "layers": 2, "total": row["total"] * 2}])
