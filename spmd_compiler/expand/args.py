@@ -42,6 +42,7 @@ class TensorArg:
     ``index`` is its position among the traced node's tensor arguments (None for values
     a rule derives inside the recipe, which ``label`` describes instead). ``positions``:
     the dim along which the value holds its own global positions (:mod:`.positions`).
+    ``rows``: what is known of it as a restricted value of token routing (:mod:`.orders`).
     """
 
     node: fx.Node
@@ -50,9 +51,11 @@ class TensorArg:
     index: int | None = None
     label: str | None = None
     positions: int | None = None
+    rows: Any = None
 
     def moved(self, node: fx.Node, spec: Any, mask: fx.Node | None) -> "TensorArg":
-        """The same argument after a redistribution (same global values)."""
+        """The same argument after a redistribution (same global values; a restricted
+        value's facts, :mod:`.orders`, do not survive one)."""
         return TensorArg(node, spec, mask, self.index, self.label, self.positions)
 
     @property
@@ -88,6 +91,7 @@ class ExpandContext:
     activation_sharding: str = "follow"
     rng: str = "exact"
     grad_of: dict[int, Any] | None = None
+    routing_global: frozenset = frozenset()
 
     def warn_once(self, key: Any, msg: str, *args: Any) -> None:
         if self.warned is None:

@@ -27,11 +27,13 @@ __all__ = ["Recipe", "OutTensor", "OutScalar", "SubgraphBuilder"]
 @dataclass(frozen=True)
 class OutTensor:
     """A tensor leaf of a recipe's result: output slot ``index`` of the recipe graph, its
-    DTensorSpec and, for MaskPartial results, the output slot of its mask."""
+    DTensorSpec and, for MaskPartial results, the output slot of its mask; ``rows``: what
+    is known of it as a restricted value of token routing (:mod:`.orders`)."""
 
     index: int
     spec: Any
     mask_index: int | None = None
+    rows: Any = None
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,10 @@ class SubgraphBuilder:
         self.coord_dependent = False
         self.replacements: dict[int, OutTensor] = {}
         self.sizes: Any = None  # dynamic=True: the expansion's LocalSizes (symbolic sizes)
+        # token axes on which a restricted value of token routing takes part (-> the sorts
+        # it derives from): no redistribution on them in this recipe (expand/orders.py)
+        self.routing: dict[int, frozenset] = {}
+        self.routing_done = False  # a routing rule stated its results' facts (no generic transfer)
 
     # ------------------------------------------------------------------ sizes
     def local_chunk(self, size: int, axis: int) -> int:

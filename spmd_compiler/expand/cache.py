@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from .builder import Recipe
+from .orders import ROWS
 from .positions import POSITIONS
 from .values import DSymInt, DValue, RScalar, _key
 
@@ -40,6 +41,7 @@ def abstract_key(x: Any) -> Any:
             tuple(_key(s) for s in local.stride()),
             x.mask is not None,
             x.extra.get(POSITIONS),
+            x.extra[ROWS].key() if ROWS in x.extra else None,
         )
     if isinstance(x, (DSymInt, RScalar)):
         return x.key()

@@ -35,6 +35,7 @@ from .guards import (
     _AvoidPartition, _UnevenAvg, _dst_specs, _guard_empty_shards, _guard_partition, _guard_uneven_avg, _guard_view_sizes,
 )
 from .redistribute import emit_redistribute, logical_shape
+from . import orders
 from .registry import get_rule
 from .values import placements_text
 
@@ -271,7 +272,21 @@ def wrap_result(b: SubgraphBuilder, node: fx.Node, spec: Any, masks: dict[int, f
 
 
 def expand_op(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: dict) -> Any:
-    """Emit the local program of ``op`` into ``b``; returns the result pytree."""
+    """Emit the local program of ``op`` into ``b``; returns the result pytree.
+
+    With a restricted value of token routing among the arguments (:mod:`.orders`), nothing
+    may be redistributed on its token axes, and the result's facts follow from the
+    arguments' (unless the op's rule is a routing rule, which states them itself)."""
+    tensors = [x for x in pytree.tree_leaves((args, kwargs), is_leaf=_is_tensor_arg) if isinstance(x, TensorArg)]
+    if not any(t.rows is not None for t in tensors):
+        return _expand_op(ctx, b, op, args, kwargs)
+    b.routing = orders.guard_axes(tensors)
+    b.routing_done = False
+    result = _expand_op(ctx, b, op, args, kwargs)
+    return result if b.routing_done else orders.transfer(op, tensors, result)
+
+
+def _expand_op(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: dict) -> Any:
     rule = get_rule(op)
     if rule is None and op in pt.custom_handled_ops():
         return _custom_handled(ctx, b, op, args, kwargs)

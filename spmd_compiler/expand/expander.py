@@ -22,7 +22,7 @@ from .tree import leaves, tree_map
 
 from .. import _private_torch as pt
 from ..errors import SpmdError, add_context, describe_node
-from . import positions
+from . import orders, positions
 from .advice import log_advice
 from .builder import local_fake
 from .cache import ExpansionCache
@@ -109,8 +109,12 @@ class Expansion:
         rng: str = "exact",
         dynamic: bool = False,
         reshard_after_forward: bool = True,
+        routing_global: frozenset = frozenset(),
     ) -> None:
         self.traced = traced
+        # sorts of token routing expanded on gathered tokens (expand/orders.py: a restricted
+        # value of theirs met an op that needs the global one)
+        self.routing_global = frozenset(routing_global)
         self.mctx = mctx
         placements = list(placements)
         if len(placements) != len(traced.inputs):
@@ -187,6 +191,8 @@ class Expansion:
                         self.output_values = tree_map(self._lookup, node.args[0])
                     else:
                         raise SpmdError(f"unexpected node kind {node.op}" + describe_node(node))
+                except orders.OrderEscape:
+                    raise
                 except (SpmdError, ValueError, TypeError) as e:
                     add_context(e, node, inputs=self._inputs_text(node), fix=_FIX)
                     raise
@@ -306,6 +312,7 @@ class Expansion:
         self.stats.ops += 1
         value = expand_node(self, node, target, args, kwargs)
         positions.follow(target, args, kwargs, value, node, self._written)
+        orders.tag_fresh(target, node, value, self._written)
         return value
 
     def _scalar_call(self, node: fx.Node, target: Any, args: tuple, kwargs: dict) -> RScalar:
@@ -374,10 +381,27 @@ def expand_graph(
     the plan gave each; error messages quote it)."""
     if fallback not in ("replicate", "error"):
         raise ValueError(f"fallback must be 'replicate' or 'error', got {fallback!r}")
-    ex = Expansion(
-        traced, mctx, placements, fallback=fallback, cache=cache if cache is not None else ExpansionCache(),
-        fsdp_axes=fsdp_axes, activation_sharding=activation_sharding, sources=sources, rng=rng, dynamic=dynamic,
-        reshard_after_forward=reshard_after_forward,
-    )
-    ex.run()
-    return ex
+    cache = cache if cache is not None else ExpansionCache()
+    routing_global: frozenset = frozenset()
+    escapes: list[str] = []
+    while True:
+        ex = Expansion(
+            traced, mctx, placements, fallback=fallback, cache=cache,
+            fsdp_axes=fsdp_axes, activation_sharding=activation_sharding, sources=sources, rng=rng, dynamic=dynamic,
+            reshard_after_forward=reshard_after_forward, routing_global=routing_global,
+        )
+        try:
+            ex.run()
+        except orders.OrderEscape as e:
+            if not e.origins or e.origins <= routing_global:
+                raise SpmdError(f"token routing could not be expanded globally either ({e.why}); this is a bug in spmd-compiler") from e
+            routing_global |= e.origins
+            escapes.append(e.why)
+            log.warning(
+                "spmd_compiler: the token routing sorted by %s runs on gathered tokens (every rank sorts all of them): %s",
+                ", ".join(sorted(e.origins)), e.why,
+            )
+            continue
+        for why in escapes:
+            ex.stats.fallbacks.append(("token routing", "sort", f"routing on gathered tokens: {why}"))
+        return ex

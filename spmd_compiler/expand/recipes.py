@@ -18,6 +18,8 @@ from .args import ExpandContext, ScalarArg, TensorArg
 from .builder import Recipe, SubgraphBuilder
 from ..trace.grad_links import GRAD_OF
 from .cache import abstract_key
+from . import orders
+from .orders import rows_of
 from .splice import splice_recipe
 from .tree import leaves, tree_map
 from .values import DValue, RScalar, _key, placements_text
@@ -40,6 +42,8 @@ def expand_node(ex: Any, node: fx.Node, op: Any, args: tuple, kwargs: dict) -> A
     key = (op, abstract_key(args), abstract_key(kwargs), ex.fallback, ex.activation_sharding, ex.rng)
     if grad_of:  # a rule may lay a gradient out like its parameter
         key += (tuple((i, tuple(s.placements), tuple(_key(d) for d in s.shape)) for i, s in grad_of.items()),)
+    if op in orders.ENTRY_OPS:  # a sort of token routing: local, or global after an escape
+        key += (node.name in ex.routing_global,)
     if ex.dynamic:  # recipes hold this trace's fake values: shared by its ranks, not by other traces
         key += (ex.fake_mode,)
     recipe = ex.cache.lookup(key, ex.mctx.coordinate)
@@ -93,7 +97,8 @@ def build_recipe(ex: Any, node: fx.Node, op: Any, args: tuple, kwargs: dict, gra
     """The recipe of ``op`` on these arguments: dispatch (a rule or DTensor) on a fresh builder."""
     b = SubgraphBuilder(ex.mctx, ex.fake_mode)
     b.sizes = ex.local_sizes
-    ctx = ExpandContext(ex.mctx, ex.fake_mode, ex.fallback, node, ex.warned, ex.activation_sharding, ex.rng, grad_of=grad_of)
+    ctx = ExpandContext(ex.mctx, ex.fake_mode, ex.fallback, node, ex.warned, ex.activation_sharding, ex.rng, grad_of=grad_of,
+                        routing_global=ex.routing_global)
 
     counter = iter(range(1 << 30))
 
@@ -101,7 +106,7 @@ def build_recipe(ex: Any, node: fx.Node, op: Any, args: tuple, kwargs: dict, gra
         if isinstance(x, DValue):
             n = b.input(x.local, x.node.name)
             mask = b.input(x.mask.meta["val"], x.node.name + "_mask") if x.mask is not None else None
-            return TensorArg(n, x.spec, mask, index=next(counter), positions=positions.positions_of(x))
+            return TensorArg(n, x.spec, mask, index=next(counter), positions=positions.positions_of(x), rows=rows_of(x))
         if isinstance(x, RScalar):
             return ScalarArg(b.input(x.hint, "scalar"), x.hint)
         return x

@@ -29,6 +29,7 @@ import torch.fx as fx
 from .. import _private_torch as pt
 from ..errors import UnsupportedPlacementError
 from .builder import SubgraphBuilder
+from .orders import OrderEscape
 from .values import placements_text
 from .collectives import (
     COLLECTIVE_OPS, _all_gather, _all_to_all, _collective, _narrow_shard, _reduce_scatter, _replicate_to_strided, _strided_to_replicate,
@@ -95,6 +96,12 @@ def emit_redistribute(
     """
     if tuple(src.placements) == tuple(dst.placements):
         return x, mask
+    guard = getattr(b, "routing", None)
+    if guard:
+        moved = [a for a in guard if src.placements[a] != dst.placements[a]]
+        if moved:
+            raise OrderEscape(guard[moved[0]], f"{reason or 'a value'} would move on mesh axis {moved[0]} "
+                              f"({placements_text(src.placements)} -> {placements_text(dst.placements)}) next to rank-local rows")
     mctx = b.mctx
     current = list(src.placements)
     global_shape = tuple(src.shape)

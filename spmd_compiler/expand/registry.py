@@ -19,10 +19,14 @@ from typing import Any
 __all__ = ["register_rule", "get_rule", "registered_ops"]
 
 _RULES: dict[Any, Callable[..., Any]] = {}
+_RULES_BY_NAME: dict[str, Callable[..., Any]] = {}  # "namespace::name": ops of libraries imported later
 
 
 def register_rule(*ops: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorator: use the decorated function to expand each of ``ops``.
+
+    An op is an OpOverload, or the qualified name of a custom op (``"mylib::my_op"``, for
+    every overload) from a library that may be imported after this registration.
 
     Example::
 
@@ -33,14 +37,23 @@ def register_rule(*ops: Any) -> Callable[[Callable[..., Any]], Callable[..., Any
 
     def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
         for op in ops:
-            _RULES[op] = fn
+            if isinstance(op, str):
+                if "::" not in op:
+                    raise ValueError(f"register_rule: expected an OpOverload or a qualified op name 'namespace::name', got {op!r}")
+                _RULES_BY_NAME[op] = fn
+            else:
+                _RULES[op] = fn
         return fn
 
     return deco
 
 
 def get_rule(op: Any) -> Callable[..., Any] | None:
-    return _RULES.get(op)
+    rule = _RULES.get(op)
+    if rule is None and _RULES_BY_NAME:
+        schema = getattr(op, "_schema", None)
+        rule = _RULES_BY_NAME.get(schema.name) if schema is not None else None
+    return rule
 
 
 def registered_ops() -> list[Any]:

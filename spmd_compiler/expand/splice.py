@@ -20,6 +20,7 @@ from .. import _private_torch as pt
 from ..errors import user_source_line
 from ..trace.markers import RECOMPUTE
 from .builder import OutScalar, OutTensor, Recipe, SubgraphBuilder
+from .orders import ROWS
 from .redistribute import emit_redistribute
 from .values import DValue, RScalar
 
@@ -115,7 +116,10 @@ def splice_recipe(
             node = outputs[leaf.index]
             spec = fresh_spec(leaf.spec)
             node.meta["spmd_spec"] = spec
-            return DValue(node, spec, mask)
+            value = DValue(node, spec, mask)
+            if leaf.rows is not None:
+                value.extra[ROWS] = leaf.rows
+            return value
         if isinstance(leaf, OutScalar):
             return RScalar(outputs[leaf.index], leaf.hint)
         return leaf

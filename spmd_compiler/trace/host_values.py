@@ -274,7 +274,8 @@ class HostSnapshot:
         """Put back every model attribute holding a plain Python value (bool, int, float,
         str) that the step assigned a different value or created (``self.micro_steps += 1``)
         and return their names: the step's Python runs once, at the trace, so such a
-        write would happen once and never again."""
+        write would happen once and never again. A bool the step *created* is a library's
+        lazy one-time flag and is kept."""
         found = []
         for (label, d, skip), saved in zip(self._owners, self._saved):
             if not label.startswith("model"):
@@ -287,6 +288,11 @@ class HostSnapshot:
                     if not (old is None or _plain_scalar(old)):
                         continue
                     d[key] = old
+                elif isinstance(d[key], bool):
+                    # a flag created once, lazily, by a library's first forward (transformers'
+                    # ``_output_capturing_hooks_installed``): not a counter; it stays set, and
+                    # a later trace that flips it is a change like any other
+                    continue
                 else:
                     del d[key]
                 found.append(f"{label}.{key}")

@@ -32,6 +32,7 @@ from ..builder import SubgraphBuilder
 from ..args import ExpandContext, TensorArg, _out_tensor
 from ..dispatch import generic_expand
 from ..registry import register_rule
+from .routing import index_by_rows, put_by_rows
 
 aten = torch.ops.aten
 
@@ -100,6 +101,9 @@ def _indexed(b: SubgraphBuilder, x: TensorArg, indices: list[Any], kb: int) -> t
 
 @register_rule(aten.index.Tensor)
 def _index(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: dict) -> Any:
+    routed = index_by_rows(ctx, b, op, args, kwargs)
+    if routed is not None:
+        return routed
     x, indices = args[0], list(args[1])
     found = _local_rows_plan(ctx, x, indices) if not kwargs else None
     if found is None:
@@ -130,6 +134,10 @@ def _index_put(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwa
     the index result or the same for every row. ``x[mask] = v``: ``masked_fill``."""
     x, indices, values = args[0], list(args[1]), args[2]
     accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
+    if len(indices) == 1 and isinstance(indices[0], TensorArg) and indices[0].rows is not None and indices[0].rows.into is not None:
+        routed = put_by_rows(ctx, b, op, x, indices[0], values, bool(accumulate), lambda s, i, v: b.call(op, s, [i], v, accumulate))
+        if routed is not None:
+            return routed
     if _mask_fill(x, indices, values, accumulate):
         fill = aten.masked_fill_.Tensor if op is aten.index_put_.default else aten.masked_fill.Tensor
         return generic_expand(ctx, b, fill, (x, indices[0], values), {})

@@ -1,0 +1,119 @@
+"""``torch._grouped_mm``: every expert's matmul on its contiguous group of routed rows.
+
+Layouts (:mod:`spmd_compiler._private_torch.grouped_mm`): the experts' forward multiplies
+routed rows ``a`` (rows, k) by stacked expert weights ``b`` (experts, k, n), row group
+``e`` (ending at ``offs[e]``) by ``b[e]``; the weight gradient contracts the groups of
+``a`` (m, rows) and ``b`` (rows, n) into (experts, m, n).
+
+On the token axes (:mod:`..orders`) the rows are a rank's own routed rows in its sorted
+order and ``offs`` its own cumulative counts (a ``Partial(sum)`` whose local term is the
+rank's, ``restricted``): each rank runs the experts on its rows, rows stay rows, and the
+weight gradient is a ``Partial`` sum over ranks. On the other axes it is a matmul: the
+experts' hidden dim split (``b`` sharded on ``n``, or both on ``k``) as in Megatron.
+Expert parallelism (``b`` split over the experts on a token axis) sends the rows to their
+experts' ranks first (:mod:`..experts`). Anything else goes to DTensor.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ... import _private_torch as pt
+from ..args import ExpandContext, TensorArg
+from ..builder import SubgraphBuilder
+from ..dispatch import generic_expand
+from ..orders import Order, Rows, merge_origins
+from ..registry import register_rule
+from .routing import _out, _spec
+
+__all__ = ["grouped_mm_placements"]
+
+
+def _order(t: TensorArg) -> Order | None:
+    r = t.rows
+    return r.order if r is not None and r.order is not None and not r.order.canonical else None
+
+
+def _offsets_ok(offs: Any, axes: tuple[int, ...]) -> bool:
+    """``offs`` is each rank's own cumulative counts on the token ``axes``, the same
+    everywhere else."""
+    if not isinstance(offs, TensorArg) or offs.rows is None:
+        return False
+    return (set(axes) <= set(offs.rows.restricted)
+            and all(p.is_partial() if a in axes else p.is_replicate() for a, p in enumerate(offs.spec.placements)))
+
+
+def grouped_mm_placements(a: Any, b: Any, axes: tuple[int, ...], ndim: int, expert_axes: tuple[int, ...] = ()) -> list[Any] | None:
+    """The result's placements of ``_grouped_mm(a, b, offs)`` with the rows split on token
+    ``axes`` (and ``b``'s experts on ``expert_axes``, rows already at their experts), or
+    None when some axis has no local form."""
+    two_d = len(b.spec.shape) == 2
+    out = []
+    for axis in range(ndim):
+        pa, pb = a.spec.placements[axis], b.spec.placements[axis]
+        if axis in axes:
+            if two_d:  # weight gradient: a (m, rows), b (rows, n)
+                if not (pa == pt.Shard(1) and pb == pt.Shard(0)):
+                    return None
+                out.append(pt.Shard(0) if axis in expert_axes else pt.Partial("sum"))
+            else:
+                if pa != pt.Shard(0) or not (pb.is_replicate() or (axis in expert_axes and pb == pt.Shard(0))):
+                    return None
+                out.append(pt.Shard(0))
+            continue
+        if pa.is_partial() and pb.is_replicate() or pa.is_replicate() and pb.is_partial():
+            out.append(pt.Partial("sum"))
+        elif pa.is_replicate() and pb.is_replicate():
+            out.append(pt.Replicate())
+        elif two_d and pa == pt.Shard(0) and pb.is_replicate():
+            out.append(pt.Shard(1))
+        elif two_d and pa.is_replicate() and pb == pt.Shard(1):
+            out.append(pt.Shard(2))
+        elif not two_d and pa.is_replicate() and pb == pt.Shard(2):
+            out.append(pt.Shard(1))
+        elif not two_d and pa == pt.Shard(1) and pb == pt.Shard(1):
+            out.append(pt.Partial("sum"))
+        else:
+            return None
+    return out
+
+
+@register_rule(pt.GROUPED_MM)
+def _grouped_mm(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: dict) -> Any:
+    bound = {"offs": None, "bias": None, "out_dtype": None}
+    bound.update(zip(("mat_a", "mat_b", "offs", "bias", "out_dtype"), args))
+    bound.update(kwargs)
+    a, w, offs = bound["mat_a"], bound["mat_b"], bound["offs"]
+    if bound["bias"] is not None or not isinstance(a, TensorArg) or not isinstance(w, TensorArg) or len(a.spec.shape) != 2:
+        return generic_expand(ctx, b, op, args, kwargs)
+    order = _order(a) if len(w.spec.shape) == 3 else (_order(a), _order(w))
+    if len(w.spec.shape) == 2:
+        if order[0] is None or order[0] != order[1]:
+            return generic_expand(ctx, b, op, args, kwargs)
+        order = order[0]
+    if order is None or not _offsets_ok(offs, order.axes):
+        return generic_expand(ctx, b, op, args, kwargs)
+    expert_axes = (order.dispatched,) if order.dispatched is not None else ()
+    placements = grouped_mm_placements(a, w, order.axes, ctx.mctx.ndim, expert_axes)
+    if placements is None:
+        return generic_expand(ctx, b, op, args, kwargs)
+    node = b.call(op, a.node, w.node, offs.node, **({"out_dtype": bound["out_dtype"]} if bound["out_dtype"] is not None else {}))
+    shape = pt.grouped_mm_out_shape(_Shape(a.spec.shape), _Shape(w.spec.shape), _Shape(offs.spec.shape))
+    spec = _spec(ctx, placements, shape, node.meta["val"].dtype)
+    rows = Rows(order=order, origins=merge_origins(a, w, offs)) if len(w.spec.shape) == 3 else None
+    return _out(b, node, spec, rows)
+
+
+class _Shape:
+    """A global shape with the ``dim``/``size`` a shape function asks of a tensor."""
+
+    def __init__(self, shape: Any) -> None:
+        self.shape = tuple(shape)
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def size(self, d: int) -> Any:
+        return self.shape[d]
