@@ -22,7 +22,7 @@ from .tree import leaves, tree_map
 
 from .. import _private_torch as pt
 from ..errors import SpmdError, add_context, describe_node
-from . import orders, positions
+from . import experts, orders, positions
 from .advice import log_advice
 from .builder import local_fake
 from .cache import ExpansionCache
@@ -285,6 +285,8 @@ class Expansion:
             args, kwargs = tree_map(
                 lambda v: fsdp_gathered(self, v, node, phase) if isinstance(v, DValue) and "fsdp" in v.extra else v, (args, kwargs)
             )
+        if isinstance(target, torch._ops.OpOverload):
+            args, kwargs = experts.route(self, node, target, args, kwargs)
         if target is operator.getitem:
             return args[0][args[1]]
         if target in _DROPPED:

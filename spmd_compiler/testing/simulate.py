@@ -252,7 +252,17 @@ def run_lockstep(
                     record[c] = {n.name: v for n, v in envs[c].items()}
             break
         args = {c: pytree.tree_map_only(fx.Node, lambda n, c=c: envs[c][n], (nodes[c].args, nodes[c].kwargs)) for c in coords}
-        if isinstance(ref.target, torch._ops.OpOverload) and ref.target.namespace == "_c10d_functional" and ref.target is not c10d.wait_tensor.default:
+        if ref.target is pt.ALL_TO_ALL_ROWS:  # expert parallelism's exchange: synchronous, no wait
+            axis = _group_axis(ref, args[coords[0]][0], group_axes, mesh_shape)
+            for c in coords:
+                members = _group_members(c, axis, mesh_shape)
+                if members[0] != c:
+                    continue
+                a = [args[m][0] for m in members]
+                outs = pt.rows_exchange_inputs([x[0] for x in a], [x[1] for x in a], [x[2] for x in a], a[0][3])
+                for m, o in zip(members, outs):
+                    envs[m][nodes[m]] = o
+        elif isinstance(ref.target, torch._ops.OpOverload) and ref.target.namespace == "_c10d_functional" and ref.target is not c10d.wait_tensor.default:
             axis = _group_axis(ref, args[coords[0]][0], group_axes, mesh_shape)
             vals = {c: args[c][0] for c in coords}
             if ref.target is c10d.all_reduce.default:  # cloned at issue, as torch does

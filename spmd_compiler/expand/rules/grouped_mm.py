@@ -100,7 +100,10 @@ def _grouped_mm(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kw
     if placements is None:
         return generic_expand(ctx, b, op, args, kwargs)
     node = b.call(op, a.node, w.node, offs.node, **({"out_dtype": bound["out_dtype"]} if bound["out_dtype"] is not None else {}))
-    shape = pt.grouped_mm_out_shape(_Shape(a.spec.shape), _Shape(w.spec.shape), _Shape(offs.spec.shape))
+    shape = list(pt.grouped_mm_out_shape(_Shape(a.spec.shape), _Shape(w.spec.shape), _Shape(offs.spec.shape)))
+    if len(w.spec.shape) == 2:  # (experts, m, n): the local experts' offsets count this rank's experts only
+        for axis in expert_axes:
+            shape[0] = shape[0] * ctx.mctx.shape[axis]
     spec = _spec(ctx, placements, shape, node.meta["val"].dtype)
     rows = Rows(order=order, origins=merge_origins(a, w, offs)) if len(w.spec.shape) == 3 else None
     return _out(b, node, spec, rows)

@@ -1,0 +1,68 @@
+"""``spmd_compiler::all_to_all_rows``: rows of different counts to every rank of a group.
+
+Expert parallelism sends each token row to the rank that holds its expert; how many rows
+go from each rank to each rank depends on the routing (data), so the exchange takes its
+counts as tensors (``all_to_all_single`` with split sizes, which torchtitan and Megatron
+call with the sizes read back to the host). The result has a fixed number of rows,
+``out_rows``, the received rows first, in source-rank order, then zeros: every shape of
+the compiled program stays static.
+
+Touches ``torch.distributed.distributed_c10d._resolve_process_group`` (the group of a
+functional collective's name). Checked against torch 2.13.0 and 2.14.1.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["ALL_TO_ALL_ROWS", "all_to_all_rows", "rows_exchange_inputs"]
+
+
+def _group(name: str) -> dist.ProcessGroup:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
+@torch.library.custom_op("spmd_compiler::all_to_all_rows", mutates_args=())
+def all_to_all_rows(x: torch.Tensor, send_counts: torch.Tensor, recv_counts: torch.Tensor, out_rows: int, group_name: str) -> torch.Tensor:
+    """Send rows ``[sum(send_counts[:j]), +send_counts[j])`` of ``x`` to rank ``j`` of the
+    group; receive ``recv_counts[j]`` rows from rank ``j``, in rank order, into the first
+    rows of an ``out_rows``-row result of zeros."""
+    send = [int(c) for c in send_counts.tolist()]
+    recv = [int(c) for c in recv_counts.tolist()]
+    if sum(recv) > out_rows or sum(send) > x.shape[0]:
+        raise RuntimeError(
+            f"all_to_all_rows: {sum(recv)} rows to receive into {out_rows} (or {sum(send)} to send from {x.shape[0]}); "
+            f"this is a bug in spmd-compiler's expert parallelism"
+        )
+    out = x.new_zeros((out_rows, *x.shape[1:]))
+    dist.all_to_all_single(out[: sum(recv)], x[: sum(send)].contiguous(), recv, send, group=_group(group_name))
+    return out
+
+
+@all_to_all_rows.register_fake
+def _(x: torch.Tensor, send_counts: torch.Tensor, recv_counts: torch.Tensor, out_rows: int, group_name: str) -> torch.Tensor:
+    return x.new_empty((out_rows, *x.shape[1:]))
+
+
+ALL_TO_ALL_ROWS = torch.ops.spmd_compiler.all_to_all_rows.default
+
+
+def rows_exchange_inputs(xs: list[torch.Tensor], sends: list[torch.Tensor], recvs: list[torch.Tensor], out_rows: int) -> list[torch.Tensor]:
+    """The exchange computed for every member of a group at once (the simulator's): member
+    ``i``'s result from every member's rows ``xs``, counts ``sends`` and ``recvs``."""
+    out = []
+    for i, recv in enumerate(recvs):
+        pieces = []
+        for j, (x, send) in enumerate(zip(xs, sends)):
+            s = [int(c) for c in send.tolist()]
+            pieces.append(x.narrow(0, sum(s[:i]), s[i]))
+        got = torch.cat(pieces, dim=0)
+        if got.shape[0] != int(recv.sum()):
+            raise RuntimeError(f"all_to_all_rows: member {i} expects {int(recv.sum())} rows, the others send {got.shape[0]}")
+        buf = xs[i].new_zeros((out_rows, *xs[i].shape[1:]))
+        buf[: got.shape[0]] = got
+        out.append(buf)
+    return out
