@@ -189,7 +189,7 @@ def expand(
     expansion = expand_graph(
         traced, mctx, resolved.placements, fallback=fallback, cache=cache, fsdp_axes=plan.fsdp_axis_indices(mesh),
         activation_sharding=plan.activation_sharding, sources=resolved.sources, rng=rng, dynamic=dynamic,
-        reshard_after_forward=plan.reshard_after_forward,
+        reshard_after_forward=plan.reshard_after_forward, expert_axes=plan.expert_axis_indices(mesh),
     )
     t1 = time.perf_counter()
     step = finalize(expansion, reduce_partial_outputs=reduce_partial_outputs, grad_placements=resolved.grads)

@@ -110,11 +110,15 @@ class Expansion:
         dynamic: bool = False,
         reshard_after_forward: bool = True,
         routing_global: frozenset = frozenset(),
+        expert_axes: tuple[int, ...] = (),
     ) -> None:
         self.traced = traced
         # sorts of token routing expanded on gathered tokens (expand/orders.py: a restricted
         # value of theirs met an op that needs the global one)
         self.routing_global = frozenset(routing_global)
+        # FSDP axes on which stacked expert weights stay split (expert parallelism)
+        self.expert_axes = tuple(expert_axes)
+        self._expert_weights = experts.expert_weights(traced.gm.graph) if self.expert_axes else set()
         self.mctx = mctx
         placements = list(placements)
         if len(placements) != len(traced.inputs):
@@ -256,7 +260,8 @@ class Expansion:
         # buffer the plan names sharded (Llama's rotary inv_freq) unless the step writes it
         # in place (BatchNorm's running statistics stay sharded operands, updated in place)
         fsdp_kind = inp.kind == "param" or (inp.kind == "buffer" and node not in self._written)
-        if fsdp_kind and any(placements[a].is_shard() for a in self.fsdp_axes):
+        expert = node in self._expert_weights
+        if fsdp_kind and any(placements[a].is_shard() and not (expert and a in self.expert_axes) for a in self.fsdp_axes):
             value.extra["fsdp"] = inp.name
         return value
 
@@ -376,6 +381,7 @@ def expand_graph(
     rng: str = "exact",
     dynamic: bool = False,
     reshard_after_forward: bool = True,
+    expert_axes: tuple[int, ...] = (),
 ) -> "Expansion":
     """Run the expander; returns it (graph, env, constants, stats) for :mod:`rebuild`.
 
@@ -390,7 +396,7 @@ def expand_graph(
         ex = Expansion(
             traced, mctx, placements, fallback=fallback, cache=cache,
             fsdp_axes=fsdp_axes, activation_sharding=activation_sharding, sources=sources, rng=rng, dynamic=dynamic,
-            reshard_after_forward=reshard_after_forward, routing_global=routing_global,
+            reshard_after_forward=reshard_after_forward, routing_global=routing_global, expert_axes=expert_axes,
         )
         try:
             ex.run()

@@ -39,7 +39,7 @@ from .splice import splice_recipe
 from .tree import leaves, tree_map
 from .values import DValue
 
-__all__ = ["Exchange", "route", "dispatch", "combine"]
+__all__ = ["Exchange", "route", "dispatch", "combine", "expert_weights"]
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -264,3 +264,21 @@ def _grouped_mm_args(ex: Any, node: fx.Node, args: tuple, kwargs: dict) -> tuple
         if o is not None and o.dispatched is None:
             new[i] = _dispatched_input(ex, node.args[i], plan, node)
     return (new[0], new[1], plan.offs, *args[3:]), kwargs
+
+
+_PASS_THROUGH = _VIEWS | {aten._to_copy.default, aten.clone.default, aten.detach.default, aten.alias.default, aten.contiguous.default}
+
+
+def expert_weights(graph: fx.Graph) -> set[fx.Node]:
+    """The placeholders the experts' grouped matmuls read as stacked expert weights (their
+    3-D ``mat_b``, through views and dtype casts)."""
+    out = set()
+    for n in graph.find_nodes(op="call_function", target=pt.GROUPED_MM):
+        w = n.args[1] if len(n.args) > 1 else n.kwargs.get("mat_b")
+        if not isinstance(w, fx.Node) or len(getattr(w.meta.get("val"), "shape", ())) != 3:
+            continue
+        while w.op == "call_function" and w.target in _PASS_THROUGH and isinstance(w.args[0], fx.Node):
+            w = w.args[0]
+        if w.op == "placeholder":
+            out.add(w)
+    return out

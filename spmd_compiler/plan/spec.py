@@ -80,6 +80,12 @@ class Plan:
             call. The sum is reassociated (per rank over calls, then over ranks): equal
             to one device within rounding, not bit for bit. Default False: every call
             reduces its gradients and ``p.grad`` holds what one device holds.
+        expert_axes: mesh axes of expert parallelism that are also ``fsdp_axes`` (torchtitan
+            and DeepSpeed fold expert parallelism into the data axis). A stacked expert
+            weight (``(experts, ...)``, read by the experts' grouped matmul) split along
+            its expert dim on such an axis is not gathered for compute: each rank keeps
+            its experts and the routed token rows travel to them (docs/moe.md). On a mesh
+            axis that is no FSDP axis a split expert dim is expert parallelism without this.
     """
 
     params: Mapping[str, Any] = field(default_factory=dict)
@@ -92,17 +98,22 @@ class Plan:
     activation_sharding: str = "follow"
     reshard_after_forward: bool = True
     defer_grad_sync: bool = False
+    expert_axes: Sequence[str | int] = ()
 
     def __post_init__(self) -> None:
-        axes = self.fsdp_axes
-        if isinstance(axes, (str, bytes)) or not isinstance(axes, (tuple, list)) or not all(
-                isinstance(a, str) or (isinstance(a, int) and not isinstance(a, bool)) for a in axes):
-            raise TypeError(
-                f"Plan(fsdp_axes={axes!r}): expected a tuple of mesh axis names or indices (the axes over which "
-                f"parameters are stored sharded and gathered for compute), got a {type(axes).__name__}"
-                f"{'' if not isinstance(axes, (tuple, list)) else ' with ' + ', '.join(sorted({type(a).__name__ for a in axes}))}. "
-                f"fix: fsdp_axes=('dp',) (or (0,)), or leave it out for no FSDP"
-            )
+        for field_name, what, example in (
+            ("fsdp_axes", "the axes over which parameters are stored sharded and gathered for compute", "fsdp_axes=('dp',) (or (0,)), or leave it out for no FSDP"),
+            ("expert_axes", "the axes over which stacked expert weights stay split by expert, tokens travelling to them",
+             "expert_axes=('dp',) (or (0,)), or leave it out"),
+        ):
+            axes = getattr(self, field_name)
+            if isinstance(axes, (str, bytes)) or not isinstance(axes, (tuple, list)) or not all(
+                    isinstance(a, str) or (isinstance(a, int) and not isinstance(a, bool)) for a in axes):
+                raise TypeError(
+                    f"Plan({field_name}={axes!r}): expected a tuple of mesh axis names or indices ({what}), got a {type(axes).__name__}"
+                    f"{'' if not isinstance(axes, (tuple, list)) else ' with ' + ', '.join(sorted({type(a).__name__ for a in axes}))}. "
+                    f"fix: {example}"
+                )
         if not isinstance(self.defer_grad_sync, bool):
             raise TypeError(
                 f"Plan(defer_grad_sync={self.defer_grad_sync!r}): expected True (gradients kept across calls stay "
@@ -123,21 +134,11 @@ class Plan:
 
     def fsdp_axis_indices(self, mesh: Any) -> tuple[int, ...]:
         """``fsdp_axes`` as mesh axis indices (ValueError for unknown names)."""
-        names = list(mesh.mesh_dim_names or [])
-        out = []
-        for a in self.fsdp_axes:
-            if isinstance(a, int):
-                if not 0 <= a < mesh.ndim:
-                    raise ValueError(
-                        f"fsdp axis {a} is out of range for a {mesh.ndim}-D mesh. fix: use an index in "
-                        f"[0, {mesh.ndim - 1}] or a mesh axis name {names}"
-                    )
-                out.append(a)
-            elif a in names:
-                out.append(names.index(a))
-            else:
-                raise ValueError(f"fsdp axis {a!r} is not a mesh axis name; mesh axes are {names}. fix: name one of them")
-        return tuple(out)
+        return _axis_indices(mesh, self.fsdp_axes, "fsdp")
+
+    def expert_axis_indices(self, mesh: Any) -> tuple[int, ...]:
+        """``expert_axes`` as mesh axis indices (ValueError for unknown names)."""
+        return _axis_indices(mesh, self.expert_axes, "expert")
 
     def resolve(self, traced: Any, mesh: Any) -> "ResolvedPlan":
         """Placements for every input of ``traced`` (a TracedStep) on ``mesh``."""
@@ -146,3 +147,21 @@ class Plan:
     def batch_placements(self, batch_inputs: Sequence[Any], ndim: int) -> list[tuple[tuple[Placement, ...], str]]:
         """``(placements, source)`` for each batch tensor (GraphInputs of kind "batch")."""
         return _batch_placements(self, list(batch_inputs), ndim)
+
+
+def _axis_indices(mesh: Any, axes: Sequence[str | int], what: str) -> tuple[int, ...]:
+    names = list(mesh.mesh_dim_names or [])
+    out = []
+    for a in axes:
+        if isinstance(a, int):
+            if not 0 <= a < mesh.ndim:
+                raise ValueError(
+                    f"{what} axis {a} is out of range for a {mesh.ndim}-D mesh. fix: use an index in "
+                    f"[0, {mesh.ndim - 1}] or a mesh axis name {names}"
+                )
+            out.append(a)
+        elif a in names:
+            out.append(names.index(a))
+        else:
+            raise ValueError(f"{what} axis {a!r} is not a mesh axis name; mesh axes are {names}. fix: name one of them")
+    return tuple(out)
