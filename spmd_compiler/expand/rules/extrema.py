@@ -1,4 +1,5 @@
-"""``amax``/``amin`` over a sharded dim whose size is symbolic (``compile(dynamic=True)``).
+"""``amax``/``amin`` over a sharded dim whose size is symbolic (``compile(dynamic=True)``);
+``argmax``/``argmin`` along a dim no mesh axis splits (local, where DTensor would gather).
 
 DTensor reduces each rank's rows locally and combines the pieces (``Partial(max)``), but
 ``amax`` of no rows raises, so for a concrete size with an empty shard (1 row over 2
@@ -79,4 +80,32 @@ def _extremum(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwar
         stride.append(acc)
         acc = acc * s
     spec = pt.make_spec(ctx.mctx.mesh, out_placements, out_shape, tuple(reversed(stride)), dtype)
+    return _out_tensor(b, out, spec, {})
+
+
+@register_rule(aten.argmax.default, aten.argmin.default)
+def _arg_extremum(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: dict) -> Any:
+    """``argmax``/``argmin`` along a dim no mesh axis splits (a token's best expert, an
+    accuracy's predicted class): each rank's rows on their own, split as they were.
+    DTensor runs these through a custom handler, which would gather the input."""
+    x = args[0]
+    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    keepdim = bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
+    ndim = len(x.spec.shape) if isinstance(x, TensorArg) else 0
+    if not isinstance(x, TensorArg) or dim is None or ndim == 0:
+        return generic_expand(ctx, b, op, args, kwargs)
+    dim %= ndim
+    placements = list(x.spec.placements)
+    if not all(p.is_replicate() or (type(p) is pt.Shard and p.dim != dim) for p in placements):
+        return generic_expand(ctx, b, op, args, kwargs)
+    out = b.call(op, x.node, dim, keepdim)
+    shape = [s for d, s in enumerate(x.spec.shape) if d != dim or keepdim]
+    if keepdim:
+        shape[dim] = 1
+    out_placements = [p if p.is_replicate() or keepdim or p.dim < dim else pt.Shard(p.dim - 1) for p in placements]
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc = acc * s
+    spec = pt.make_spec(ctx.mctx.mesh, out_placements, tuple(shape), tuple(reversed(stride)), torch.int64)
     return _out_tensor(b, out, spec, {})

@@ -4,7 +4,8 @@
 build the global ``[batch, k]`` tensor replicated on every rank. When ``batch`` is a
 :class:`DSymInt` split over a mesh axis, we expand straight to the local size and mark the
 result ``Shard`` on that dim: broadcasting a replicated value makes every shard equal to
-the local expand.
+the local expand. A ``Partial`` sum broadcast that way is reduced first (a few numbers,
+where the broadcast result would be reduced at its full size later).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from ... import _private_torch as pt
 from ..builder import SubgraphBuilder
 from ..args import ExpandContext, _out_tensor
 from ..dispatch import generic_expand
+from ..fallback import reduce_partial_axes
 from ..registry import register_rule
 from ..values import DSymInt
 
@@ -29,7 +31,7 @@ def _expand(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs
     x, sizes = args[0], list(args[1])
     in_shape = list(x.spec.shape)
     new_dims = len(sizes) - len(in_shape)
-    targets = []
+    targets, partial = [], set()
     for d, s in enumerate(sizes):
         if isinstance(s, DSymInt) and s.is_sharded:
             src = d - new_dims
@@ -37,6 +39,15 @@ def _expand(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs
             broadcast = src < 0 or pt.false_unless_proven_true(in_shape[src] == 1)
             if broadcast and all(x.spec.placements[a].is_replicate() for a in s.axes):
                 targets.append((d, s))
+            elif broadcast and all(x.spec.placements[a].is_replicate() or x.spec.placements[a].is_partial() for a in s.axes):
+                partial |= {a for a in s.axes if x.spec.placements[a].is_partial()}
+    if partial and all(getattr(x.spec.placements[a], "reduce_op", None) == "sum" for a in partial):
+        # a Partial sum broadcast over split rows (the backward of a mean over a batch-split
+        # dim): reduce the small value first; its broadcast is then each rank's own rows,
+        # where a Partial broadcast would be reduce-scattered at full size later
+        args, kwargs = reduce_partial_axes(ctx, b, args, kwargs, sorted(partial),
+                                           "a Partial sum reduced before it is broadcast over split rows")
+        return _expand(ctx, b, op, args, kwargs)
     if not targets:
         return generic_expand(ctx, b, op, args, kwargs)
     placements = [pt.Shard(p.dim + new_dims) if isinstance(p, pt.Shard) else p for p in x.spec.placements]
