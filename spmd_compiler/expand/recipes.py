@@ -42,8 +42,8 @@ def expand_node(ex: Any, node: fx.Node, op: Any, args: tuple, kwargs: dict) -> A
     key = (op, abstract_key(args), abstract_key(kwargs), ex.fallback, ex.activation_sharding, ex.rng)
     if grad_of:  # a rule may lay a gradient out like its parameter
         key += (tuple((i, tuple(s.placements), tuple(_key(d) for d in s.shape)) for i, s in grad_of.items()),)
-    if op in orders.ENTRY_OPS:  # a sort of token routing: local, or global after an escape
-        key += (node.name in ex.routing_global,)
+    if op in orders.ENTRY_OPS:  # a sort of token routing: its order is named after it; local, or global after an escape
+        key += (node.name, node.name in ex.routing_global)
     if ex.dynamic:  # recipes hold this trace's fake values: shared by its ranks, not by other traces
         key += (ex.fake_mode,)
     recipe = ex.cache.lookup(key, ex.mctx.coordinate)
