@@ -257,6 +257,9 @@ def trace(
                 f"too. fix: call the training step outside torch.no_grad(); an evaluation step without backward() may run "
                 f"under it"
             ) from e
+        fix = pt.explain_grouped_mm_error(e)
+        if fix is not None:
+            raise TypeError(f"{fix}{_user_frame(e)}\n  torch said: {str(e).strip().splitlines()[0]}") from e
         named = with_batch_sizes_named(e, inputs, fakes, real)
         if named is None:
             raise
@@ -353,3 +356,15 @@ def _same_batch_size(inputs: list[GraphInput], fakes: list[Any]) -> None:
         if seen is not size:
             torch._check(size == seen)
 
+
+def _user_frame(e: BaseException) -> str:
+    """``\n  user code: file:line in fn`` of the innermost frame of ``e``'s traceback
+    outside torch and spmd_compiler (the model's line that called the op), or ""."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(e.__traceback__)
+              if "/torch/" not in f.filename and "/spmd_compiler/" not in f.filename]
+    if not frames:
+        return ""
+    f = frames[-1]
+    return f"\n  user code: {f.filename}:{f.lineno} in {f.name}: {(f.line or '').strip()}"
