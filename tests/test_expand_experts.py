@@ -104,3 +104,67 @@ def test_expert_parallel_step_on_gloo_equals_one_device():
     for rank, res in enumerate(run_processes(_ep_on_gloo, 2, timeout=300)):
         assert res["err"] < 1e-9, (rank, res)
         assert res["local_experts"] == CFG.experts // 2
+
+
+def test_every_token_to_one_expert_is_never_dropped():
+    """Dropless: the router sends every token to experts 0 and 1 (both on rank 0), so rank
+    0 receives every rank's rows: the bound (n x its own) holds them all, and the result
+    is one device's."""
+    cfg = MoEConfig()
+    torch.manual_seed(0)
+    model = MoETransformer(cfg).double()
+    with torch.no_grad():
+        model.layers[0].moe.router.weight.zero_()
+        model.layers[0].moe.router.weight[:2] = 5.0  # experts 0 and 1 win for every token whose mean is > 0
+    (shape, names), plan = moe_plan("ep")
+    data = [(torch.randint(0, cfg.vocab, (4, cfg.seq)), torch.randint(0, cfg.vocab, (4, cfg.seq))) for _ in range(2)]
+    with torch.no_grad():
+        model.embed.weight.abs_()  # every token's features positive: the two biased experts win everywhere
+    chosen = []
+    hook = model.layers[0].moe.router.register_forward_hook(lambda m, i, o: chosen.append(o.topk(2, -1)[1]))
+    with float64_grouped_mm():
+        model(data[0][0])
+        hook.remove()
+        assert chosen and bool((chosen[0] < 2).all())  # every token to experts 0 and 1: all rows to rank 0
+        assert_training_matches(moe_train_step, model, lambda p: torch.optim.SGD(p, lr=0.01), data, fake_mesh(shape, names), plan)
+
+
+class CheckpointedMoE(MoETransformer):
+    """Every layer under ``torch.utils.checkpoint``: its routing, exchanges and experts are
+    recomputed in backward."""
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        aux = x.new_zeros(())
+        for layer in self.layers:
+            x, a = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+            aux = aux + a
+        return self.head(self.norm(x)), aux
+
+
+def test_expert_parallel_layer_under_activation_checkpointing():
+    cfg = MoEConfig()
+    (shape, names), plan = moe_plan("ep")
+    torch.manual_seed(0)
+    with float64_grouped_mm():
+        res = assert_training_matches(moe_train_step, CheckpointedMoE(cfg).double(), lambda p: torch.optim.AdamW(p, lr=0.01),
+                                      batches(cfg), fake_mesh(shape, names), plan)
+    ex = exchanges(res)
+    assert ex["forward/rows"] == 2 and ex["backward/rows"] >= 4, ex  # the recompute exchanges its rows again
+
+
+def test_expert_parallel_under_bfloat16_autocast():
+    """torch.autocast(bfloat16) around the step (float32 model): the experts' grouped
+    matmuls run in bfloat16 on the dispatched rows; equal to one device under the same
+    autocast within bfloat16's rounding."""
+    cfg = MoEConfig()
+    (shape, names), plan = moe_plan("ep")
+
+    def step(model, opt, ids, targets):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return moe_train_step(model, opt, ids, targets)
+
+    torch.manual_seed(0)
+    res = assert_training_matches(step, MoETransformer(MoEConfig(dim=16, hidden=16)), lambda p: torch.optim.AdamW(p, lr=0.01),
+                                  batches(cfg), fake_mesh(shape, names), plan, atol=2e-2, rtol=2e-2)
+    assert exchanges(res)["forward/rows"] == 2
