@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["ALL_TO_ALL_ROWS", "all_to_all_rows", "rows_exchange_inputs"]
+__all__ = ["ALL_TO_ALL_ROWS", "all_to_all_rows", "exchange_rows", "rows_exchange_inputs", "overflow_message"]
 
 
 def _group(name: str) -> dist.ProcessGroup:
@@ -25,21 +25,26 @@ def _group(name: str) -> dist.ProcessGroup:
     return _resolve_process_group(name)
 
 
-@torch.library.custom_op("spmd_compiler::all_to_all_rows", mutates_args=())
-def all_to_all_rows(x: torch.Tensor, send_counts: torch.Tensor, recv_counts: torch.Tensor, out_rows: int, group_name: str) -> torch.Tensor:
+def exchange_rows(x: torch.Tensor, send_counts: torch.Tensor, recv_counts: torch.Tensor, out_rows: int, group_name: str) -> torch.Tensor:
     """Send rows ``[sum(send_counts[:j]), +send_counts[j])`` of ``x`` to rank ``j`` of the
     group; receive ``recv_counts[j]`` rows from rank ``j``, in rank order, into the first
-    rows of an ``out_rows``-row result of zeros."""
+    rows of an ``out_rows``-row result of zeros. (The op's body; the per-rank program's
+    runner calls it directly, without the custom op's Python dispatch.)"""
     send = [int(c) for c in send_counts.tolist()]
     recv = [int(c) for c in recv_counts.tolist()]
-    if sum(recv) > out_rows or sum(send) > x.shape[0]:
-        raise RuntimeError(
-            f"all_to_all_rows: {sum(recv)} rows to receive into {out_rows} (or {sum(send)} to send from {x.shape[0]}); "
-            f"this is a bug in spmd-compiler's expert parallelism"
-        )
+    if sum(recv) > out_rows:
+        raise RuntimeError(overflow_message(recv, out_rows))
+    if sum(send) > x.shape[0]:
+        raise RuntimeError(f"all_to_all_rows: {sum(send)} rows to send from {x.shape[0]}; this is a bug in spmd-compiler")
     out = x.new_zeros((out_rows, *x.shape[1:]))
     dist.all_to_all_single(out[: sum(recv)], x[: sum(send)].contiguous(), recv, send, group=_group(group_name))
     return out
+
+
+@torch.library.custom_op("spmd_compiler::all_to_all_rows", mutates_args=())
+def all_to_all_rows(x: torch.Tensor, send_counts: torch.Tensor, recv_counts: torch.Tensor, out_rows: int, group_name: str) -> torch.Tensor:
+    """:func:`exchange_rows` as an op of the per-rank graph (fake tensors, inductor)."""
+    return exchange_rows(x, send_counts, recv_counts, out_rows, group_name)
 
 
 @all_to_all_rows.register_fake
@@ -48,6 +53,15 @@ def _(x: torch.Tensor, send_counts: torch.Tensor, recv_counts: torch.Tensor, out
 
 
 ALL_TO_ALL_ROWS = torch.ops.spmd_compiler.all_to_all_rows.default
+
+
+def overflow_message(recv: list[int], out_rows: int) -> str:
+    return (
+        f"expert parallelism: this step routes {sum(recv)} rows to this rank's experts (per source rank: {recv}), more "
+        f"than the {out_rows} its buffer holds (Plan(expert_capacity=...) times its own routed rows); no token is "
+        f"dropped, the step stops here. fix: a larger Plan(expert_capacity=...), or leave it unset (the mesh axis "
+        f"size: never exceeded), or balance the router (an auxiliary load-balancing loss)"
+    )
 
 
 def rows_exchange_inputs(xs: list[torch.Tensor], sends: list[torch.Tensor], recvs: list[torch.Tensor], out_rows: int) -> list[torch.Tensor]:
@@ -60,6 +74,8 @@ def rows_exchange_inputs(xs: list[torch.Tensor], sends: list[torch.Tensor], recv
             s = [int(c) for c in send.tolist()]
             pieces.append(x.narrow(0, sum(s[:i]), s[i]))
         got = torch.cat(pieces, dim=0)
+        if got.shape[0] > out_rows:
+            raise RuntimeError(overflow_message([int(p.shape[0]) for p in pieces], out_rows))
         if got.shape[0] != int(recv.sum()):
             raise RuntimeError(f"all_to_all_rows: member {i} expects {int(recv.sum())} rows, the others send {got.shape[0]}")
         buf = xs[i].new_zeros((out_rows, *xs[i].shape[1:]))

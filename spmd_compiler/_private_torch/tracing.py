@@ -218,6 +218,10 @@ def writes_first_arg(op: Any) -> bool:
 def raw_operator(target: Any) -> Any:
     """What calling ``target`` runs: an OpOverload's dispatcher handle (its ``__call__``
     forwards to it), any other callable itself."""
+    from .rows_exchange import ALL_TO_ALL_ROWS, exchange_rows
+
+    if target is ALL_TO_ALL_ROWS:  # our own op: its Python body, not torch.library's dispatch
+        return exchange_rows
     if isinstance(target, torch._ops.OpOverload):
         return target._op
     return target

@@ -190,6 +190,7 @@ def expand(
         traced, mctx, resolved.placements, fallback=fallback, cache=cache, fsdp_axes=plan.fsdp_axis_indices(mesh),
         activation_sharding=plan.activation_sharding, sources=resolved.sources, rng=rng, dynamic=dynamic,
         reshard_after_forward=plan.reshard_after_forward, expert_axes=plan.expert_axis_indices(mesh),
+        expert_capacity=plan.expert_capacity,
     )
     t1 = time.perf_counter()
     step = finalize(expansion, reduce_partial_outputs=reduce_partial_outputs, grad_placements=resolved.grads)

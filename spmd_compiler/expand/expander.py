@@ -111,6 +111,7 @@ class Expansion:
         reshard_after_forward: bool = True,
         routing_global: frozenset = frozenset(),
         expert_axes: tuple[int, ...] = (),
+        expert_capacity: float | None = None,
     ) -> None:
         self.traced = traced
         # sorts of token routing expanded on gathered tokens (expand/orders.py: a restricted
@@ -118,6 +119,7 @@ class Expansion:
         self.routing_global = frozenset(routing_global)
         # FSDP axes on which stacked expert weights stay split (expert parallelism)
         self.expert_axes = tuple(expert_axes)
+        self.expert_capacity = expert_capacity
         self._expert_weights = experts.expert_weights(traced.gm.graph) if self.expert_axes else set()
         self.mctx = mctx
         placements = list(placements)
@@ -382,6 +384,7 @@ def expand_graph(
     dynamic: bool = False,
     reshard_after_forward: bool = True,
     expert_axes: tuple[int, ...] = (),
+    expert_capacity: float | None = None,
 ) -> "Expansion":
     """Run the expander; returns it (graph, env, constants, stats) for :mod:`rebuild`.
 
@@ -397,6 +400,7 @@ def expand_graph(
             traced, mctx, placements, fallback=fallback, cache=cache,
             fsdp_axes=fsdp_axes, activation_sharding=activation_sharding, sources=sources, rng=rng, dynamic=dynamic,
             reshard_after_forward=reshard_after_forward, routing_global=routing_global, expert_axes=expert_axes,
+            expert_capacity=expert_capacity,
         )
         try:
             ex.run()

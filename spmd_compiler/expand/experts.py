@@ -28,6 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import math
+
 import torch
 import torch.fx as fx
 
@@ -94,7 +96,8 @@ def _exchange(ex: Any, order: Order, axis: int, offs: DValue, rows: int, experts
         return cache[key]
     n = ex.mctx.shape[axis]
     local_experts = experts // n
-    bound = n * rows
+    capacity = getattr(ex, "expert_capacity", None)
+    bound = n * rows if capacity is None else max(1, min(n * rows, math.ceil(capacity * rows)))
     b = SubgraphBuilder(ex.mctx, ex.fake_mode)
     o = b.input(offs.local, "offs")
     o64 = b.call(aten._to_copy.default, o, dtype=torch.int64)

@@ -86,6 +86,13 @@ class Plan:
             its expert dim on such an axis is not gathered for compute: each rank keeps
             its experts and the routed token rows travel to them (docs/moe.md). On a mesh
             axis that is no FSDP axis a split expert dim is expert parallelism without this.
+        expert_capacity: under expert parallelism, the rows each rank can receive for its
+            experts, as a multiple of its own routed rows (tokens x top-k). ``None`` (the
+            default): the mesh axis size, every rank's rows at once, so no routing can
+            exceed it; the received rows are padded to it, and elementwise expert work
+            and activation memory grow with it. A smaller factor (``1.25``-``2.0`` for a
+            balanced router) trims both; a step whose routing sends a rank more rows stops
+            with an error naming this option, never dropping a token.
     """
 
     params: Mapping[str, Any] = field(default_factory=dict)
@@ -99,6 +106,7 @@ class Plan:
     reshard_after_forward: bool = True
     defer_grad_sync: bool = False
     expert_axes: Sequence[str | int] = ()
+    expert_capacity: float | None = None
 
     def __post_init__(self) -> None:
         for field_name, what, example in (
@@ -114,6 +122,12 @@ class Plan:
                     f"{'' if not isinstance(axes, (tuple, list)) else ' with ' + ', '.join(sorted({type(a).__name__ for a in axes}))}. "
                     f"fix: {example}"
                 )
+        if self.expert_capacity is not None and (isinstance(self.expert_capacity, bool) or not isinstance(self.expert_capacity, (int, float))
+                                                 or not self.expert_capacity > 0):
+            raise TypeError(
+                f"Plan(expert_capacity={self.expert_capacity!r}): expected a positive number (rows a rank can receive for "
+                f"its experts, as a multiple of its own routed rows) or None (every rank's rows: never exceeded)"
+            )
         if not isinstance(self.defer_grad_sync, bool):
             raise TypeError(
                 f"Plan(defer_grad_sync={self.defer_grad_sync!r}): expected True (gradients kept across calls stay "

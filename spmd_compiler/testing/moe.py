@@ -129,7 +129,9 @@ class MoETransformer(nn.Module):
 
 def moe_train_step(model: nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     logits, aux = model(ids)
-    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten()) + model.cfg.aux_loss * aux
+    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    if model.cfg.aux_loss:
+        loss = loss + model.cfg.aux_loss * aux
     loss.backward()
     optimizer.step()
     optimizer.zero_grad()
