@@ -34,7 +34,8 @@ def mesh2():
 
 
 def _compile(model, opt, batch, mesh, **options):
-    sim = SimulatedTraining(train_step if batch[0].dtype == torch.int64 else mse_train_step, model, opt, mesh, DP, **options)
+    sim = SimulatedTraining(train_step if batch[0].dtype == torch.int64 else mse_train_step, model, opt, mesh, DP,
+                            create_lazy_state=False, **options)
     sim.step(*batch)
     return sim
 

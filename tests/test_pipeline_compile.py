@@ -117,9 +117,10 @@ def test_pipeline_plan_keeps_every_field_of_the_users_plan():
 
     user = sc.Plan(params={"blocks.*": [Shard(0)]}, inputs=[[Shard(0)]], default_param=[Replicate()],
                    default_input=[Shard(0)], style_axis="dp", strict=False, fsdp_axes=("dp",),
-                   activation_sharding="greedy", reshard_after_forward=False, defer_grad_sync=True)
+                   activation_sharding="greedy", reshard_after_forward=False, defer_grad_sync=True, expert_axes=("dp",),
+                   expert_capacity=2.0)
     defaults = sc.Plan()
-    widened = {"params", "inputs", "default_param", "default_input", "fsdp_axes"}
+    widened = {"params", "inputs", "default_param", "default_input", "fsdp_axes", "expert_axes"}
     for f in dataclasses.fields(sc.Plan):
         assert getattr(user, f.name) != getattr(defaults, f.name), f"give {f.name} a non-default value in this test"
     for pp_index in (0, 1, None):

@@ -220,7 +220,7 @@ def test_gloo_deferred_sync_launches_and_grads():
         assert extra == [1, 0, 0, 0, 1], deferred
         assert deferred["checks"] == {"folded": WINDOW - 1, "standalone": 1, "switched (folded)": 2, "switched (standalone)": 1}, deferred
         assert sum(deferred["launches"]) == (WINDOW - 1) + deferred["static"][-1] + 2, deferred
-        assert default["compiles"] == deferred["compiles"] == 6, (default, deferred)  # 3 programs, without and with momentum
+        assert default["compiles"] == deferred["compiles"] == 3, (default, deferred)  # 3 programs (momentum exists before the trace)
         assert "compile this step with the same option" in (res["refused"] or ""), res["refused"]
         assert res["fsdp"]["err"] < 1e-10, res["fsdp"]
         assert res["fsdp"]["kept"] == {("(Shard(dim=0),)", "(Partial(sum),)", True)}, res["fsdp"]["kept"]

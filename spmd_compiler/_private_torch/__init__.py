@@ -25,6 +25,7 @@ it was checked against, 2.13.0 and 2.14.1):
   for the CUDA shape check's refusal;
 * :mod:`.rows_exchange`: ``spmd_compiler::all_to_all_rows``, rows of data-dependent counts to
   every rank of a group (expert parallelism);
+* :mod:`.optim`: a torch optimizer's lazy state created before its first step;
 * :mod:`.distributed`: process group names, timeouts and store, pipelining schedules;
 * :mod:`.dcp`: torch.distributed.checkpoint's stored items and key flattening;
 * :mod:`.checkpointing`: activation checkpointing's regions and recomputation, marked while
@@ -63,13 +64,14 @@ from .devices import composite_autograd_on_meta, foreach_on_meta, meta_trace_for
 from .sdpa import sdpa_choice
 from .grouped_mm import GROUPED_MM, explain_grouped_mm_error, grouped_mm_out_shape
 from .rows_exchange import ALL_TO_ALL_ROWS, rows_exchange_inputs
+from .optim import create_lazy_state
 from .stack_traces import fast_stack_traces, unchecked_symbolic_pow
 from .distributed import (
     world_info, group_name, set_group_timeout, default_store, pipeline_order, collectives_launched,
 )
 
 __all__ = [
-    "GROUPED_MM", "explain_grouped_mm_error", "grouped_mm_out_shape", "ALL_TO_ALL_ROWS", "rows_exchange_inputs",
+    "create_lazy_state", "GROUPED_MM", "explain_grouped_mm_error", "grouped_mm_out_shape", "ALL_TO_ALL_ROWS", "rows_exchange_inputs",
     "fast_stack_traces", "unchecked_symbolic_pow",
     "composite_autograd_on_meta", "shadowed_composites", "foreach_on_meta", "sdpa_for_device", "meta_trace_for", "sdpa_choice",
     "DTensorSpec", "TensorMeta", "OpSchema", "OutputSharding", "MaskPartial", "NormPartial", "StridedShard", "symbolic_split", "split_period",

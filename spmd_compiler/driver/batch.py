@@ -166,16 +166,16 @@ def why_recompile(old: tuple | None, key: tuple) -> str:
     """The reason a call with signature ``key`` compiles again after ``old``."""
     if old is None:
         return "first call"
+    if old[3] != key[3]:  # before the optimizer state: unfreezing a parameter also creates its state
+        return _params_changed(old[3], key[3])
     if old[2] != key[2]:
-        return "optimizer state changed (created by the first step)" if len(key[2]) > len(old[2]) else "optimizer state changed"
+        return "optimizer state changed (created by the previous step)" if len(key[2]) > len(old[2]) else "optimizer state changed"
     if old[1] != key[1]:
         for a, b in zip(old[1], key[1]):
             if a != b:
                 what = ["shape", "dtype", "device", "requires_grad"] if len(a) == 5 else ["type", "value"]
                 diffs = [f"{w} {x} -> {y}" for w, x, y in zip(what, a[1:], b[1:]) if x != y]
                 return f"{b[0]}: " + ", ".join(diffs)
-    if old[3] != key[3]:
-        return _params_changed(old[3], key[3])
     if old[5] != key[5]:
         if not key[5]:
             return "no parameter holds a gradient any more (.grad is None)"

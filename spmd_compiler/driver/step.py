@@ -66,6 +66,7 @@ class Program:
     draws: bool = False  # the program has random ops (the step check agrees the generators too)
     sizes: Any = None  # a symbolic program's (dynamic=True) sizes.SizeProgram: keyed without the sharded sizes
     slot: int = 1  # its id in the cache, 1 to cache_size, the same on every rank (carried by a folded check)
+    state_changed: bool = False  # its compile changed the state the call signature reads (keyed by the state after)
 
 
 class StepDriver(DriverIntrospection, DriverCheckpoints):
@@ -97,6 +98,7 @@ class StepDriver(DriverIntrospection, DriverCheckpoints):
         self.plan = plan or Plan()
         self.cache = ExpansionCache()
         self._states = StateCache()
+        self._lazy_checked: dict[int, int] = {}  # id(optimizer) -> len(optimizer.state) after creating its lazy state
         self._pinned: tuple[Any, Any, Any] | None = None  # (model, optimizer, state) while a cached program runs
         _LIVE.add(self)
         self._programs: OrderedDict[Any, Program] = OrderedDict()  # by every rank's signature, least recent first
@@ -135,6 +137,20 @@ class StepDriver(DriverIntrospection, DriverCheckpoints):
         model = unwrap_compiled(model)
         if not is_distributed(model):
             distribute_state(model, optimizer, self.mesh, self.plan)
+    def _lazy_state(self, optimizer: Any) -> bool:
+        """Create the optimizer's lazy state now (what its first ``step()`` creates before
+        its update, :func:`pt.create_lazy_state`), so the first call compiles the steady
+        program and the second runs it; checked again only when the state's size changed."""
+        size = len(optimizer.state)
+        if self._lazy_checked.get(id(optimizer)) == size:
+            return False
+        made = pt.create_lazy_state(optimizer)
+        self._lazy_checked[id(optimizer)] = len(optimizer.state)
+        if made:
+            log.info("created the optimizer state of %d parameters before the first step (as its first step would): "
+                     "the first call compiles the steady program", made)
+        return bool(made)
+
     def _state(self, model: torch.nn.Module, optimizer: Any) -> Any:
         """The named state of ``model``/``optimizer`` (cached between calls; while a cached
         program runs, the state its call signature was computed from, with no second
@@ -150,6 +166,8 @@ class StepDriver(DriverIntrospection, DriverCheckpoints):
         state = self._state(model, optimizer)
         if not state.params or not all(isinstance(p, DTensor) for p in state.params.values()):
             self.distribute(model, optimizer)
+            state = self._state(model, optimizer)
+        if optimizer is not None and self._lazy_state(optimizer):
             state = self._state(model, optimizer)
         key = signature(state, batch, kwargs)
         self.calls += 1
@@ -292,13 +310,17 @@ class StepDriver(DriverIntrospection, DriverCheckpoints):
         program = self._compile(model, optimizer, batch, kwargs, reason or why_recompile(self._last_key, key))
         known = len(self._states.value_guards)
         self._states.add_value_guards(getattr(getattr(program.step, "traced", None), "value_guards", []))
-        if len(self._states.value_guards) > known:  # the same on every rank (they agreed on the program)
-            # the outcomes of the optimizer's branches it found join the signature (trace/value_guards.py)
+        if len(self._states.value_guards) > known or program.state_changed:  # the same on every rank (they agreed on the program)
+            # the outcomes of the optimizer's branches it found join the signature (trace/value_guards.py);
+            # or the compile changed the state the signature reads (a pipeline rank dropped other stages' parameters)
             # (with the modules' modes and the context the call came in with: the step may have switched them, model.train())
             key = signature(self._state(model, optimizer), batch, kwargs)[:-2] + key[-2:]
             free = self._sizes.free_key(self._state(model, optimizer), batch, kwargs)[:-2] + free[-2:] if self._sizes is not None else None
-            payloads = tuple(exchange(self._payload(key, free, batch, kwargs)))
+            rekeyed = self._rekeyed(key[-3]) if len(self._states.value_guards) > known else []
+            sent = tuple(exchange((self._payload(key, free, batch, kwargs), [digest for _, _, digest in rekeyed])))
+            payloads = tuple(p for p, _ in sent)
             everyone = payloads if self._sizes is None else tuple(p[0] for p in payloads)
+            self._apply_rekeyed(rekeyed, [d for _, d in sent])
         program.local_key = key
         if self._sizes is not None and program.step.size_symbols:  # serves every size its guards allow
             program.sizes = self._sizes.describe(program.step, self._sizes.dims(batch, kwargs))
@@ -317,6 +339,32 @@ class StepDriver(DriverIntrospection, DriverCheckpoints):
         program.step.program_id = program.slot
         self._programs[everyone] = program
         return program
+
+    def _rekeyed(self, outcomes: tuple) -> list[tuple[Any, tuple, str]]:
+        """The cached fixed-size programs keyed anew with the current outcomes of the
+        optimizer's branches (a program compiled before a branch was found never took it:
+        it serves either outcome, and stays cached rather than compiling again under the
+        longer signature): ``(cache key, new local key, its digest)``, in cache order (the
+        same on every rank)."""
+        out = []
+        for k, p in self._programs.items():
+            if p.sizes is None and isinstance(p.local_key, tuple) and len(p.local_key) >= 3:
+                new = p.local_key[:-3] + (outcomes,) + p.local_key[-2:]
+                out.append((k, new, hashlib.sha1(repr(new).encode()).hexdigest()))
+        return out
+
+    def _apply_rekeyed(self, rekeyed: list[tuple[Any, tuple, str]], digests: list[list[str]]) -> None:
+        """Move the programs of :meth:`_rekeyed` to the keys every rank's new digests make."""
+        if not rekeyed:
+            return
+        moved = {}
+        for i, (k, new, _) in enumerate(rekeyed):
+            self._programs[k].local_key = new
+            moved[k] = tuple(d[i] for d in digests)
+        items = list(self._programs.items())  # least recent first: kept so
+        self._programs.clear()
+        for k, p in items:
+            self._programs[moved.get(k, k)] = p
 
     def _switch_target(self, mine: Any, fold: Any) -> Program | None:
         """A cached program for this rank's signature ``mine`` (not the agreed one), to
@@ -360,7 +408,7 @@ class StepDriver(DriverIntrospection, DriverCheckpoints):
                                          step_name=name, call=self.calls, timeout=self.options.timeout) from e
         elif error is not None:
             raise error
-        self._after_agreement(step, model, optimizer)
+        state_changed = self._after_agreement(step, model, optimizer)
         elapsed = time.perf_counter() - start
         self.compiles += 1
         step.timings["total"] = elapsed
@@ -387,15 +435,17 @@ class StepDriver(DriverIntrospection, DriverCheckpoints):
                 ", ".join(f"{k} {v:.2f}s" for k, v in step.timings.items() if not k.startswith("pass ") and k != "total"),
                 len(step.gm.graph.nodes), len(step.collectives()),
             )
-        return Program(step, elapsed, reason, dict(step.timings), draws=self._draws(step))
+        return Program(step, elapsed, reason, dict(step.timings), draws=self._draws(step), state_changed=state_changed)
 
     # ------------------------------------------------------------------ what subclasses provide
     def _build(self, model: Any, optimizer: Any, batch: tuple, kwargs: dict) -> tuple[Any, dict[str, Any]]:
         """This rank's program for the call (and graph texts for a dump)."""
         raise NotImplementedError
 
-    def _after_agreement(self, step: Any, model: Any, optimizer: Any) -> None:
-        """Called once all ranks compiled the same program."""
+    def _after_agreement(self, step: Any, model: Any, optimizer: Any) -> bool:
+        """Called once all ranks compiled the same program; True when it changed the state
+        the call signature reads (the program is then keyed by the changed state)."""
+        return False
 
     def _draws(self, step: Any) -> bool:
         """Whether the step's random draws need every rank's generator in one state (a

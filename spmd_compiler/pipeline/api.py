@@ -101,7 +101,9 @@ def pipeline_plan(plan: Plan, pp_index: int | None, ndim: int) -> Plan:
         inputs = {k: widen(v) for k, v in inputs.items()}
     elif inputs is not None:
         inputs = [widen(v) for v in inputs]
-    names = list(plan.fsdp_axes)
+    def shifted(axes: Any) -> tuple:
+        return tuple(a + (1 if pp_index is not None and a >= pp_index else 0) if isinstance(a, int) else a for a in axes)
+
     # every other field (strict, style_axis, activation_sharding, reshard_after_forward,
     # and any added later) is the user's
     return dataclasses.replace(
@@ -110,7 +112,8 @@ def pipeline_plan(plan: Plan, pp_index: int | None, ndim: int) -> Plan:
         inputs=inputs,
         default_param=widen(plan.default_param),
         default_input=widen(plan.default_input if plan.default_input is not None else _default_input(ndim - 1)),
-        fsdp_axes=tuple(a + (1 if pp_index is not None and a >= pp_index else 0) if isinstance(a, int) else a for a in names),
+        fsdp_axes=shifted(plan.fsdp_axes),
+        expert_axes=shifted(plan.expert_axes),
     )
 
 

@@ -28,10 +28,10 @@ def _owner(model: torch.nn.Module, fqn: str) -> tuple[torch.nn.Module, str]:
 class StageOwnership:
     """Stage ownership of a :class:`~.step.PipelinedStep` (a mixin)."""
 
-    def _drop_other_stages(self, model: torch.nn.Module, optimizer: Any, assignment: Any, mine: list[int]) -> None:
+    def _drop_other_stages(self, model: torch.nn.Module, optimizer: Any, assignment: Any, mine: list[int]) -> bool:
         """Remove the parameters and buffers no stage of this rank owns, from the model and
         the optimizer; they stay known as shape-only ghosts so every rank traces the same
-        step."""
+        step. True when it dropped something."""
         state = collect_state(model, optimizer)
         drop_buffers = {f for f, owners in assignment.buffer_stages.items() if owners and not set(owners) & set(mine)}
         for fqn in drop_buffers & set(state.buffers):
@@ -42,7 +42,7 @@ class StageOwnership:
         drop = {fqn for fqn, owners in assignment.param_stages.items() if not set(owners) & set(mine)}
         drop &= set(state.params)
         if not drop:
-            return
+            return bool(drop_buffers & set(state.buffers))
         positions = {}
         if optimizer is not None:
             for gi, names in enumerate(state.param_groups):
@@ -64,6 +64,7 @@ class StageOwnership:
             for p in list(optimizer.state):
                 if id(p) in dropped:
                     del optimizer.state[p]
+        return True
 
     def _ghosted(self, model: torch.nn.Module, optimizer: Any = None) -> Any:
         """Context: the dropped parameters (and their optimizer state) and buffers back as

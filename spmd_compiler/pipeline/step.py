@@ -225,8 +225,8 @@ class PipelinedStep(StageOwnership, StepDriver):
         groups = [mesh.get_group(i) for i in range(mesh.ndim) if i != self.pp_index and mesh.shape[i] > 1]
         return AxesRngSync(groups, cuda=mesh.device_type == "cuda") if groups else None
 
-    def _after_agreement(self, step: Any, model: Any, optimizer: Any) -> None:
-        self._drop_other_stages(model, optimizer, step.assignment, step.pipeline.my_stages)
+    def _after_agreement(self, step: Any, model: Any, optimizer: Any) -> bool:
+        return self._drop_other_stages(model, optimizer, step.assignment, step.pipeline.my_stages)
 
     # ------------------------------------------------------------------ dump
     def _dump(self, step: Any, texts: dict[str, Any]) -> None:

@@ -39,6 +39,9 @@ class SimulatedTraining:
     rank by the plan. ``options`` are ``compile()``'s (:class:`spmd_compiler.driver.Options`;
     ``passes`` defaults to the same passes). ``expansions`` holds the programs of the last
     compile, keyed by mesh coordinate; ``reasons`` why each compile happened.
+    ``create_lazy_state``: create the optimizer's state before the first trace, as
+    ``compile()`` does (False: trace the state-creating first step, as ``compile()`` does
+    for an optimizer whose state comes from its update, such as SGD's momentum).
     """
 
     def __init__(
@@ -48,9 +51,12 @@ class SimulatedTraining:
         optimizer: Any,
         mesh: Any,
         plan: Plan | None = None,
+        *,
+        create_lazy_state: bool = True,
         **options: Any,
     ) -> None:
         self.step_fn = step_fn
+        self.create_lazy_state = create_lazy_state
         self.model = unwrap_compiled(model)  # a torch.compile'd model: its original module
         self.optimizer = optimizer
         self.mesh = mesh
@@ -125,6 +131,8 @@ class SimulatedTraining:
         return False
 
     def step(self, *batch: Any) -> Any:
+        if self.optimizer is not None and self.create_lazy_state:  # as the driver's calls do (StepDriver._lazy_state)
+            pt.create_lazy_state(self.optimizer)
         state = self._states.get(self.model, self.optimizer)
         key = self._signature(state, batch)
         reason = why_recompile(self._key, key) if key != self._key else None
