@@ -160,7 +160,9 @@ def generic_expand(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple,
         reason = f"input {i} of {_op_name(op)}"  # i counts this op's tensor arguments
         node, mask = emit_redistribute(b, t.node, t.spec, dst, mask=t.mask, reason=reason, input_index=t.index, value_label=t.label)
         locals_.append(node)
-        if _reduces_partial(t.spec, dst) and not (mutated and i == 0) and t.index is not None:
+        # a rank's own counts (a restricted Partial, expand/orders.py) stay for their other
+        # users: offsets of the rank's own rows need them unreduced
+        if _reduces_partial(t.spec, dst) and not (mutated and i == 0) and t.index is not None and not orders.restricted_axes(t):
             b.replacements[t.index] = OutTensor(b.slot(node), dst, b.slot(mask) if mask is not None else None)
         if mask is not None:
             for p in dst.placements:
