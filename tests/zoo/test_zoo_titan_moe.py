@@ -158,3 +158,28 @@ def test_load_balancing_pre_hook_registered_as_torchtitan_does(model_name):
     for (name, a), b in zip(dist_model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-7, msg=lambda m, n=name: f"parameter {n}: {m}")
     assert _rows_exchanges(type("R", (), {"sim": sim})()) == {"forward": 2, "backward": 2}
+
+
+@pytest.mark.slow
+def test_deepseek_v3_671b_routing_ep_fsdp_four_ranks():
+    """DeepSeek-V3 671B's router (sigmoid scores, ``route_norm``, ``route_scale``,
+    node-limited routing: 4 expert groups, 2 chosen per token) with 8 experts, EP x FSDP on
+    4 ranks (2 experts each): equal to one device, rows exchanged, nothing gathered but
+    parameters."""
+    model = deepseek_v3(num_experts=8, router="671B")
+    p = sc.Plan(params={"*": [Shard(0)]}, fsdp_axes=(0,), expert_axes=(0,))
+    with float64_grouped_mm():
+        res = assert_training_matches(balanced_step, model, adamw, batches(), fake_mesh((4,), ("dp",)), p)
+    dist = assert_distributed(res, sharded=_expert_weights(model))
+    assert gathered(res, but="FSDP: gather") == [] and _rows_exchanges(res) == {"forward": 2, "backward": 2}, dist.describe()
+
+
+@pytest.mark.slow
+def test_qwen3_moe_as_torchtitan_writes_it_ep_fsdp():
+    """The model as torchtitan builds it (float32, experts in bfloat16 through
+    ``torch._grouped_mm``'s CPU kernel, no swap): EP x FSDP agrees with one device to
+    float32 rounding (each expert computes the same rows in the same bfloat16 matmul)."""
+    model = qwen3_moe(float64=False)
+    mesh, p = plan("qwen3_moe", "ep_fsdp")
+    res = assert_training_matches(balanced_step, model, adamw, batches(), mesh, p, atol=1e-5, rtol=1e-4)
+    assert gathered(res, but="FSDP: gather") == [] and _rows_exchanges(res) == {"forward": 2, "backward": 2}
