@@ -157,11 +157,11 @@ def qwen3_moe(*, n_layers: int = 1, dim: int = 32, num_experts: int = 4, top_k: 
     return _build(config, seed, float64)
 
 
-def deepseek_v3(*, n_layers: int = 2, dim: int = 32, num_experts: int = 4, top_k: int = 2, load_balance_coeff: float | None = 1e-3,
+def deepseek_v3(*, n_layers: int = 2, n_dense_layers: int = 1, dim: int = 32, num_experts: int = 4, top_k: int = 2, load_balance_coeff: float | None = 1e-3,
                 router: str = "debugmodel", float64: bool = True, seed: int = 0) -> torch.nn.Module:
     """DeepSeek-V3 as ``deepseek_v3/__init__.py``'s ``_debugmodel``, tiny: MLA (no q LoRA,
-    kv LoRA rank 16, nope/rope/v head dims 8/4/8, 4 heads), the first layer dense (hidden
-    64), the rest MoE with ``num_experts`` routed experts of hidden 16 and 2 shared,
+    kv LoRA rank 16, nope/rope/v head dims 8/4/8, 4 heads), the first ``n_dense_layers``
+    dense (hidden 64), the rest MoE with ``num_experts`` routed experts of hidden 16 and 2 shared,
     ``ComplexRoPE`` with YaRN scaling (factor 40, mscale 0.7). ``router``: ``"debugmodel"``
     (softmax scores, as ``_debugmodel``) or ``"671B"`` (as ``_671b``: sigmoid scores,
     ``route_norm``, ``route_scale=2.5``, node-limited routing over 4 expert groups of which
@@ -171,7 +171,7 @@ def deepseek_v3(*, n_layers: int = 2, dim: int = 32, num_experts: int = 4, top_k
         "router_num_limited_groups": 2}
     rope_dim = 4
     layers = _build_dsv3_layers(
-        n_layers=n_layers, n_dense_layers=1, dim=dim, n_heads=4, q_lora_rank=0, kv_lora_rank=16, qk_nope_head_dim=8,
+        n_layers=n_layers, n_dense_layers=n_dense_layers, dim=dim, n_heads=4, q_lora_rank=0, kv_lora_rank=16, qk_nope_head_dim=8,
         qk_rope_head_dim=rope_dim, v_head_dim=8, mscale=0.70, dense_hidden_dim=64, moe_hidden_dim=16, num_experts=num_experts,
         num_shared_experts=2, router_top_k=top_k, attn_backend="flex", **routing,
         moe_comm_backend="standard", non_blocking_capacity_factor=None,
