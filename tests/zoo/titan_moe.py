@@ -33,7 +33,9 @@ What this module changes in torchtitan, and why (nothing else is touched):
 
   Left as torchtitan writes them (each rounds the same values on one device and on every
   rank, so the comparison stays exact): the combine multiplies the experts' outputs by
-  the scores in float32 (``routed_output_RD.to(torch.float32) * scores``, then back);
+  the scores in float32 (``routed_output_RD.to(torch.float32) * scores``, then back;
+  under experts-TP those outputs are a ``Partial`` sum, which the compiler reduces before
+  the cast: issue #32 item 2, ``test_experts_tp_combine_reduces_before_its_float32_cast``);
   RoPE rotates in float32 (``query.float()``; ``ComplexRoPE``'s complex64 cache is not
   touched by ``double()``); the router's ``torch.autocast(device_type, dtype=float32)``
   around the gate is a no-op on the CPU (autocast there takes only bfloat16/float16;
