@@ -8,7 +8,8 @@ the op back (to DTensor, or to the next rule) otherwise; a rank-local value that
 anything else stops the expansion (:class:`..orders.OrderEscape`), which restarts with
 the sort done on gathered tokens.
 
-Ops: ``sort``/``argsort`` (the entry), ``histc`` (counts), ``cumsum`` of a ``Partial``
+Ops: ``sort``/``argsort`` (the entry), ``histc`` and ``sum`` of an integer or boolean map
+over the token rows (counts), ``cumsum`` of a ``Partial``
 sum (offsets), ``index`` / ``gather`` by row numbers, ``index_put`` / ``scatter_add`` /
 ``index_add`` (and torchtitan's ``deterministic_scatter_add``) into rows or into a count,
 ``floor_divide`` of row numbers (``perm // top_k``).
