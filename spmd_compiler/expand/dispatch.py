@@ -32,7 +32,8 @@ from .builder import OutTensor, SubgraphBuilder
 from .fallback import reduce_partial_axes, replicate_axes, replicate_fallback
 from .follow import follow_strided, inplace_follow_self
 from .guards import (
-    _AvoidPartition, _UnevenAvg, _dst_specs, _guard_empty_shards, _guard_partition, _guard_uneven_avg, _guard_view_sizes,
+    _AvoidPartition, _UnevenAvg, _dst_specs, _guard_empty_shards, _guard_partition, _guard_rounding_cast, _guard_uneven_avg,
+    _guard_view_sizes,
 )
 from .redistribute import emit_redistribute, logical_shape
 from . import orders
@@ -135,6 +136,7 @@ def generic_expand(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple,
     _check_symbolic_localized(b, op, out)
     _guard_empty_shards(b, op, args, kwargs, out)
     _guard_partition(args, kwargs, out)
+    _guard_rounding_cast(op, args, kwargs, out)
     if out.use_val_from_redistribute_schema and any(
         _uneven_axes(b, t.spec) for t in pytree.tree_leaves((args, kwargs), is_leaf=_is_tensor_arg) if isinstance(t, TensorArg)
     ):
@@ -160,7 +162,9 @@ def generic_expand(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple,
         reason = f"input {i} of {_op_name(op)}"  # i counts this op's tensor arguments
         node, mask = emit_redistribute(b, t.node, t.spec, dst, mask=t.mask, reason=reason, input_index=t.index, value_label=t.label)
         locals_.append(node)
-        if _reduces_partial(t.spec, dst) and not (mutated and i == 0) and t.index is not None:
+        # a rank's own counts (a restricted Partial, expand/orders.py) stay for their other
+        # users: offsets of the rank's own rows need them unreduced
+        if _reduces_partial(t.spec, dst) and not (mutated and i == 0) and t.index is not None and not orders.restricted_axes(t):
             b.replacements[t.index] = OutTensor(b.slot(node), dst, b.slot(mask) if mask is not None else None)
         if mask is not None:
             for p in dst.placements:
@@ -303,9 +307,8 @@ def _expand_op(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwa
                 ctx, b, args, kwargs, e.axes, f"uneven shards under a mean in {op}: replicated first"
             )
         except _AvoidPartition as e:
-            args, kwargs = reduce_partial_axes(
-                ctx, b, args, kwargs, e.axes, f"input of {op} (Partial reduced before combining with a replicated input)"
-            )
+            why = getattr(e, "why", "Partial reduced before combining with a replicated input")
+            args, kwargs = reduce_partial_axes(ctx, b, args, kwargs, e.axes, f"input of {op} ({why})")
         except NoStrategy as e:
             if pt.writes_first_arg(op) and torch.Tag.pointwise in op.tags:
                 try:

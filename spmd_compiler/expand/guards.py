@@ -10,7 +10,8 @@ Partial (x / n per rank).
 
 Each guard either returns, raises :class:`~.args.NoStrategy` (the op falls back), or
 raises one of the retry signals :class:`_UnevenAvg` (replicate these mesh axes first) and
-:class:`_AvoidPartition` (reduce the Partial inputs on these axes first), which
+:class:`_AvoidPartition` (reduce the Partial inputs on these axes first; also raised as
+:class:`_RoundsPartial` before a cast that would round each rank's term), which
 :func:`~.dispatch.expand_op` answers with :mod:`.fallback`'s helpers and a retry. Every
 verdict is made from global sizes, so all ranks decide the same.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+import torch
 from torch.utils import _pytree as pytree
 
 from .. import _private_torch as pt
@@ -27,6 +29,8 @@ from .args import NoStrategy, TensorArg, _input_specs, _is_sharded, _is_tensor_a
 from .builder import SubgraphBuilder
 from .symbolic import partial_needs_replicate
 from .values import placements_text
+
+_TO_COPY = torch.ops.aten._to_copy.default
 
 
 def _nested_uneven(spec: Any, mesh_shape: Any) -> str | None:
@@ -149,6 +153,45 @@ class _AvoidPartition(Exception):
     def __init__(self, axes: set[int]) -> None:
         super().__init__(axes)
         self.axes = axes
+
+
+class _RoundsPartial(_AvoidPartition):
+    """A cast of a ``Partial(sum)`` value to a dtype that cannot hold it exactly (float64
+    to float32 or bfloat16, a float to an integer) would round each rank's term: the sum
+    of rounded terms is not the rounded sum (up to one unit in the last place of the
+    narrow dtype per term, where one device rounds once). Reducing first is exact."""
+
+    why = "Partial reduced before a cast that rounds it"
+
+
+def _rounds(src: Any, dst: Any) -> bool:
+    """Whether casting ``src`` values to ``dst`` can round them (not linear in a sum)."""
+    if not (src.is_floating_point or src.is_complex) or dst is None or dst == src:
+        return False
+    if src.is_complex:
+        return not dst.is_complex or torch.finfo(dst).eps > torch.finfo(src).eps
+    if not dst.is_floating_point:
+        return not dst.is_complex
+    a, b = torch.finfo(src), torch.finfo(dst)
+    return b.eps > a.eps or b.max < a.max
+
+
+def _guard_rounding_cast(op: Any, args: Any, kwargs: Any, out: Any) -> None:
+    """Refuse a strategy that casts a ``Partial(sum)``/``Partial(avg)`` input term by
+    term to a narrower dtype (DTensor keeps ``Partial`` through ``_to_copy``, as if a
+    cast were linear): :class:`_RoundsPartial` reduces the input first. A
+    ``MaskPartial`` (one rank's term is the value, the others' zero) rounds exactly."""
+    if op is not _TO_COPY or not args or not isinstance(args[0], TensorArg):
+        return
+    x = args[0]
+    if not _rounds(x.spec.tensor_meta.dtype, kwargs.get("dtype")):
+        return
+    dsts = _dst_specs(out, 1)
+    placements = dsts[0].placements if dsts else x.spec.placements
+    axes = {a for a, p in enumerate(placements) if p.is_partial() and not isinstance(p, pt.MaskPartial)
+            and getattr(p, "reduce_op", "sum") in ("sum", "avg")}
+    if axes:
+        raise _RoundsPartial(axes)
 
 
 def _dst_specs(out: Any, n: int) -> list[Any] | None:

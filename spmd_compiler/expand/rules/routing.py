@@ -8,7 +8,8 @@ the op back (to DTensor, or to the next rule) otherwise; a rank-local value that
 anything else stops the expansion (:class:`..orders.OrderEscape`), which restarts with
 the sort done on gathered tokens.
 
-Ops: ``sort``/``argsort`` (the entry), ``histc`` (counts), ``cumsum`` of a ``Partial``
+Ops: ``sort``/``argsort`` (the entry), ``histc`` and ``sum`` of an integer or boolean map
+over the token rows (counts), ``cumsum`` of a ``Partial``
 sum (offsets), ``index`` / ``gather`` by row numbers, ``index_put`` / ``scatter_add`` /
 ``index_add`` (and torchtitan's ``deterministic_scatter_add``) into rows or into a count,
 ``floor_divide`` of row numbers (``perm // top_k``).
@@ -16,6 +17,7 @@ sum (offsets), ``index`` / ``gather`` by row numbers, ``index_put`` / ``scatter_
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -144,6 +146,31 @@ def _histc(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs:
     node = b.call(op, x.node, *args[1:], **kwargs)
     spec = _spec(ctx, _partial_sum(axes, ctx.mctx.ndim), tuple(node.meta["val"].shape), node.meta["val"].dtype)
     return _out(b, node, spec, Rows(restricted=axes, origins=merge_origins(x)))
+
+
+@register_rule(aten.sum.dim_IntList)
+def _sum_counts(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: dict) -> Any:
+    """Counts as a sum over the token rows of an integer or boolean tensor (torchtitan's
+    ``routing_map.sum(dim=(0, 1))`` of a one-hot expert map): DTensor's ``Partial(sum)``,
+    whose local term is the rank's own counts (``restricted`` on the summed token axes)."""
+    out = generic_expand(ctx, b, op, args, kwargs)
+    x = args[0]
+    bound = _bind(op, args, kwargs)
+    dims = bound.get("dim")
+    if (not isinstance(x, TensorArg) or x.spec.tensor_meta.dtype.is_floating_point or x.spec.tensor_meta.dtype.is_complex
+            or not dims or not hasattr(out, "spec")):
+        return out
+    r = x.rows
+    if r is not None and (r.into is not None or r.identity or r.restricted):
+        return out
+    ndim = max(len(x.spec.shape), 1)
+    summed = {d % ndim for d in dims}
+    axes = tuple(a for d in sorted(summed) for a in token_axes(x.spec, d))
+    axes = tuple(a for a in sorted(set(axes)) if out.spec.placements[a].is_partial())
+    if not axes or any(p.is_partial() for p in x.spec.placements) or (r is not None and r.order is not None and not set(r.order.axes) <= set(axes)):
+        return out
+    b.routing_done = True
+    return dataclasses.replace(out, rows=Rows(restricted=axes, origins=merge_origins(x)))
 
 
 @register_rule(aten.cumsum.default)
