@@ -32,6 +32,7 @@ from ..builder import SubgraphBuilder
 from ..args import ExpandContext, TensorArg, _out_tensor
 from ..dispatch import generic_expand
 from ..registry import register_rule
+from .accumulate import partial_index_put
 
 aten = torch.ops.aten
 
@@ -149,4 +150,5 @@ def _index_put(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwa
         if fits and tuple(values.spec.placements) == tuple(want):
             node = b.call(op, x.node, _local_indices(ctx, b, x, indices, axis, d), values.node, *args[3:])
             return _out_tensor(b, node, x.spec, {})
-    return generic_expand(ctx, b, op, args, kwargs)
+    summed = partial_index_put(ctx, b, op, args, kwargs)  # split values added into a whole x (.accumulate)
+    return summed if summed is not None else generic_expand(ctx, b, op, args, kwargs)
