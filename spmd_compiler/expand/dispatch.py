@@ -133,7 +133,7 @@ def generic_expand(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple,
     _guard_view_sizes(b, op, args, kwargs, out)
     _check_symbolic_localized(b, op, out)
     _guard_empty_shards(b, op, args, kwargs, out)
-    _guard_partition(args, kwargs, out)
+    _guard_partition(args, kwargs, out, op)
     if out.use_val_from_redistribute_schema and any(
         _uneven_axes(b, t.spec) for t in pytree.tree_leaves((args, kwargs), is_leaf=_is_tensor_arg) if isinstance(t, TensorArg)
     ):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+import torch
 from torch.utils import _pytree as pytree
 
 from .. import _private_torch as pt
@@ -173,11 +174,35 @@ def partition_axes(args: Any, kwargs: Any, out: Any) -> set[int]:
     }
 
 
-def _guard_partition(args: Any, kwargs: Any, out: Any) -> None:
+def _guard_partition(args: Any, kwargs: Any, out: Any, op: Any = None) -> None:
     axes = partition_axes(args, kwargs, out)
-    if not axes:
-        return
     tensors = [x for x in pytree.tree_leaves((args, kwargs), is_leaf=_is_tensor_arg) if isinstance(x, TensorArg)]
-    partial = {a for t in tensors for a, p in enumerate(t.spec.placements) if p.is_partial()} & axes
-    if partial:
-        raise _AvoidPartition(partial)
+    partial = {a for t in tensors for a, p in enumerate(t.spec.placements) if p.is_partial()}
+    if partial & axes:
+        raise _AvoidPartition(partial & axes)
+    if op in _MATMULS and partial:
+        gathered = _gathered_beside_partial(tensors, out, partial)
+        if gathered:
+            raise _AvoidPartition(gathered)
+
+
+_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default, torch.ops.aten.baddbmm.default}
+
+
+def _gathered_beside_partial(tensors: list[Any], out: Any, partial: set[int]) -> set[int]:
+    """Mesh axes on which a matmul's strategy gathers a split operand while another stays
+    Partial (the result stays Partial too). A vocab-parallel output layer's backward gives
+    the hidden state's gradient Partial over ``tp``; DTensor's cheapest next matmul then
+    gathered the feed-forward's activations and weights (8 all_gathers, 4 reduce_scatters
+    in a 2-layer Llama) where Megatron all_reduces that gradient once per layer: the
+    Partial operand is reduced first instead."""
+    dsts = _dst_specs(out, len(tensors))
+    if dsts is None:
+        return set()
+    axes = set()
+    for a in partial:
+        keeps = any(t.spec.placements[a].is_partial() and d.placements[a].is_partial() for t, d in zip(tensors, dsts))
+        gathers = any(_is_sharded(t.spec.placements[a]) and d.placements[a].is_replicate() for t, d in zip(tensors, dsts))
+        if keeps and gathers:
+            axes.add(a)
+    return axes

@@ -1,6 +1,6 @@
 """Per-op expansion rules, grouped by op family. Importing this package registers them."""
 
 from . import (  # noqa: F401
-    accumulate, attention, batchnorm, concat, extrema, factory, indexing, losses, matmul, mean, norms, optimizers, pad, partial_inputs, random, scalars,
+    accumulate, attention, batchnorm, concat, extrema, factory, indexing, loss_parallel, losses, matmul, mean, norms, optimizers, pad, partial_inputs, random, scalars,
     shape, views,
 )
