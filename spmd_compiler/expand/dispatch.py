@@ -32,7 +32,7 @@ from .builder import OutTensor, SubgraphBuilder
 from .fallback import reduce_partial_axes, replicate_axes, replicate_fallback
 from .follow import follow_strided, inplace_follow_self
 from .guards import (
-    _AvoidPartition, _UnevenAvg, _dst_specs, _guard_empty_shards, _guard_partition, _guard_uneven_avg, _guard_view_sizes,
+    _AvoidPartition, _UnevenAvg, _dst_specs, _guard_empty_shards, _guard_head_tail, _guard_partition, _guard_uneven_avg, _guard_view_sizes,
 )
 from .redistribute import emit_redistribute, logical_shape
 from .registry import get_rule
@@ -134,6 +134,7 @@ def generic_expand(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple,
     _check_symbolic_localized(b, op, out)
     _guard_empty_shards(b, op, args, kwargs, out)
     _guard_partition(args, kwargs, out, op)
+    _guard_head_tail(b, op, out)
     if out.use_val_from_redistribute_schema and any(
         _uneven_axes(b, t.spec) for t in pytree.tree_leaves((args, kwargs), is_leaf=_is_tensor_arg) if isinstance(t, TensorArg)
     ):

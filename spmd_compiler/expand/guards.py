@@ -206,3 +206,26 @@ def _gathered_beside_partial(tensors: list[Any], out: Any, partial: set[int]) ->
         if keeps and gathers:
             axes.add(a)
     return axes
+
+
+def _guard_head_tail(b: SubgraphBuilder, op: Any, out: Any) -> None:
+    """A result split over a context-parallel axis with the head-tail layout
+    (:mod:`.head_tail`) must split a dim that ``2 n`` (times its blocks) divides: a view
+    that splits the sequence into (outer, inner) keeps the layout only when the outer dim's
+    chunks are the sequence's. Otherwise the op runs on gathered inputs (NoStrategy)."""
+    if b.mctx.cp is None or not b.mctx.cp.load_balance:
+        return
+    from .redistribute import logical_shape
+
+    specs = out.output_spec if isinstance(out.output_spec, (tuple, list)) else [out.output_spec]
+    for spec in specs:
+        if not isinstance(spec, pt.DTensorSpec):
+            continue
+        for axis, p in enumerate(spec.placements):
+            if not b.mctx.head_tail(axis) or not (p.is_shard() or isinstance(p, pt.StridedShard)):
+                continue
+            sf = int(p.split_factor) if isinstance(p, pt.StridedShard) and pt.split_period(p) is None else 1
+            size = logical_shape(b, tuple(spec.shape), list(spec.placements), axis)[p.dim]
+            if pt.split_period(p) is not None or pt.is_symbolic(size) or size % (2 * b.mctx.shape[axis] * sf):
+                raise NoStrategy(f"{_op_name(op)}: its result's dim {p.dim} of size {size} has no head-tail layout over "
+                                 f"'{b.mctx.axis_names[axis]}' ({b.mctx.shape[axis]} ranks, {sf} blocks)")

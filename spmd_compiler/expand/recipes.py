@@ -44,7 +44,7 @@ def expand_node(ex: Any, node: fx.Node, op: Any, args: tuple, kwargs: dict) -> A
     result_of = _result_param(ex, node)
     if result_of is not None:  # a rule may compute a gradient in its parameter's layout
         grad_of[RESULT] = result_of
-    key = (op, abstract_key(args), abstract_key(kwargs), ex.fallback, ex.activation_sharding, ex.rng)
+    key = (op, abstract_key(args), abstract_key(kwargs), ex.fallback, ex.activation_sharding, ex.rng, ex.mctx.cp)
     if grad_of:  # a rule may lay a gradient out like its parameter
         key += (tuple((i, tuple(s.placements), tuple(_key(d) for d in s.shape)) for i, s in grad_of.items()),)
     if ex.dynamic:  # recipes hold this trace's fake values: shared by its ranks, not by other traces

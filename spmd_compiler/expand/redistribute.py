@@ -30,6 +30,7 @@ from .. import _private_torch as pt
 from ..errors import UnsupportedPlacementError
 from .builder import SubgraphBuilder
 from .values import placements_text
+from .head_tail import from_head_tail, reduce_scatter_head_tail, split_of, to_head_tail
 from .collectives import (
     COLLECTIVE_OPS, _all_gather, _all_to_all, _collective, _narrow_shard, _reduce_scatter, _replicate_to_strided, _strided_to_replicate,
 )
@@ -220,6 +221,8 @@ def _globally_uneven(global_shape: tuple[int, ...], placements: list, axis: int,
 
 def _emit_step(b: SubgraphBuilder, x: fx.Node, axis: int, s: Any, t: Any, logical: list[int], mask: fx.Node | None, why: str) -> tuple[fx.Node, fx.Node | None]:
     n = b.mctx.shape[axis]
+    if b.mctx.head_tail(axis) and (split_of(s) or split_of(t)):
+        return _head_tail_step(b, x, axis, s, t, logical, mask, why)
     if isinstance(s, pt.StridedShard) or isinstance(t, pt.StridedShard):
         return _strided_step(b, x, axis, s, t, logical, mask, why)
     if s.is_partial() and t.is_replicate():
@@ -260,6 +263,24 @@ def _emit_step(b: SubgraphBuilder, x: fx.Node, axis: int, s: Any, t: Any, logica
         f"Shard, Replicate and Partial that has a collective. fix: plan Replicate() on mesh axis "
         f"'{b.mctx.axis_names[axis]}' for the values this op reads"
     )
+
+
+def _head_tail_step(b: SubgraphBuilder, x: fx.Node, axis: int, s: Any, t: Any, logical: list[int], mask: fx.Node | None,
+                    why: str) -> tuple[fx.Node, fx.Node | None]:
+    """A change involving a split on the context-parallel axis with the load-balanced
+    layout (:mod:`.head_tail`): to/from Replicate and Partial -> Shard directly, anything
+    else through Replicate."""
+    src, dst = split_of(s), split_of(t)
+    if s.is_replicate() and dst is not None:
+        return to_head_tail(b, x, axis, dst[0], dst[1], logical[dst[0]], why), mask
+    if src is not None and t.is_replicate():
+        return from_head_tail(b, x, axis, src[0], src[1], logical[src[0]], why), mask
+    if s.is_partial() and type(t) is pt.Shard and not isinstance(s, (pt.MaskPartial, pt.NormPartial)):
+        return reduce_scatter_head_tail(b, x, axis, t.dim, logical[t.dim], _reduce_op(s), why), None
+    if src is not None and dst is not None and src == dst and type(s) is type(t):
+        return x, mask
+    whole, mask = _emit_step(b, x, axis, s, pt.Replicate(), logical, mask, why)
+    return _emit_step(b, whole, axis, pt.Replicate(), t, logical, mask, why)
 
 
 def _norm_pre(b: SubgraphBuilder, x: fx.Node, p: Any) -> fx.Node:

@@ -8,6 +8,7 @@ from typing import Any
 
 from torch.distributed.tensor import Placement
 
+from .context import ContextParallel, CPLayout
 from .placements import ResolvedPlan
 from .resolve import _batch_placements, _resolve
 
@@ -92,8 +93,14 @@ class Plan:
     activation_sharding: str = "follow"
     reshard_after_forward: bool = True
     defer_grad_sync: bool = False
+    context_parallel: ContextParallel | None = None
 
     def __post_init__(self) -> None:
+        if self.context_parallel is not None and not isinstance(self.context_parallel, ContextParallel):
+            raise TypeError(
+                f"Plan(context_parallel={self.context_parallel!r}): expected a spmd_compiler.ContextParallel or None. "
+                f"fix: context_parallel=ContextParallel(axis='cp')"
+            )
         axes = self.fsdp_axes
         if isinstance(axes, (str, bytes)) or not isinstance(axes, (tuple, list)) or not all(
                 isinstance(a, str) or (isinstance(a, int) and not isinstance(a, bool)) for a in axes):
@@ -138,6 +145,13 @@ class Plan:
             else:
                 raise ValueError(f"fsdp axis {a!r} is not a mesh axis name; mesh axes are {names}. fix: name one of them")
         return tuple(out)
+
+    def cp_layout(self, mesh: Any) -> CPLayout | None:
+        """``context_parallel`` resolved against ``mesh`` (None without it, or on an axis of size 1)."""
+        if self.context_parallel is None:
+            return None
+        layout = self.context_parallel.layout(mesh)
+        return layout if mesh.shape[layout.axis] > 1 else None
 
     def resolve(self, traced: Any, mesh: Any) -> "ResolvedPlan":
         """Placements for every input of ``traced`` (a TracedStep) on ``mesh``."""

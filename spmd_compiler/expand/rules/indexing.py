@@ -49,6 +49,8 @@ def _local_rows_plan(ctx: ExpandContext, x: TensorArg, indices: list[Any]) -> tu
     if len(sharded) != 1 or type(sharded[0][1]) is not pt.Shard:
         return None
     axis, d = sharded[0][0], sharded[0][1].dim
+    if ctx.mctx.head_tail(axis):  # a rank's rows are two chunks, not one run from an offset
+        return None
     if d >= len(indices) or not isinstance(indices[d], TensorArg) or indices[d].positions is None:
         return None
     idx, k = indices[d], indices[d].positions
