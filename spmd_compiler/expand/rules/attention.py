@@ -253,7 +253,7 @@ def _cp_axis(ctx: ExpandContext, op: Any, bound: dict[str, Any], causal: bool) -
     if cp is None or not context_parallel.supports(op) or bound.get("attn_mask") is not None:
         return None
     q, k, v = bound["query"], bound["key"], bound["value"]
-    if q.spec.placements[cp.axis] != pt.Shard(SEQ) or tuple(q.spec.shape) != tuple(k.spec.shape) != tuple(v.spec.shape):
+    if q.spec.placements[cp.axis] != pt.Shard(SEQ) or not q.spec.shape[SEQ] == k.spec.shape[SEQ] == v.spec.shape[SEQ]:
         return None
     if k.spec.placements[cp.axis] != pt.Shard(SEQ) or v.spec.placements[cp.axis] != pt.Shard(SEQ):
         return None

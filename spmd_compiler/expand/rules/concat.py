@@ -16,7 +16,8 @@ from another rank:
 
 (Only where no other mesh axis splits ``d``.) ``cat`` also drops the legacy empty 1-D
 inputs that ``torch.cat`` skips (an empty KV cache, ``cat([tensor([]), x], -2)``),
-whose placements DTensor cannot line up with the others.
+whose placements DTensor cannot line up with the others; a ``cat`` of one tensor is a copy
+laid out as it is (DTensor gathered a sequence split, context parallelism's keys).
 """
 
 from __future__ import annotations
@@ -62,6 +63,9 @@ def _cat(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: d
     ndim = len(tensors[0].spec.shape)
     dim = dim % ndim if ndim else dim
     first = tensors[0].spec
+    if len(tensors) == 1 and ndim:  # a copy (after dropping an empty KV cache): laid out as its input
+        node = b.call(op, [tensors[0].node], dim)
+        return _out_tensor(b, node, _spec(first, 0, first.placements[0], list(first.shape)), {})
     axis = _only_axis(first.placements, dim, pt.Shard)
     same = all(tuple(t.spec.placements) == tuple(first.placements) and tuple(t.spec.shape) == tuple(first.shape) for t in tensors)
     if axis is None or len(tensors) < 2 or not same:
