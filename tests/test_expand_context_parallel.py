@@ -25,9 +25,9 @@ class Block(nn.Module):
     """Pre-norm causal self-attention with learned positions (a replicated table the
     sequence split must take in the same layout as the tokens) and a token embedding."""
 
-    def __init__(self, vocab: int = 16, seq: int = 16, dim: int = 16, heads: int = 2, causal: bool = True) -> None:
+    def __init__(self, vocab: int = 16, seq: int = 16, dim: int = 16, heads: int = 2, causal: bool = True, checkpoint: bool = False) -> None:
         super().__init__()
-        self.heads, self.causal = heads, causal
+        self.heads, self.causal, self.checkpoint = heads, causal, checkpoint
         self.tok = nn.Embedding(vocab, dim)
         self.pos = nn.Parameter(torch.randn(seq, dim) * 0.1)
         self.norm = nn.LayerNorm(dim)
@@ -35,12 +35,16 @@ class Block(nn.Module):
         self.out = nn.Linear(dim, dim)
         self.head = nn.Linear(dim, vocab)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        b, t = ids.shape
-        x = self.tok(ids) + self.pos[:t]
+    def attention(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
         q, k, v = (y.view(b, t, self.heads, -1).transpose(1, 2) for y in self.qkv(self.norm(x)).chunk(3, dim=-1))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
-        return self.head(x + self.out(y.transpose(1, 2).reshape(b, t, -1)))
+        return self.out(y.transpose(1, 2).reshape(b, t, -1))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.tok(ids) + self.pos[:ids.shape[1]]
+        y = torch.utils.checkpoint.checkpoint(self.attention, x, use_reentrant=False) if self.checkpoint else self.attention(x)
+        return self.head(x + y)
 
 
 def lm_step(model, optimizer, ids, targets):
@@ -56,10 +60,10 @@ def batches(n: int = 2, batch: int = 2, seq: int = 16) -> list:
     return [(torch.randint(0, 16, (batch, seq), generator=g), torch.randint(0, 16, (batch, seq), generator=g)) for _ in range(n)]
 
 
-def train(ranks: int, *, attention: str = "allgather", load_balance: bool = True, causal: bool = True, **plan):
+def train(ranks: int, *, attention: str = "allgather", load_balance: bool = True, causal: bool = True, checkpoint: bool = False, **plan):
     torch.manual_seed(0)
     cp = sc.ContextParallel(axis="cp", attention=attention, load_balance=load_balance)
-    return assert_training_matches(lm_step, Block(causal=causal).double(), lambda p: torch.optim.AdamW(p, lr=0.01), batches(),
+    return assert_training_matches(lm_step, Block(causal=causal, checkpoint=checkpoint).double(), lambda p: torch.optim.AdamW(p, lr=0.01), batches(),
                                    fake_mesh((ranks,), ("cp",)), sc.Plan(default_input=[Shard(1)], context_parallel=cp, **plan),
                                    atol=1e-10, rtol=1e-8)
 
@@ -165,3 +169,18 @@ def test_data_and_context_parallel_2d():
                                   plan, atol=1e-10, rtol=1e-8)
     dist = assert_distributed(res, sharded=["batch[0]"])
     assert dist.count("forward/all_gather") == dist.count("backward/all_gather") == 0, dist.describe()
+
+
+@pytest.mark.parametrize("attention", ["allgather", "ring"])
+def test_activation_checkpointing(attention):
+    """A checkpointed attention block: its projections are recomputed in backward (the
+    trace keeps the kernel's outputs, as torch.compile's partitioner does), the attention
+    backward reads the recomputed keys, and the recomputation stays in backward (the
+    schedule pass sinks nothing that precedes it past that gather: the intent check)."""
+    from spmd_compiler.trace.markers import RECOMPUTE
+
+    res = train(2, attention=attention, checkpoint=True)
+    first = next(iter(res.sim.expansions.values()))
+    assert any(RECOMPUTE in n.meta for n in first.gm.graph.nodes)
+    works = [attention_work(e.gm) for e in res.sim.expansions.values()]
+    assert works == [16 * 17 / 2 / 2] * 2, works
