@@ -184,3 +184,30 @@ def test_activation_checkpointing(attention):
     assert any(RECOMPUTE in n.meta for n in first.gm.graph.nodes)
     works = [attention_work(e.gm) for e in res.sim.expansions.values()]
     assert works == [16 * 17 / 2 / 2] * 2, works
+
+
+@pytest.mark.parametrize("attention", ["allgather", "ring"])
+@pytest.mark.parametrize("kernel", ["flash", "efficient", "cudnn"])
+def test_cuda_kernels_in_blocks(kernel, attention):
+    """CUDA's flash, efficient and cuDNN kernels (forward and backward, traced on fake CUDA
+    tensors: structure only, their numerics need a GPU) under a causal mask over 2 ranks:
+    no query gathered, 5 block calls each way (3 at the rank's own block, 2 at the other),
+    every block of 32 rows (the efficient kernel pads its logsumexp to 32), results split
+    by rows."""
+    from spmd_compiler.plan import CPLayout
+    from test_expand_attention import KERNELS, comms, results
+
+    ex = cuda_expansion_cp(kernel, CPLayout(0, attention, True))
+    assert not any("query" in c for c in comms(ex)), comms(ex)
+    _, fwd, bwd = KERNELS[kernel]
+    calls = {op: [n for n in ex.graph.nodes if n.target is op] for op in (fwd, bwd)}
+    assert len(calls[fwd]) == len(calls[bwd]) == 5
+    assert {n.args[0].meta["val"].shape[2] for n in calls[fwd] + calls[bwd]} == {32}
+    assert [r[0] for r in results(ex, fwd)[:2]] == ["S(2)", "S(2)"] and [r[0] for r in results(ex, bwd)[:3]] == ["S(2)"] * 3
+    assert results(ex, fwd)[0][1] == (4, 4, 64, 8)  # this rank's 64 of 128 rows
+
+
+def cuda_expansion_cp(kernel, cp):
+    from test_expand_attention import cuda_expansion
+
+    return cuda_expansion(kernel, fake_mesh((2,), ("cp",)), [Shard(2)], seq=128, causal=True, cp=cp)

@@ -250,7 +250,7 @@ def _cp_axis(ctx: ExpandContext, op: Any, bound: dict[str, Any], causal: bool) -
     the plan names one, the kernel has a block form, query/key/value are split by rows
     on it alike (self-attention, equal lengths), no mask; else None."""
     cp = ctx.mctx.cp
-    if cp is None or not context_parallel.supports(op) or bound.get("attn_mask") is not None:
+    if cp is None or op not in context_parallel.KERNELS or any(bound.get(n) is not None for n in ("attn_mask", "attn_bias")):
         return None
     q, k, v = bound["query"], bound["key"], bound["value"]
     if q.spec.placements[cp.axis] != pt.Shard(SEQ) or not q.spec.shape[SEQ] == k.spec.shape[SEQ] == v.spec.shape[SEQ]:
@@ -259,7 +259,7 @@ def _cp_axis(ctx: ExpandContext, op: Any, bound: dict[str, Any], causal: bool) -
         return None
     n = ctx.mctx.shape[cp.axis]
     chunks = 2 if cp.load_balance and causal else 1
-    if q.spec.shape[SEQ] % (n * chunks) or any(type(p) is pt.Shard and p.dim == SEQ for a, p in enumerate(q.spec.placements) if a != cp.axis):
+    if q.spec.shape[SEQ] % n or not context_parallel.supports(op, q.spec.shape[SEQ] // n, chunks) or any(type(p) is pt.Shard and p.dim == SEQ for a, p in enumerate(q.spec.placements) if a != cp.axis):
         return None
     return cp.axis
 
@@ -268,18 +268,29 @@ def _context_parallel(ctx: ExpandContext, b: SubgraphBuilder, op: Any, bound: di
                       mask: Any, axis: int, causal: bool) -> Any:
     """The kernel in blocks over the context-parallel axis; results laid out as the op's."""
     cp = ctx.mctx.cp
+    kernel = context_parallel.KERNELS[op]
     options = dict(axis=axis, causal=causal, chunks=2 if cp.load_balance else 1, method=cp.attention, scale=bound.get("scale"),
                    reason=f"{op}")
-    if op is context_parallel.CPU_FORWARD:
-        nodes = context_parallel.forward(b, local["query"], local["key"], local["value"], **options)
+    if op in context_parallel.FORWARD_OPS:
+        out, lse, first = context_parallel.forward(b, kernel, local["query"], local["key"], local["value"], **options)
+        nodes = [out, lse, *first[2:]]  # the kernel's other results: the first call's (philox state, row counts)
     else:
-        nodes = context_parallel.backward(b, local["grad_out"], local["query"], local["key"], local["value"], local["out"],
-                                          local["logsumexp"], **options)
+        grad = local.get("grad_out", local.get("grad_out_"))
+        nodes = list(context_parallel.backward(b, kernel, grad, local["query"], local["key"], local["value"], local["out"],
+                                               local["logsumexp"], extra=local, **options))
     name, roles, out_roles = _ROLES[op]
     results = _global_results(ctx, op, bound, bound["query"].local.device)
-    out = []
+    rows = local["query"].meta["val"].shape[SEQ]
+    out: list[Any] = []
     for role, node, r in zip(out_roles, nodes, results):
-        node = restride_like(b, node, tuple(r.shape), tuple(r.stride()))
-        spec = pt.make_spec(ctx.mctx.mesh, _output_placements(role, modes, mask), r.shape, r.stride(), r.dtype)
-        out.append(_out_tensor(b, node, spec, {}))
+        if role in ("max_q", "max_k"):  # this rank's rows of a sequence split over the axis
+            out.append(DSymInt(int(r), int(rows), (axis,), f"{name}.{role}"))
+        elif not isinstance(r, torch.Tensor):
+            out.append(r)
+        else:
+            node = restride_like(b, node, tuple(r.shape), tuple(r.stride()))
+            spec = pt.make_spec(ctx.mctx.mesh, _output_placements(role, modes, mask), r.shape, r.stride(), r.dtype)
+            out.append(_out_tensor(b, node, spec, {}))
+    while len(out) < len(out_roles):  # results the block form has none of (efficient backward's bias gradient)
+        out.append(None)
     return tuple(out)

@@ -32,8 +32,10 @@ the head-tail layout under a causal mask, else 1).
   issued before the step that computes the block in hand; in backward the key/value
   gradients travel along with their block and reach its rank after ``n`` transfers.
 
-Numerics are tested with the CPU kernel; a CUDA kernel under context parallelism runs as
-before (its query gathered).
+The CPU kernel and CUDA's flash, efficient and cuDNN kernels (forward and backward) each
+have an adapter (:class:`Kernel`): how a block is called and how its logsumexp is laid
+out. Numerics are tested with the CPU kernel; the CUDA kernels' programs on fake CUDA
+tensors (their meta kernels), since they cannot run here.
 """
 
 from __future__ import annotations
@@ -58,9 +60,12 @@ _LOWER = 1e300  # subtracted from a logsumexp: e^{-1e300} == 0 in every float dt
 SEQ = 2
 
 
-def supports(op: Any) -> bool:
-    """Whether ``op`` (a fused attention kernel) has a context-parallel form here."""
-    return op in (CPU_FORWARD, CPU_BACKWARD)
+def supports(op: Any, rows: int, chunks: int) -> bool:
+    """Whether ``op`` (a fused attention kernel) has a context-parallel form here for
+    ``rows`` local query rows cut in ``chunks`` (the efficient kernel: blocks of a
+    multiple of 32 rows, its logsumexp's padding)."""
+    kernel = KERNELS.get(op)
+    return kernel is not None and rows % chunks == 0 and (rows // chunks) % kernel.row_block == 0
 
 
 # ------------------------------------------------------------------ blocks and calls
@@ -115,14 +120,70 @@ def _add(b: SubgraphBuilder, acc: fx.Node | None, x: fx.Node) -> fx.Node:
 
 
 # ------------------------------------------------------------------ kernels
-def _forward_call(b: SubgraphBuilder, q: fx.Node, k: fx.Node, v: fx.Node, causal: bool, scale: Any) -> tuple[fx.Node, fx.Node]:
-    out, lse = b.getitems(b.call(CPU_FORWARD, q, k, v, 0.0, causal, scale=scale))
-    return out, lse
+_OPS = {name: getattr(aten, name, None) for name in (
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward")}
 
 
-def _backward_call(b: SubgraphBuilder, go: fx.Node, q: fx.Node, k: fx.Node, v: fx.Node, out: fx.Node, lse: fx.Node, causal: bool,
-                   scale: Any) -> list[fx.Node]:
-    return b.getitems(b.call(CPU_BACKWARD, go, q, k, v, out, lse, 0.0, causal, scale=scale))
+class Kernel:
+    """One fused kernel family as blocks see it: a forward call returning the output, the
+    logsumexp as ``[B, H, rows]`` and the call's other results; a backward call taking that
+    logsumexp back. ``lse``: the kernel's own layout of it, ``"rows"`` (CPU, flash),
+    ``"padded"`` (efficient: rows padded to 32, so blocks of a multiple of 32 rows only) or
+    ``"column"`` (cuDNN: ``[B, H, rows, 1]``)."""
+
+    def __init__(self, forward: Any, backward: Any, lse: str, row_block: int = 1) -> None:
+        self.forward_op, self.backward_op, self.lse, self.row_block = forward, backward, lse, row_block
+
+    def call(self, b: SubgraphBuilder, q: fx.Node, k: fx.Node, v: fx.Node, causal: bool, scale: Any) -> tuple[fx.Node, fx.Node, list]:
+        op = self.forward_op
+        if op is CPU_FORWARD:
+            node = b.call(op, q, k, v, 0.0, causal, scale=scale)
+        elif self.lse == "rows":  # flash
+            node = b.call(op, q, k, v, 0.0, causal, False, scale=scale)
+        elif self.lse == "padded":  # efficient
+            node = b.call(op, q, k, v, None, True, 0.0, causal, scale=scale)
+        else:  # cuDNN
+            node = b.call(op, q, k, v, None, True, 0.0, causal, False, scale=scale)
+        items = b.getitems(node)
+        return items[0], self.rows(b, items[1], q.meta["val"].shape[SEQ]), items
+
+    def rows(self, b: SubgraphBuilder, lse: fx.Node, rows: int) -> fx.Node:
+        """The kernel's logsumexp as ``[B, H, rows]``."""
+        if self.lse == "column":
+            return b.call(aten.squeeze.dim, lse, -1)
+        if self.lse == "padded" and lse.meta["val"].shape[-1] != rows:
+            return b.call(aten.narrow.default, lse, -1, 0, rows)
+        return lse
+
+    def layout(self, b: SubgraphBuilder, lse: fx.Node) -> fx.Node:
+        """``[B, H, rows]`` back in the kernel's layout (rows a multiple of 32 for efficient)."""
+        return b.call(aten.unsqueeze.default, lse, -1) if self.lse == "column" else lse
+
+    def backward(self, b: SubgraphBuilder, go: fx.Node, q: fx.Node, k: fx.Node, v: fx.Node, out: fx.Node, lse: fx.Node, causal: bool,
+                 scale: Any, extra: dict[str, Any]) -> list[fx.Node]:
+        op, lse = self.backward_op, self.layout(b, lse)
+        rows_q, rows_k = q.meta["val"].shape[SEQ], k.meta["val"].shape[SEQ]
+        seed, offset = extra.get("philox_seed"), extra.get("philox_offset")
+        if op is CPU_BACKWARD:
+            node = b.call(op, go, q, k, v, out, lse, 0.0, causal, scale=scale)
+        elif self.lse == "rows":
+            node = b.call(op, go, q, k, v, out, lse, None, None, rows_q, rows_k, 0.0, causal, seed, offset, scale=scale)
+        elif self.lse == "padded":
+            node = b.call(op, go, q, k, v, None, out, lse, seed, offset, 0.0, [True, True, True, False], causal, scale=scale)
+        else:
+            node = b.call(op, go, q, k, v, out, lse, seed, offset, None, None, None, rows_q, rows_k, 0.0, causal, scale=scale)
+        return b.getitems(node)[:3]
+
+
+_KERNELS = [Kernel(CPU_FORWARD, CPU_BACKWARD, "rows")]
+for _fwd, _bwd, _lse, _block in (("flash", "flash", "rows", 1), ("efficient", "efficient", "padded", 32), ("cudnn", "cudnn", "column", 1)):
+    _f, _b = _OPS[f"_scaled_dot_product_{_fwd}_attention"], _OPS[f"_scaled_dot_product_{_bwd}_attention_backward"]
+    if _f is not None and _b is not None:  # a kernel this torch lacks is skipped
+        _KERNELS.append(Kernel(_f.default, _b.default, _lse, _block))
+KERNELS = {op: kernel for kernel in _KERNELS for op in (kernel.forward_op, kernel.backward_op)}
+FORWARD_OPS = {kernel.forward_op for kernel in _KERNELS}
 
 
 # ------------------------------------------------------------------ blocks in hand
@@ -185,9 +246,10 @@ def _blocks(b: SubgraphBuilder, kv: fx.Node, axis: int, method: str, reason: str
 
 
 # ------------------------------------------------------------------ forward and backward
-def forward(b: SubgraphBuilder, q: fx.Node, k: fx.Node, v: fx.Node, *, axis: int, causal: bool, chunks: int, method: str,
-            scale: Any, reason: str) -> tuple[fx.Node, fx.Node]:
-    """This rank's output and logsumexp rows (in its local order)."""
+def forward(b: SubgraphBuilder, kernel: Kernel, q: fx.Node, k: fx.Node, v: fx.Node, *, axis: int, causal: bool, chunks: int,
+            method: str, scale: Any, reason: str) -> tuple[fx.Node, fx.Node, list]:
+    """This rank's output and logsumexp rows (in its local order, the logsumexp in the
+    kernel's layout), and the first call's results (the kernel's other outputs)."""
     n = b.mctx.shape[axis]
     m = chunks if causal else 1
     rows = q.meta["val"].shape[SEQ]
@@ -196,10 +258,12 @@ def forward(b: SubgraphBuilder, q: fx.Node, k: fx.Node, v: fx.Node, *, axis: int
     outs: list[Any] = [None] * m
     lses: list[Any] = [None] * m
     steps = _schedule(b, axis, n, m, causal)
+    first: list = []
     for t, block in _blocks(b, kv, axis, method, reason):
         kb, vb = b.getitems(b.call(aten.unbind.int, block))
         for call in steps[t]:
-            o, lse = _forward_call(b, _take(b, q, call.q, c), _take(b, kb, call.k, c), _take(b, vb, call.k, c), call.causal, scale)
+            o, lse, items = kernel.call(b, _take(b, q, call.q, c), _take(b, kb, call.k, c), _take(b, vb, call.k, c), call.causal, scale)
+            first = first or items
             o = b.call(aten._to_copy.default, o, dtype=lse.meta["val"].dtype) if o.meta["val"].dtype != lse.meta["val"].dtype else o
             for j in range(m):
                 lands = _is(b, call.q, j, call.keep)
@@ -215,7 +279,7 @@ def forward(b: SubgraphBuilder, q: fx.Node, k: fx.Node, v: fx.Node, *, axis: int
     lse = lses[0] if m == 1 else b.call(aten.cat.default, lses, SEQ)
     if out.meta["val"].dtype != q.meta["val"].dtype:
         out = b.call(aten._to_copy.default, out, dtype=q.meta["val"].dtype)
-    return out, lse
+    return out, kernel.layout(b, lse), first
 
 
 def _merge(b: SubgraphBuilder, out: fx.Node, lse: fx.Node, o: fx.Node, l: fx.Node) -> tuple[fx.Node, fx.Node]:
@@ -225,10 +289,13 @@ def _merge(b: SubgraphBuilder, out: fx.Node, lse: fx.Node, o: fx.Node, l: fx.Nod
     return b.call(aten.add.Tensor, b.call(aten.mul.Tensor, out, keep), b.call(aten.mul.Tensor, o, add)), total
 
 
-def backward(b: SubgraphBuilder, go: fx.Node, q: fx.Node, k: fx.Node, v: fx.Node, out: fx.Node, lse: fx.Node, *, axis: int,
-             causal: bool, chunks: int, method: str, scale: Any, reason: str) -> tuple[fx.Node, fx.Node, fx.Node]:
-    """This rank's query, key and value gradient rows."""
+def backward(b: SubgraphBuilder, kernel: Kernel, go: fx.Node, q: fx.Node, k: fx.Node, v: fx.Node, out: fx.Node, lse: fx.Node, *,
+             axis: int, causal: bool, chunks: int, method: str, scale: Any, reason: str,
+             extra: dict[str, Any] | None = None) -> tuple[fx.Node, fx.Node, fx.Node]:
+    """This rank's query, key and value gradient rows (``extra``: the kernel's philox
+    seed and offset, where it takes them)."""
     n = b.mctx.shape[axis]
+    lse = kernel.rows(b, lse, q.meta["val"].shape[SEQ])
     m = chunks if causal else 1
     rows = q.meta["val"].shape[SEQ]
     c = rows // m
@@ -243,8 +310,8 @@ def backward(b: SubgraphBuilder, go: fx.Node, q: fx.Node, k: fx.Node, v: fx.Node
         dv: list[Any] = [None] * m
         for call in steps[t]:
             rq = [_take(b, x, call.q, c) for x in (go, q, out)]
-            grads = _backward_call(b, rq[0], rq[1], _take(b, kb, call.k, c), _take(b, vb, call.k, c), rq[2],
-                                   _take(b, lse, call.q, c), call.causal, scale)
+            grads = kernel.backward(b, rq[0], rq[1], _take(b, kb, call.k, c), _take(b, vb, call.k, c), rq[2],
+                                    _take(b, lse, call.q, c), call.causal, scale, extra or {})
             for j in range(m):
                 if (hit := _is(b, call.q, j, call.keep)) is not False:
                     dq[j] = _add(b, dq[j], _scaled(b, grads[0], hit))
