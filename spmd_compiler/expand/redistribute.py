@@ -33,6 +33,7 @@ from .values import placements_text
 from .head_tail import from_head_tail, reduce_scatter_head_tail, split_of, to_head_tail
 from .collectives import (
     COLLECTIVE_OPS, _all_gather, _all_to_all, _collective, _narrow_shard, _reduce_scatter, _replicate_to_strided, _strided_to_replicate,
+    shard_to_strided, strided_all_to_all_ok,
 )
 
 __all__ = ["emit_redistribute", "logical_shape", "COLLECTIVE_OPS"]
@@ -183,6 +184,10 @@ def _conservative_steps(src: Any, dst: Any) -> list[Any]:
         return p.dim if (p.is_shard() or isinstance(p, pt.StridedShard)) else None
 
     steps = []
+    for axis in range(ndim):  # Shard(d) <-> _StridedShard(d, sf) where no other axis splits d: direct (one all_to_all)
+        if _direct_strided(cur, target, axis):
+            steps.append(pt.TransformStep(axis, cur[axis], target[axis]))
+            cur[axis] = target[axis]
     for axis in reversed(range(ndim)):
         s = cur[axis]
         if s.is_replicate():
@@ -200,6 +205,20 @@ def _conservative_steps(src: Any, dst: Any) -> list[Any]:
             steps.append(pt.TransformStep(axis, cur[axis], target[axis]))
             cur[axis] = target[axis]
     return steps
+
+
+def _direct_strided(cur: list, target: list, axis: int) -> bool:
+    """``cur[axis]`` and ``target[axis]`` are ``Shard(d)`` and ``_StridedShard(d, sf)`` (either
+    way) and no other mesh axis splits ``d`` on either side."""
+    s, t = cur[axis], target[axis]
+    pair = {type(s), type(t)}
+    if pair != {pt.Shard, pt.StridedShard} or s.dim != t.dim:
+        return False
+    strided = s if isinstance(s, pt.StridedShard) else t
+    if pt.split_period(strided) is not None:
+        return False
+    return not any(getattr(p, "dim", None) == s.dim and (p.is_shard() or isinstance(p, pt.StridedShard))
+                   for a in range(len(cur)) if a != axis for p in (cur[a], target[a]))
 
 
 def _globally_uneven(global_shape: tuple[int, ...], placements: list, axis: int, dim: int, mesh_shape: tuple[int, ...]) -> bool:
@@ -312,7 +331,8 @@ def _mask_ids(b: SubgraphBuilder, x: fx.Node, axis: int, size: int, uneven: bool
 
 
 def _strided_step(b: SubgraphBuilder, x: fx.Node, axis: int, s: Any, t: Any, logical: list[int], mask: fx.Node | None, why: str) -> tuple[fx.Node, fx.Node | None]:
-    """Transitions involving a strided shard go through Replicate.
+    """Transitions involving a strided shard go through Replicate, but ``Shard(d) <->
+    _StridedShard(d, sf)`` is one all_to_all where sizes allow (:func:`.collectives.shard_to_strided`).
 
     ``_StridedShard(d, sf)`` splits dim d (size L) as ``[sf, n, L/(sf*n)]`` and gives
     rank j the slice ``[:, j, :]``: it is what a sharded inner dim becomes after a view
@@ -320,6 +340,11 @@ def _strided_step(b: SubgraphBuilder, x: fx.Node, axis: int, s: Any, t: Any, log
     """
     if isinstance(s, pt.StridedShard) and isinstance(t, pt.StridedShard) and s == t:
         return x, mask
+    n = b.mctx.shape[axis]
+    for plain, strided, inverse in ((s, t, False), (t, s, True)):  # Shard(d) <-> _StridedShard(d, sf): one all_to_all
+        if (type(plain) is pt.Shard and isinstance(strided, pt.StridedShard) and strided.dim == plain.dim
+                and pt.split_period(strided) is None and strided_all_to_all_ok(logical[plain.dim], int(strided.split_factor), n)):
+            return shard_to_strided(b, x, axis, plain.dim, int(strided.split_factor), logical[plain.dim], why, inverse), mask
     if s.is_replicate():
         return _replicate_to_strided(b, x, axis, t, logical[t.dim], why), mask
     if t.is_replicate() and isinstance(s, pt.StridedShard):
