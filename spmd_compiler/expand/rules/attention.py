@@ -20,7 +20,8 @@ lays them out. Attention is independent per batch row and per head, so:
   ``max_q`` is the local row count. In backward the query gradient stays sharded and the
   key/value gradients are ``Partial(sum)`` (each rank's rows contribute). With
   ``is_causal`` the mask is relative to local row numbers, so a sequence-sharded query
-  is gathered too. The efficient kernel pads ``logsumexp`` rows to a multiple of 32, so
+  is gathered too, except on the plan's context-parallel axis: there query, key and
+  value stay split and the kernel runs in blocks (:mod:`.context_parallel`, mode ``CP``). The efficient kernel pads ``logsumexp`` rows to a multiple of 32, so
   it keeps a sequence shard only when every rank's rows are a multiple of 32.
 * a bias gradient (efficient kernel) is sharded like the bias; where the bias is
   broadcast over a split dim it is ``Partial(sum)``.
