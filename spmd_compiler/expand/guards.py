@@ -181,28 +181,33 @@ def _guard_partition(args: Any, kwargs: Any, out: Any, op: Any = None) -> None:
     if partial & axes:
         raise _AvoidPartition(partial & axes)
     if op in _MATMULS and partial:
-        gathered = _gathered_beside_partial(tensors, out, partial)
+        gathered = _gathered_beside_partial(tensors, out, partial, _MATMULS[op])
         if gathered:
             raise _AvoidPartition(gathered)
 
 
-_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default, torch.ops.aten.baddbmm.default}
+# matmul -> the contracted dim of each tensor argument (None: the added input)
+_MATMULS = {torch.ops.aten.mm.default: (1, 0), torch.ops.aten.bmm.default: (2, 1), torch.ops.aten.addmm.default: (None, 1, 0),
+            torch.ops.aten.baddbmm.default: (None, 2, 1)}
 
 
-def _gathered_beside_partial(tensors: list[Any], out: Any, partial: set[int]) -> set[int]:
-    """Mesh axes on which a matmul's strategy gathers a split operand while another stays
-    Partial (the result stays Partial too). A vocab-parallel output layer's backward gives
-    the hidden state's gradient Partial over ``tp``; DTensor's cheapest next matmul then
-    gathered the feed-forward's activations and weights (8 all_gathers, 4 reduce_scatters
-    in a 2-layer Llama) where Megatron all_reduces that gradient once per layer: the
-    Partial operand is reduced first instead."""
+def _gathered_beside_partial(tensors: list[Any], out: Any, partial: set[int], contracted: tuple) -> set[int]:
+    """Mesh axes on which a matmul's strategy gathers an operand split along a dim it keeps
+    (not the contracted one) while another operand stays Partial (the result stays Partial
+    too). A vocab-parallel output layer's backward gives the hidden state's gradient Partial
+    over ``tp``; DTensor's cheapest next matmul then gathered the feed-forward's activations
+    and weights (8 all_gathers, 4 reduce_scatters in a 2-layer Llama) where Megatron
+    all_reduces that gradient once per layer and keeps them split: the Partial operand is
+    reduced first instead. (An operand split along the contracted dim beside a Partial one,
+    a data-parallel weight gradient, is left to DTensor.)"""
     dsts = _dst_specs(out, len(tensors))
-    if dsts is None:
+    if dsts is None or len(contracted) != len(tensors):
         return set()
     axes = set()
     for a in partial:
         keeps = any(t.spec.placements[a].is_partial() and d.placements[a].is_partial() for t, d in zip(tensors, dsts))
-        gathers = any(_is_sharded(t.spec.placements[a]) and d.placements[a].is_replicate() for t, d in zip(tensors, dsts))
+        gathers = any(_is_sharded(t.spec.placements[a]) and d.placements[a].is_replicate() and t.spec.placements[a].dim != k
+                      for t, d, k in zip(tensors, dsts, contracted))
         if keeps and gathers:
             axes.add(a)
     return axes
