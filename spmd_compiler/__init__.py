@@ -23,7 +23,7 @@ from .errors import (
 from .driver import expand
 from .expand import DSymInt, ExpansionCache, register_rule
 from .pipeline import Pipeline, SplitPoint, pipe_split
-from .plan import Plan
+from .plan import ContextParallel, Plan
 from .rebuild import ExpandedStep
 from .runtime import CompiledStep, compile
 from .trace import TracedStep, trace
@@ -36,6 +36,7 @@ __all__ = [
     "trace",
     "expand",
     "Plan",
+    "ContextParallel",
     "Pipeline",
     "SplitPoint",
     "pipe_split",

@@ -193,10 +193,11 @@ KERNELS = {"flash": (_flash, FLASH, FLASH_BACKWARD), "efficient": (_efficient, E
 
 
 def cuda_expansion(kernel, mesh, placements, *, heads=4, kv_heads=4, seq=64, bias=None, causal=False, p=0.0, symbolic=False,
-                   fallback="replicate"):
+                   fallback="replicate", cp=None):
     """Trace ``kernel`` forward and backward on fake CUDA float16 tensors (batch 4, head dim
     8) and expand it for rank 0 with q, k, v and grad_out placed as ``placements`` and the
-    bias (``(4, heads, seq, seq)`` or ``(1, ...)`` when given) Replicate. ``symbolic``:
+    bias (``(4, heads, seq, seq)`` or ``(1, ...)`` when given) Replicate, ``cp`` the mesh's
+    context-parallel layout (``plan.context.CPLayout``). ``symbolic``:
     trace sizes as symbols, as ``spmd_compiler.trace`` does (on ``meta`` tensors: the
     symbolic tracer makes its own fake tensors, and CUDA ones need a CUDA build)."""
     shapes = {"q": (4, heads, seq, 8), "k": (4, kv_heads, seq, 8), "v": (4, kv_heads, seq, 8), "go": (4, heads, seq, 8)}
@@ -217,7 +218,7 @@ def cuda_expansion(kernel, mesh, placements, *, heads=4, kv_heads=4, seq=64, bia
         node.meta["spmd_input"] = inp
     traced = type("Traced", (), {"gm": gm, "inputs": inputs})
     planned = [[Replicate()] * mesh.ndim if i.name == "bias" else placements for i in inputs]
-    return expand_graph(traced, MeshContext.of(mesh, (0,) * mesh.ndim), planned, cache=ExpansionCache(), fallback=fallback)
+    return expand_graph(traced, MeshContext.of(mesh, (0,) * mesh.ndim, cp=cp), planned, cache=ExpansionCache(), fallback=fallback)
 
 
 def comms(ex) -> list[str]:

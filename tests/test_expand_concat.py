@@ -79,3 +79,52 @@ def test_split_of_a_merged_batch_stays_local(pieces, want):
                               fake_mesh((2,), ("dp",)), [[Shard(1)]], atol=1e-12, rtol=1e-10)
     assert_distributed(run, collectives={"all_gather": 0, "all_to_all": 0})
     assert all(o.spec.placements == (want,) for o in run.steps[(0,)].outputs)
+
+
+@pytest.mark.parametrize("ranks,pieces", [(2, 2), (4, 2), (2, 4)])  # n divides k, k divides n (run-time split sizes)
+def test_split_of_a_fused_weight_is_one_all_to_all(ranks, pieces):
+    """A gate|up weight stored as one ``Shard(0)`` tensor, split into its parts: each rank's
+    rows go to the ranks that hold them in the parts' ``_StridedShard`` layout (one
+    all_to_all of the weight's rows), after which every part is ``Shard(0)``; before, the
+    whole weight was gathered."""
+    w = torch.randn(8 * pieces, 3, dtype=torch.float64)
+    run = assert_spmd_matches(lambda w: [p * (i + 1) for i, p in enumerate(w.chunk(pieces, 0))], [w], fake_mesh((ranks,), ("tp",)),
+                              [[Shard(0)]], atol=1e-12, rtol=1e-10)
+    assert_distributed(run, collectives={"all_gather": 0, "all_to_all": 1})
+    assert all(o.spec.placements == (Shard(0),) for o in run.steps[(0,)].outputs)
+
+
+class GateUp(torch.nn.Module):
+    """A SwiGLU feed-forward whose gate and up projections are one weight, split in forward."""
+
+    def __init__(self, dim: int = 8, hidden: int = 16) -> None:
+        super().__init__()
+        self.gate_up = torch.nn.Linear(dim, 2 * hidden, bias=False)
+        self.down = torch.nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(torch.nn.functional.silu(gate) * up)
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_fused_gate_up_trains_without_gathers(ranks):
+    """``Shard(0)`` on the fused weight (what ``ColwiseParallel`` gives it): the activation's
+    split is an all_to_all, the weight's gradient goes back to ``Shard(0)`` with one, no
+    gather anywhere; equal to one device."""
+    import spmd_compiler as sc
+    from spmd_compiler.testing import assert_training_matches
+
+    def step(model, opt, x, y):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    batches = [(torch.randn(4, 8, dtype=torch.float64), torch.randn(4, 8, dtype=torch.float64)) for _ in range(2)]
+    plan = sc.Plan(params={"gate_up.weight": [Shard(0)], "down.weight": [Shard(1)]}, default_input=[Replicate()])
+    res = assert_training_matches(step, GateUp().double(), lambda p: torch.optim.AdamW(p, lr=0.01), batches,
+                                  fake_mesh((ranks,), ("tp",)), plan)
+    dist = assert_distributed(res, sharded=["gate_up.weight"])
+    assert dist.count("all_gather") == 0 and dist.count("all_to_all") >= 2, dist.describe()

@@ -183,7 +183,7 @@ def expand(
         plan = Plan()
     if not isinstance(plan, Plan):
         raise TypeError(f"plan must be a spmd_compiler.Plan, got {type(plan).__name__}; fix: plan=spmd_compiler.Plan(...)")
-    mctx = MeshContext.of(mesh, coordinate)
+    mctx = MeshContext.of(mesh, coordinate, cp=plan.cp_layout(mesh))
     resolved = plan.resolve(traced, mesh)
     t0 = time.perf_counter()
     expansion = expand_graph(

@@ -26,7 +26,9 @@ from ..errors import SpmdError
 from .builder import OutTensor, SubgraphBuilder
 from .values import DSymInt, MeshContext, placements_text
 
-__all__ = ["TensorArg", "ScalarArg", "ExpandContext", "NoStrategy", "input_placements_text"]
+__all__ = ["TensorArg", "ScalarArg", "ExpandContext", "NoStrategy", "input_placements_text", "RESULT"]
+
+RESULT = "result"  # ExpandContext.grad_of: the parameter whose gradient the op computes
 
 log = logging.getLogger("spmd_compiler.expand.dispatch")  # the logger name users filter on
 
@@ -79,8 +81,9 @@ class ExpandContext:
     (see :func:`follow_inputs`): ``"follow"`` or ``"greedy"``. ``rng`` is how random ops
     draw (:mod:`.rules.random`): ``"exact"`` or ``"fast"``. ``grad_of`` maps the index of
     a tensor argument that is a parameter's gradient (traced node tagged by
-    :mod:`spmd_compiler.trace.grad_links`) to that parameter's planned spec; it is part of
-    the recipe's cache key.
+    :mod:`spmd_compiler.trace.grad_links`) to that parameter's planned spec, and
+    :data:`RESULT` to the spec of the parameter whose gradient (or a term of it) the op's
+    result is; it is part of the recipe's cache key.
     """
 
     mctx: MeshContext
@@ -90,7 +93,7 @@ class ExpandContext:
     warned: set | None = None
     activation_sharding: str = "follow"
     rng: str = "exact"
-    grad_of: dict[int, Any] | None = None
+    grad_of: dict[int | str, Any] | None = None
     routing_global: frozenset = frozenset()
 
     def warn_once(self, key: Any, msg: str, *args: Any) -> None:

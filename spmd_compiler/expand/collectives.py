@@ -268,3 +268,48 @@ def _replicate_to_strided(b: SubgraphBuilder, x: fx.Node, axis: int, t: Any, siz
         start += bsize
     y = b.call(aten.cat.default, pieces, d)
     return b.call(aten.clone.default, y, memory_format=torch.contiguous_format)
+
+
+def strided_all_to_all_ok(size: Any, sf: int, n: int) -> bool:
+    """Whether ``Shard(d) <-> _StridedShard(d, sf)`` of a dim of ``size`` over ``n`` ranks is one
+    all_to_all here: static, even (``sf n`` divides it), and ``n`` divides ``sf`` or ``sf`` divides ``n``."""
+    return not pt.is_symbolic(size) and size % (sf * n) == 0 and (sf % n == 0 or n % sf == 0)
+
+
+def _owned_blocks(b: SubgraphBuilder, axis: int, sf: int, n: int, rows: int) -> tuple[list, list]:
+    """``n % sf == 0``: the run-time split sizes (in rows) of the Shard -> _StridedShard
+    all_to_all: this rank's ``sf`` blocks go to ``sf`` consecutive ranks from ``(coord sf) mod n``;
+    it receives one block from each rank ``i`` with ``coord - (i sf mod n)`` in ``[0, sf)``."""
+    coord = b.coords[axis]
+    first = b.call(operator.mod, b.call(operator.mul, coord, sf), n)
+    sends, gets = [], []
+    for j in range(n):
+        away = b.call(operator.sub, j, first)
+        sends.append(b.call(operator.mul, rows, b.call(operator.and_, b.call(operator.ge, away, 0), b.call(operator.lt, away, sf))))
+        back = b.call(operator.sub, coord, (j * sf) % n)
+        gets.append(b.call(operator.mul, rows, b.call(operator.and_, b.call(operator.ge, back, 0), b.call(operator.lt, back, sf))))
+    return sends, gets
+
+
+def shard_to_strided(b: SubgraphBuilder, x: fx.Node, axis: int, d: int, sf: int, size: int, why: str, inverse: bool = False) -> fx.Node:
+    """``Shard(d) -> _StridedShard(d, sf)`` (``inverse``: back) over ``axis`` with one
+    all_to_all (:func:`strided_all_to_all_ok`). The dim is ``sf n`` blocks of ``c`` rows:
+    ``Shard`` gives rank ``i`` blocks ``[i sf, (i + 1) sf)``, ``_StridedShard`` rank ``j`` the
+    blocks ``b`` with ``b mod n == j``, in order; each block goes straight to its rank."""
+    n = b.mctx.shape[axis]
+    c = size // (sf * n)
+    moved = d != 0
+    y = b.call(aten.movedim.int, x, d, 0) if moved else x
+    rest = list(y.meta["val"].shape[1:])
+    if sf % n == 0:  # every rank sends sf / n blocks to every rank: equal splits, blocks grouped by rank
+        per = sf // n
+        if not inverse:  # local block m goes to rank m mod n
+            y = b.call(aten.reshape.default, _contiguous(b, b.call(aten.transpose.int, b.call(aten.reshape.default, y, [per, n, c] + rest), 0, 1)), [sf * c] + rest)
+        y = _collective(b, c10d.all_to_all_single.default, "all_to_all", _contiguous(b, y), axis, ([per * c] * n, [per * c] * n), why)
+        if inverse:  # received from rank j: its blocks q, this rank's local blocks j + n q
+            y = b.call(aten.reshape.default, _contiguous(b, b.call(aten.transpose.int, b.call(aten.reshape.default, y, [n, per, c] + rest), 0, 1)), [sf * c] + rest)
+    else:  # n % sf == 0: each block to one rank, in order on both sides
+        sends, gets = _owned_blocks(b, axis, sf, n, c)
+        args = (sends, gets) if inverse else (gets, sends)
+        y = _collective(b, c10d.all_to_all_single.default, "all_to_all", _contiguous(b, y), axis, args, why)
+    return _contiguous(b, b.call(aten.movedim.int, y, 0, d)) if moved else y

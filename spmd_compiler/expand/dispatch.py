@@ -32,8 +32,8 @@ from .builder import OutTensor, SubgraphBuilder
 from .fallback import reduce_partial_axes, replicate_axes, replicate_fallback
 from .follow import follow_strided, inplace_follow_self
 from .guards import (
-    _AvoidPartition, _UnevenAvg, _dst_specs, _guard_empty_shards, _guard_partition, _guard_rounding_cast, _guard_uneven_avg,
-    _guard_view_sizes,
+    _AvoidPartition, _UnevenAvg, _dst_specs, _guard_empty_shards, _guard_head_tail, _guard_partition, _guard_rounding_cast,
+    _guard_uneven_avg, _guard_view_sizes,
 )
 from .redistribute import emit_redistribute, logical_shape
 from . import orders
@@ -135,8 +135,9 @@ def generic_expand(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple,
     _guard_view_sizes(b, op, args, kwargs, out)
     _check_symbolic_localized(b, op, out)
     _guard_empty_shards(b, op, args, kwargs, out)
-    _guard_partition(args, kwargs, out)
+    _guard_partition(args, kwargs, out, op)
     _guard_rounding_cast(op, args, kwargs, out)
+    _guard_head_tail(b, op, out)
     if out.use_val_from_redistribute_schema and any(
         _uneven_axes(b, t.spec) for t in pytree.tree_leaves((args, kwargs), is_leaf=_is_tensor_arg) if isinstance(t, TensorArg)
     ):

@@ -216,11 +216,63 @@ def partition_axes(args: Any, kwargs: Any, out: Any) -> set[int]:
     }
 
 
-def _guard_partition(args: Any, kwargs: Any, out: Any) -> None:
+def _guard_partition(args: Any, kwargs: Any, out: Any, op: Any = None) -> None:
     axes = partition_axes(args, kwargs, out)
-    if not axes:
-        return
     tensors = [x for x in pytree.tree_leaves((args, kwargs), is_leaf=_is_tensor_arg) if isinstance(x, TensorArg)]
-    partial = {a for t in tensors for a, p in enumerate(t.spec.placements) if p.is_partial()} & axes
-    if partial:
-        raise _AvoidPartition(partial)
+    partial = {a for t in tensors for a, p in enumerate(t.spec.placements) if p.is_partial()}
+    if partial & axes:
+        raise _AvoidPartition(partial & axes)
+    if op in _MATMULS and partial:
+        gathered = _gathered_beside_partial(tensors, out, partial, _MATMULS[op])
+        if gathered:
+            raise _AvoidPartition(gathered)
+
+
+# matmul -> the contracted dim of each tensor argument (None: the added input)
+_MATMULS = {torch.ops.aten.mm.default: (1, 0), torch.ops.aten.bmm.default: (2, 1), torch.ops.aten.addmm.default: (None, 1, 0),
+            torch.ops.aten.baddbmm.default: (None, 2, 1)}
+
+
+def _gathered_beside_partial(tensors: list[Any], out: Any, partial: set[int], contracted: tuple) -> set[int]:
+    """Mesh axes on which a matmul's strategy gathers an operand split along a dim it keeps
+    (not the contracted one) while another operand stays Partial (the result stays Partial
+    too). A vocab-parallel output layer's backward gives the hidden state's gradient Partial
+    over ``tp``; DTensor's cheapest next matmul then gathered the feed-forward's activations
+    and weights (8 all_gathers, 4 reduce_scatters in a 2-layer Llama) where Megatron
+    all_reduces that gradient once per layer and keeps them split: the Partial operand is
+    reduced first instead. (An operand split along the contracted dim beside a Partial one,
+    a data-parallel weight gradient, is left to DTensor.)"""
+    dsts = _dst_specs(out, len(tensors))
+    if dsts is None or len(contracted) != len(tensors):
+        return set()
+    axes = set()
+    for a in partial:
+        keeps = any(t.spec.placements[a].is_partial() and d.placements[a].is_partial() for t, d in zip(tensors, dsts))
+        gathers = any(_is_sharded(t.spec.placements[a]) and d.placements[a].is_replicate() and t.spec.placements[a].dim != k
+                      for t, d, k in zip(tensors, dsts, contracted))
+        if keeps and gathers:
+            axes.add(a)
+    return axes
+
+
+def _guard_head_tail(b: SubgraphBuilder, op: Any, out: Any) -> None:
+    """A result split over a context-parallel axis with the head-tail layout
+    (:mod:`.head_tail`) must split a dim that ``2 n`` (times its blocks) divides: a view
+    that splits the sequence into (outer, inner) keeps the layout only when the outer dim's
+    chunks are the sequence's. Otherwise the op runs on gathered inputs (NoStrategy)."""
+    if b.mctx.cp is None or not b.mctx.cp.load_balance:
+        return
+    from .redistribute import logical_shape
+
+    specs = out.output_spec if isinstance(out.output_spec, (tuple, list)) else [out.output_spec]
+    for spec in specs:
+        if not isinstance(spec, pt.DTensorSpec):
+            continue
+        for axis, p in enumerate(spec.placements):
+            if not b.mctx.head_tail(axis) or not (p.is_shard() or isinstance(p, pt.StridedShard)):
+                continue
+            sf = int(p.split_factor) if isinstance(p, pt.StridedShard) and pt.split_period(p) is None else 1
+            size = logical_shape(b, tuple(spec.shape), list(spec.placements), axis)[p.dim]
+            if pt.split_period(p) is not None or pt.is_symbolic(size) or size % (2 * b.mctx.shape[axis] * sf):
+                raise NoStrategy(f"{_op_name(op)}: its result's dim {p.dim} of size {size} has no head-tail layout over "
+                                 f"'{b.mctx.axis_names[axis]}' ({b.mctx.shape[axis]} ranks, {sf} blocks)")

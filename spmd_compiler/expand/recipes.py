@@ -11,10 +11,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch
 import torch.fx as fx
 
 from . import dispatch, positions
-from .args import ExpandContext, ScalarArg, TensorArg
+from .. import _private_torch as pt
+from .args import RESULT, ExpandContext, ScalarArg, TensorArg
 from .builder import Recipe, SubgraphBuilder
 from ..trace.grad_links import GRAD_OF
 from .cache import abstract_key
@@ -25,6 +27,8 @@ from .tree import leaves, tree_map
 from .values import DValue, RScalar, _key, placements_text
 
 __all__ = ["expand_node", "build_recipe", "inputs_by_leaf"]
+
+aten = torch.ops.aten
 
 log = logging.getLogger("spmd_compiler.expand.expander")  # the logger name users filter on
 
@@ -39,7 +43,10 @@ def expand_node(ex: Any, node: fx.Node, op: Any, args: tuple, kwargs: dict) -> A
     ``ex.graph``; returns its value (a reduced Partial argument replaces its env entry)."""
     traced_args = [a for a in leaves((node.args, node.kwargs)) if isinstance(a, fx.Node) and isinstance(ex.env.get(a), DValue)]
     grad_of = _gradient_params(ex, traced_args)
-    key = (op, abstract_key(args), abstract_key(kwargs), ex.fallback, ex.activation_sharding, ex.rng)
+    result_of = _result_param(ex, node)
+    if result_of is not None:  # a rule may compute a gradient in its parameter's layout
+        grad_of[RESULT] = result_of
+    key = (op, abstract_key(args), abstract_key(kwargs), ex.fallback, ex.activation_sharding, ex.rng, ex.mctx.cp)
     if grad_of:  # a rule may lay a gradient out like its parameter
         key += (tuple((i, tuple(s.placements), tuple(_key(d) for d in s.shape)) for i, s in grad_of.items()),)
     if op in orders.ENTRY_OPS:  # a sort of token routing: its order is named after it; local, or global after an escape
@@ -91,6 +98,31 @@ def _gradient_params(ex: Any, traced_args: list[fx.Node]) -> dict[int, Any]:
             except KeyError:  # not a traced input (a frozen parameter)
                 pass
     return out
+
+
+def _result_param(ex: Any, node: fx.Node) -> Any:
+    """The spec, as compute sees it, of the parameter whose gradient ``node`` computes:
+    ``p.grad``'s node itself, or a term of it (the embedding's part of a tied embedding's
+    gradient, added to the output layer's), followed through at most three adds or
+    detaches; else None. On ``fsdp_axes`` the parameter is gathered for compute, so it is
+    Replicate there (its gradient is reduce-scattered into the shard afterwards)."""
+    seen = node
+    for _ in range(4):
+        name = seen.meta.get(GRAD_OF)
+        if name is not None:
+            try:
+                spec = ex.input_value("param", name).spec
+            except KeyError:
+                return None
+            if not any(spec.placements[a].is_shard() for a in ex.fsdp_axes):
+                return spec
+            placements = [pt.Replicate() if a in ex.fsdp_axes else p for a, p in enumerate(spec.placements)]
+            return pt.DTensorSpec(spec.mesh, tuple(placements), tensor_meta=spec.tensor_meta)
+        adds = [u for u in seen.users if u.target in (aten.add.Tensor, aten.detach.default)]
+        if len(seen.users) != 1 or not adds:
+            return None
+        seen = adds[0]
+    return None
 
 
 def build_recipe(ex: Any, node: fx.Node, op: Any, args: tuple, kwargs: dict, grad_of: dict[int, Any] | None = None) -> Recipe:

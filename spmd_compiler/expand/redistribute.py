@@ -31,8 +31,10 @@ from ..errors import UnsupportedPlacementError
 from .builder import SubgraphBuilder
 from .orders import OrderEscape
 from .values import placements_text
+from .head_tail import from_head_tail, reduce_scatter_head_tail, split_of, to_head_tail
 from .collectives import (
     COLLECTIVE_OPS, _all_gather, _all_to_all, _collective, _narrow_shard, _reduce_scatter, _replicate_to_strided, _strided_to_replicate,
+    shard_to_strided, strided_all_to_all_ok,
 )
 
 __all__ = ["emit_redistribute", "logical_shape", "COLLECTIVE_OPS"]
@@ -189,6 +191,10 @@ def _conservative_steps(src: Any, dst: Any) -> list[Any]:
         return p.dim if (p.is_shard() or isinstance(p, pt.StridedShard)) else None
 
     steps = []
+    for axis in range(ndim):  # Shard(d) <-> _StridedShard(d, sf) where no other axis splits d: direct (one all_to_all)
+        if _direct_strided(cur, target, axis):
+            steps.append(pt.TransformStep(axis, cur[axis], target[axis]))
+            cur[axis] = target[axis]
     for axis in reversed(range(ndim)):
         s = cur[axis]
         if s.is_replicate():
@@ -206,6 +212,20 @@ def _conservative_steps(src: Any, dst: Any) -> list[Any]:
             steps.append(pt.TransformStep(axis, cur[axis], target[axis]))
             cur[axis] = target[axis]
     return steps
+
+
+def _direct_strided(cur: list, target: list, axis: int) -> bool:
+    """``cur[axis]`` and ``target[axis]`` are ``Shard(d)`` and ``_StridedShard(d, sf)`` (either
+    way) and no other mesh axis splits ``d`` on either side."""
+    s, t = cur[axis], target[axis]
+    pair = {type(s), type(t)}
+    if pair != {pt.Shard, pt.StridedShard} or s.dim != t.dim:
+        return False
+    strided = s if isinstance(s, pt.StridedShard) else t
+    if pt.split_period(strided) is not None:
+        return False
+    return not any(getattr(p, "dim", None) == s.dim and (p.is_shard() or isinstance(p, pt.StridedShard))
+                   for a in range(len(cur)) if a != axis for p in (cur[a], target[a]))
 
 
 def _globally_uneven(global_shape: tuple[int, ...], placements: list, axis: int, dim: int, mesh_shape: tuple[int, ...]) -> bool:
@@ -227,6 +247,8 @@ def _globally_uneven(global_shape: tuple[int, ...], placements: list, axis: int,
 
 def _emit_step(b: SubgraphBuilder, x: fx.Node, axis: int, s: Any, t: Any, logical: list[int], mask: fx.Node | None, why: str) -> tuple[fx.Node, fx.Node | None]:
     n = b.mctx.shape[axis]
+    if b.mctx.head_tail(axis) and (split_of(s) or split_of(t)):
+        return _head_tail_step(b, x, axis, s, t, logical, mask, why)
     if isinstance(s, pt.StridedShard) or isinstance(t, pt.StridedShard):
         return _strided_step(b, x, axis, s, t, logical, mask, why)
     if s.is_partial() and t.is_replicate():
@@ -269,6 +291,24 @@ def _emit_step(b: SubgraphBuilder, x: fx.Node, axis: int, s: Any, t: Any, logica
     )
 
 
+def _head_tail_step(b: SubgraphBuilder, x: fx.Node, axis: int, s: Any, t: Any, logical: list[int], mask: fx.Node | None,
+                    why: str) -> tuple[fx.Node, fx.Node | None]:
+    """A change involving a split on the context-parallel axis with the load-balanced
+    layout (:mod:`.head_tail`): to/from Replicate and Partial -> Shard directly, anything
+    else through Replicate."""
+    src, dst = split_of(s), split_of(t)
+    if s.is_replicate() and dst is not None:
+        return to_head_tail(b, x, axis, dst[0], dst[1], logical[dst[0]], why), mask
+    if src is not None and t.is_replicate():
+        return from_head_tail(b, x, axis, src[0], src[1], logical[src[0]], why), mask
+    if s.is_partial() and type(t) is pt.Shard and not isinstance(s, (pt.MaskPartial, pt.NormPartial)):
+        return reduce_scatter_head_tail(b, x, axis, t.dim, logical[t.dim], _reduce_op(s), why), None
+    if src is not None and dst is not None and src == dst and type(s) is type(t):
+        return x, mask
+    whole, mask = _emit_step(b, x, axis, s, pt.Replicate(), logical, mask, why)
+    return _emit_step(b, whole, axis, pt.Replicate(), t, logical, mask, why)
+
+
 def _norm_pre(b: SubgraphBuilder, x: fx.Node, p: Any) -> fx.Node:
     """A partial p-norm reduces as (sum x^p)^(1/p): raise to p before the sum."""
     if isinstance(p, pt.NormPartial) and p.reduce_op == "sum" and p.norm_type != 1:
@@ -298,7 +338,8 @@ def _mask_ids(b: SubgraphBuilder, x: fx.Node, axis: int, size: int, uneven: bool
 
 
 def _strided_step(b: SubgraphBuilder, x: fx.Node, axis: int, s: Any, t: Any, logical: list[int], mask: fx.Node | None, why: str) -> tuple[fx.Node, fx.Node | None]:
-    """Transitions involving a strided shard go through Replicate.
+    """Transitions involving a strided shard go through Replicate, but ``Shard(d) <->
+    _StridedShard(d, sf)`` is one all_to_all where sizes allow (:func:`.collectives.shard_to_strided`).
 
     ``_StridedShard(d, sf)`` splits dim d (size L) as ``[sf, n, L/(sf*n)]`` and gives
     rank j the slice ``[:, j, :]``: it is what a sharded inner dim becomes after a view
@@ -306,6 +347,11 @@ def _strided_step(b: SubgraphBuilder, x: fx.Node, axis: int, s: Any, t: Any, log
     """
     if isinstance(s, pt.StridedShard) and isinstance(t, pt.StridedShard) and s == t:
         return x, mask
+    n = b.mctx.shape[axis]
+    for plain, strided, inverse in ((s, t, False), (t, s, True)):  # Shard(d) <-> _StridedShard(d, sf): one all_to_all
+        if (type(plain) is pt.Shard and isinstance(strided, pt.StridedShard) and strided.dim == plain.dim
+                and pt.split_period(strided) is None and strided_all_to_all_ok(logical[plain.dim], int(strided.split_factor), n)):
+            return shard_to_strided(b, x, axis, plain.dim, int(strided.split_factor), logical[plain.dim], why, inverse), mask
     if s.is_replicate():
         return _replicate_to_strided(b, x, axis, t, logical[t.dim], why), mask
     if t.is_replicate() and isinstance(s, pt.StridedShard):

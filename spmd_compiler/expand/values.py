@@ -49,16 +49,22 @@ def placements_text(placements: Any) -> str:
 
 @dataclass(frozen=True)
 class MeshContext:
-    """The mesh as expansion sees it: shape, names, group names and this rank's coordinate."""
+    """The mesh as expansion sees it: shape, names, group names and this rank's coordinate;
+    ``cp``: the plan's context-parallel layout (``plan.context.CPLayout``) or None."""
 
     mesh: Any
     coordinate: tuple[int, ...]
     shape: tuple[int, ...]
     axis_names: tuple[str, ...]
     group_names: tuple[str, ...]
+    cp: Any = None
+
+    def head_tail(self, axis: int) -> bool:
+        """Whether values split over mesh ``axis`` use the load-balanced head-tail layout."""
+        return self.cp is not None and self.cp.head_tail(axis)
 
     @classmethod
-    def of(cls, mesh: Any, coordinate: tuple[int, ...] | None = None) -> "MeshContext":
+    def of(cls, mesh: Any, coordinate: tuple[int, ...] | None = None, cp: Any = None) -> "MeshContext":
         shape = tuple(mesh.shape)
         names = tuple(mesh.mesh_dim_names or [f"axis{i}" for i in range(len(shape))])
         if coordinate is None:
@@ -68,7 +74,7 @@ class MeshContext:
         if len(coordinate) != len(shape) or any(not 0 <= c < s for c, s in zip(coordinate, shape)):
             raise ValueError(f"coordinate {coordinate} is not inside mesh of shape {shape}")
         groups = tuple(pt.group_name(mesh, i) for i in range(len(shape)))
-        return cls(mesh, coordinate, shape, names, groups)
+        return cls(mesh, coordinate, shape, names, groups, cp)
 
     @property
     def ndim(self) -> int:

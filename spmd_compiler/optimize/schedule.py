@@ -22,7 +22,9 @@ Both keep every data dependency and every ordering a mutation implies
 (:func:`~.graph_utils.mutation_edges`). Nothing is sunk past a collective of a
 checkpointed region's recomputation (``meta[RECOMPUTE]``): the forward's tail (the head,
 the loss) moved behind the last block's recomputed all_reduce (TP) made that
-recomputation start before the forward ended. Parameter gathers of FSDP plans, random ops
+recomputation start before the forward ended; nor is what precedes a recomputation sunk
+past a collective that reads it (the key/value gather of context-parallel attention's
+backward). Parameter gathers of FSDP plans, random ops
 and pipeline markers never move, and nothing moves across them. Each moved node
 records why in ``meta["spmd_schedule"]``.
 """
@@ -83,8 +85,15 @@ def _sink_independent(gm: fx.GraphModule, preds: dict[fx.Node, set[fx.Node]]) ->
         needed = _needed_by(c, set(region), preds)
         anchor = c
         recomputed = RECOMPUTE in c.meta  # a checkpointed region's recomputation starts no earlier than it did
+        # nor does one that ``c`` reads (context-parallel attention's backward gathers recomputed keys):
+        # what runs before its first node stays before it
+        before_recomputation = any(RECOMPUTE in m.meta for m in needed)
         for n in region:
+            if before_recomputation and RECOMPUTE in n.meta and n in needed:
+                before_recomputation = False
             if n in needed or is_wait(n) or n.op != "call_function" or (recomputed and RECOMPUTE not in n.meta):
+                continue
+            if before_recomputation and RECOMPUTE not in n.meta:
                 continue
             anchor.append(n)
             n.meta["spmd_schedule"] = f"runs while {c.name} is in flight (does not feed it)"

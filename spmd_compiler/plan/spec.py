@@ -8,6 +8,7 @@ from typing import Any
 
 from torch.distributed.tensor import Placement
 
+from .context import ContextParallel, CPLayout
 from .placements import ResolvedPlan
 from .resolve import _batch_placements, _resolve
 
@@ -107,8 +108,14 @@ class Plan:
     defer_grad_sync: bool = False
     expert_axes: Sequence[str | int] = ()
     expert_capacity: float | None = None
+    context_parallel: ContextParallel | None = None
 
     def __post_init__(self) -> None:
+        if self.context_parallel is not None and not isinstance(self.context_parallel, ContextParallel):
+            raise TypeError(
+                f"Plan(context_parallel={self.context_parallel!r}): expected a spmd_compiler.ContextParallel or None. "
+                f"fix: context_parallel=ContextParallel(axis='cp')"
+            )
         for field_name, what, example in (
             ("fsdp_axes", "the axes over which parameters are stored sharded and gathered for compute", "fsdp_axes=('dp',) (or (0,)), or leave it out for no FSDP"),
             ("expert_axes", "the axes over which stacked expert weights stay split by expert, tokens travelling to them",
@@ -153,6 +160,13 @@ class Plan:
     def expert_axis_indices(self, mesh: Any) -> tuple[int, ...]:
         """``expert_axes`` as mesh axis indices (ValueError for unknown names)."""
         return _axis_indices(mesh, self.expert_axes, "expert")
+
+    def cp_layout(self, mesh: Any) -> CPLayout | None:
+        """``context_parallel`` resolved against ``mesh`` (None without it, or on an axis of size 1)."""
+        if self.context_parallel is None:
+            return None
+        layout = self.context_parallel.layout(mesh)
+        return layout if mesh.shape[layout.axis] > 1 else None
 
     def resolve(self, traced: Any, mesh: Any) -> "ResolvedPlan":
         """Placements for every input of ``traced`` (a TracedStep) on ``mesh``."""

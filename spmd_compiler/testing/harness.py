@@ -161,7 +161,7 @@ class SimulatedTraining:
         sizes = list(first.size_guards.values_of(globals_).values()) if first.size_symbols else []
         self.last_sizes = sizes
         inputs = {
-            c: [shard_tensor(g, spec.placements, self.mesh_shape, c) for g, spec in zip(globals_, first.input_specs)]
+            c: [shard_tensor(g, spec.placements, self.mesh_shape, c, first.mctx.cp) for g, spec in zip(globals_, first.input_specs)]
             for c in self.coords
         }
         feeds = {c: sizes + inputs[c] for c in self.coords}  # the size_* inputs follow the coordinates
@@ -179,10 +179,10 @@ class SimulatedTraining:
             for i, (inp, spec) in enumerate(zip(first.traced.inputs, first.input_specs)):
                 if inp.kind in ("batch", "hparam"):
                     continue
-                full = assemble(spec.placements, shape(spec), {c: inputs[c][i] for c in self.coords}, self.mesh_shape)
+                full = assemble(spec.placements, shape(spec), {c: inputs[c][i] for c in self.coords}, self.mesh_shape, first.mctx.cp)
                 globals_[i].copy_(full)
         assembled = [
-            assemble(slot.spec.placements, shape(slot.spec), {c: outs[c][j] for c in self.coords}, self.mesh_shape)
+            assemble(slot.spec.placements, shape(slot.spec), {c: outs[c][j] for c in self.coords}, self.mesh_shape, first.mctx.cp)
             for j, slot in enumerate(first.outputs)
         ]
         return store_outputs(first, assembled, state, self.optimizer, lambda slot, value: value)

@@ -41,6 +41,7 @@ from torch.utils import _pytree as pytree
 from .. import _private_torch as pt
 from ..expand.chunks import local_offset, local_size
 from ..expand.rules.random import is_random
+from ..plan.context import head_tail_index
 
 __all__ = [
     "rank_coordinates",
@@ -60,22 +61,30 @@ def rank_coordinates(mesh_shape: Sequence[int]) -> list[tuple[int, ...]]:
     return list(itertools.product(*[range(s) for s in mesh_shape]))
 
 
-def index_lists(shape: Sequence[int], placements: Sequence[Any], mesh_shape: Sequence[int], coord: Sequence[int]) -> list[list[int]]:
+def index_lists(shape: Sequence[int], placements: Sequence[Any], mesh_shape: Sequence[int], coord: Sequence[int],
+                cp: Any = None) -> list[list[int]]:
     """For each dim, the global indices the rank at ``coord`` holds, in local order.
 
     Placements apply left to right: ``Shard(d)`` keeps chunk ``coord[axis]`` (torch.chunk
     sizes) of the current indices; ``_StridedShard(d, sf)`` splits them into ``sf`` blocks
-    and keeps that chunk of every block.
+    and keeps that chunk of every block. On the context-parallel axis of ``cp`` (a
+    ``CPLayout``) with load balancing, a split keeps the rank's head and tail chunks
+    (``plan.context.head_tail_index``) instead of one chunk.
     """
     idx = [list(range(n)) for n in shape]
     for axis, p in enumerate(placements):
         n, j = mesh_shape[axis], coord[axis]
+        pick = _head_tail if cp is not None and cp.head_tail(axis) else _chunks
         if isinstance(p, pt.StridedShard):
             blocks = _chunks(idx[p.dim], int(p.split_factor))
-            idx[p.dim] = [i for blk in blocks for i in _chunks(blk, n)[j]]
+            idx[p.dim] = [i for blk in blocks for i in pick(blk, n)[j]]
         elif isinstance(p, pt.Shard):
-            idx[p.dim] = _chunks(idx[p.dim], n)[j]
+            idx[p.dim] = pick(idx[p.dim], n)[j]
     return idx
+
+
+def _head_tail(items: list[int], n: int) -> list[list[int]]:
+    return [[items[i] for i in head_tail_index(len(items), n, j)] for j in range(n)]
 
 
 def _chunks(items: list[int], n: int) -> list[list[int]]:
@@ -83,7 +92,7 @@ def _chunks(items: list[int], n: int) -> list[list[int]]:
     return [items[s : s + local_size(len(items), n, j)] for j, s in enumerate(starts)]
 
 
-def shard_tensor(t: torch.Tensor, placements: Sequence[Any], mesh_shape: Sequence[int], coord: Sequence[int]) -> torch.Tensor:
+def shard_tensor(t: torch.Tensor, placements: Sequence[Any], mesh_shape: Sequence[int], coord: Sequence[int], cp: Any = None) -> torch.Tensor:
     """The local tensor of the rank at ``coord`` for global ``t`` laid out as ``placements``.
 
     A Partial placement puts the whole value on coordinate 0 of that axis and the identity
@@ -91,7 +100,7 @@ def shard_tensor(t: torch.Tensor, placements: Sequence[Any], mesh_shape: Sequenc
     keep the value on every coordinate (which they reduce back to it).
     """
     out = t
-    for d, ix in enumerate(index_lists(tuple(t.shape), placements, mesh_shape, coord)):
+    for d, ix in enumerate(index_lists(tuple(t.shape), placements, mesh_shape, coord, cp)):
         if ix != list(range(t.shape[d])):
             out = out.index_select(d, torch.tensor(ix, dtype=torch.long, device=t.device))
     out = out.clone()
@@ -105,7 +114,8 @@ def shard_tensor(t: torch.Tensor, placements: Sequence[Any], mesh_shape: Sequenc
     return out
 
 
-def assemble(placements: Sequence[Any], global_shape: Sequence[int], locals_by_coord: dict[tuple[int, ...], torch.Tensor], mesh_shape: Sequence[int]) -> torch.Tensor:
+def assemble(placements: Sequence[Any], global_shape: Sequence[int], locals_by_coord: dict[tuple[int, ...], torch.Tensor], mesh_shape: Sequence[int],
+             cp: Any = None) -> torch.Tensor:
     """Rebuild the global tensor from every rank's local tensor (sums Partial axes)."""
     first = next(iter(locals_by_coord.values()))
     out = torch.zeros(tuple(global_shape), dtype=first.dtype, device=first.device)
@@ -113,7 +123,7 @@ def assemble(placements: Sequence[Any], global_shape: Sequence[int], locals_by_c
     for coord, local in locals_by_coord.items():
         if any(coord[a] != 0 for a, p in enumerate(placements) if p.is_replicate()):
             continue  # replicated copies: take coordinate 0 only
-        ix = index_lists(tuple(global_shape), placements, mesh_shape, coord)
+        ix = index_lists(tuple(global_shape), placements, mesh_shape, coord, cp)
         if any(len(i) == 0 for i in ix):
             continue
         grid = torch.meshgrid(*[torch.tensor(i, dtype=torch.long, device=first.device) for i in ix], indexing="ij") if ix else ()

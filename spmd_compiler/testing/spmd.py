@@ -57,6 +57,7 @@ def run_spmd(
     cache: ExpansionCache | None = None,
     passes: Any = None,
     rng: str = "exact",
+    context_parallel: Any = None,
 ) -> SpmdRun:
     """Trace ``fn(*args)``, expand it with ``placements`` (one per tensor argument, in
     order; default Replicate) and optimize it as ``compile()`` does (``passes``: default
@@ -64,7 +65,8 @@ def run_spmd(
 
     The reference (``fn(*args)`` on one device) starts from the generator state the
     simulated ranks started from, so random ops draw the same numbers under
-    ``rng="exact"``."""
+    ``rng="exact"``. ``context_parallel``: the plan's :class:`~spmd_compiler.ContextParallel`
+    (inputs split on its axis are fed in its layout)."""
     args = list(args)
     mesh_shape = tuple(mesh.shape)
     tensor_args = [a for a in pytree.tree_leaves(args) if isinstance(a, torch.Tensor)]
@@ -76,7 +78,7 @@ def run_spmd(
     def step(model: Any, optimizer: Any, *a: Any) -> Any:
         return fn(*a)
 
-    plan = Plan(inputs=list(placements), default_param=None)
+    plan = Plan(inputs=list(placements), default_param=None, context_parallel=context_parallel)
     options = Options(fallback=fallback, symbolic=symbolic, passes=passes, rng=rng)
     cache = cache or ExpansionCache()
     coords = rank_coordinates(mesh_shape)
@@ -88,13 +90,14 @@ def run_spmd(
             step, _NoState(), None, tuple(args), {}, mesh, plan, options, coordinate=c, cache=cache, traced=traced
         )
     leaves = [x for x in pytree.tree_leaves((tuple(args), {})) if isinstance(x, torch.Tensor)]
-    inputs = {c: [shard_tensor(t, s.placements, mesh_shape, c) for t, s in zip(leaves, first.input_specs)] for c in coords}
+    cp = first.mctx.cp
+    inputs = {c: [shard_tensor(t, s.placements, mesh_shape, c, cp) for t, s in zip(leaves, first.input_specs)] for c in coords}
     envs: dict[tuple[int, ...], dict[str, Any]] = {}
     start = torch.get_rng_state()
     outs = run_lockstep({c: s.gm for c, s in steps.items()}, inputs, mesh_shape, group_axes=group_axes_of(first), record=envs)
     outputs = []
     for j, slot in enumerate(first.outputs):
-        outputs.append(assemble(slot.spec.placements, slot.spec.shape, {c: outs[c][j] for c in coords}, mesh_shape))
+        outputs.append(assemble(slot.spec.placements, slot.spec.shape, {c: outs[c][j] for c in coords}, mesh_shape, cp))
     torch.set_rng_state(start)
     with torch.no_grad():
         ref = fn(*args)
@@ -129,7 +132,8 @@ def _first_difference(run: SpmdRun, args: Sequence[Any], mesh_shape: tuple[int, 
             continue
         spec = node.meta["spmd_spec"]
         try:
-            got = assemble(spec.placements, spec.shape, {c: env[tnode.name] for c, env in run.envs.items()}, mesh_shape)
+            got = assemble(spec.placements, spec.shape, {c: env[tnode.name] for c, env in run.envs.items()}, mesh_shape,
+                           next(iter(run.steps.values())).mctx.cp)
         except KeyError:
             continue
         if got.shape != want.shape or not torch.allclose(got.to(want.dtype), want, atol=atol, rtol=rtol, equal_nan=True):
@@ -154,13 +158,15 @@ def assert_spmd_matches(
     symbolic: str = "batch",
     cache: ExpansionCache | None = None,
     passes: Any = None,
+    context_parallel: Any = None,
 ) -> SpmdRun:
     """Assert that ``fn(*args)`` sharded over ``mesh`` equals ``fn(*args)`` on one device.
 
     ``placements`` gives, per tensor argument, one placement per mesh axis (uneven shards
     allowed). Raises :class:`SpmdMismatch` naming the first differing graph node.
     """
-    run = run_spmd(fn, args, mesh, placements, fallback=fallback, symbolic=symbolic, cache=cache, passes=passes)
+    run = run_spmd(fn, args, mesh, placements, fallback=fallback, symbolic=symbolic, cache=cache, passes=passes,
+                   context_parallel=context_parallel)
     if len(run.outputs) != len(run.reference):
         raise SpmdMismatch(f"the sharded program returned {len(run.outputs)} tensors, the single-device one {len(run.reference)}")
     for i, (got, want) in enumerate(zip(run.outputs, run.reference)):

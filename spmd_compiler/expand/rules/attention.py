@@ -20,7 +20,8 @@ lays them out. Attention is independent per batch row and per head, so:
   ``max_q`` is the local row count. In backward the query gradient stays sharded and the
   key/value gradients are ``Partial(sum)`` (each rank's rows contribute). With
   ``is_causal`` the mask is relative to local row numbers, so a sequence-sharded query
-  is gathered too. The efficient kernel pads ``logsumexp`` rows to a multiple of 32, so
+  is gathered too, except on the plan's context-parallel axis: there query, key and
+  value stay split and the kernel runs in blocks (:mod:`.context_parallel`, mode ``CP``). The efficient kernel pads ``logsumexp`` rows to a multiple of 32, so
   it keeps a sequence shard only when every rank's rows are a multiple of 32.
 * a bias gradient (efficient kernel) is sharded like the bias; where the bias is
   broadcast over a split dim it is ``Partial(sum)``.
@@ -44,13 +45,14 @@ import torch
 from ... import _private_torch as pt
 from ..builder import SubgraphBuilder
 from ...errors import UnsupportedOpError
-from ..args import ExpandContext, TensorArg, input_placements_text
+from ..args import ExpandContext, TensorArg, _out_tensor, input_placements_text
 from ..dispatch import wrap_result
 from ..fallback import replicate_fallback
 from ..layout import restride_like
 from ..redistribute import emit_redistribute
 from ..registry import register_rule
 from ..values import DSymInt
+from . import context_parallel
 
 aten = torch.ops.aten
 
@@ -90,6 +92,7 @@ def _lookup(name: str) -> Any:
 _ROLES = {op: (name, *roles) for name, roles in _VARIANTS.items() if (op := _lookup(name)) is not None}
 
 BATCH, HEADS, SEQ = 0, 1, 2
+CP = "cp"  # a mode: the sequence split over the context-parallel axis, computed in blocks
 
 
 def _bind(op: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
@@ -99,14 +102,18 @@ def _bind(op: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
     return bound
 
 
-def _modes(ctx: ExpandContext, q: TensorArg, k: TensorArg, causal: bool, row_block: int) -> list[int | None]:
-    """Per mesh axis: the query dim kept sharded (BATCH, HEADS, SEQ) or None (whole)."""
+def _modes(ctx: ExpandContext, q: TensorArg, k: TensorArg, causal: bool, row_block: int, cp_axis: int | None = None) -> list[Any]:
+    """Per mesh axis: the query dim kept sharded (BATCH, HEADS, SEQ), CP (the sequence on
+    the context-parallel axis: :mod:`.context_parallel`) or None (whole)."""
     mesh = ctx.mctx.shape
-    modes: list[int | None] = []
-    for p in q.spec.placements:
+    modes: list[Any] = []
+    for axis, p in enumerate(q.spec.placements):
         dim = p.dim if type(p) is pt.Shard else None
-        if dim == SEQ and causal:
-            dim = None  # is_causal masks by local row numbers
+        if dim == SEQ and axis == cp_axis:
+            modes.append(CP)
+            continue
+        if dim == SEQ and (causal or cp_axis is not None):
+            dim = None  # is_causal masks by local row numbers; CP keys are split only on its own axis
         modes.append(dim if dim in (BATCH, HEADS, SEQ) else None)
     heads_q, heads_k = q.spec.shape[HEADS], k.spec.shape[HEADS]
     ways = math.prod(mesh[a] for a, m in enumerate(modes) if m == HEADS)
@@ -119,10 +126,12 @@ def _modes(ctx: ExpandContext, q: TensorArg, k: TensorArg, causal: bool, row_blo
     return modes
 
 
-def _placements(role: str, modes: list[int | None], spec: Any, q_shape: Any) -> list[Any]:
+def _placements(role: str, modes: list[Any], spec: Any, q_shape: Any) -> list[Any]:
     out: list[Any] = []
     for dim in modes:
-        if dim is None or role == "rep" or (role == "kv" and dim == SEQ):
+        if dim == CP:
+            out.append(pt.Replicate() if role == "rep" else pt.Shard(SEQ))
+        elif dim is None or role == "rep" or (role == "kv" and dim == SEQ):
             out.append(pt.Replicate())
         elif role == "mask":  # broadcast against (batch, heads, query rows, key rows)
             mdim = dim - (4 - len(spec.shape))
@@ -133,10 +142,12 @@ def _placements(role: str, modes: list[int | None], spec: Any, q_shape: Any) -> 
     return out
 
 
-def _output_placements(role: str, modes: list[int | None], mask: list[Any] | None) -> list[Any]:
+def _output_placements(role: str, modes: list[Any], mask: list[Any] | None) -> list[Any]:
     out: list[Any] = []
     for axis, dim in enumerate(modes):
-        if dim is None or role == "rep":
+        if dim == CP:
+            out.append(pt.Replicate() if role == "rep" else pt.Shard(SEQ))  # key/value gradients sent home
+        elif dim is None or role == "rep":
             out.append(pt.Replicate())
         elif role == "kv" and dim == SEQ:
             out.append(pt.Partial())  # each rank's query rows add to every key's gradient
@@ -190,7 +201,9 @@ def _attention(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwa
             ctx.warn_once((op, why), "spmd_compiler: %s runs on gathered inputs: %s", op, why)
         return replicate_fallback(ctx, b, op, args, kwargs, why=why)
     q, k = bound["query"], bound["key"]
-    modes = _modes(ctx, q, k, bool(bound.get("is_causal", False)), _LSE_ROW_BLOCK.get(name, 1))
+    causal = bool(bound.get("is_causal", False))
+    cp_axis = _cp_axis(ctx, op, bound, causal)
+    modes = _modes(ctx, q, k, causal, _LSE_ROW_BLOCK.get(name, 1), cp_axis)
     local: dict[str, Any] = {}
     mask_placements = None
     for arg, x in bound.items():
@@ -210,6 +223,8 @@ def _attention(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwa
     for arg, role in roles.items():
         if role in rows and arg in local:
             local[arg] = int(rows[role])  # this rank's rows, whatever the trace passed
+    if CP in modes:
+        return _context_parallel(ctx, b, op, bound, local, modes, mask_placements, cp_axis, causal)
     positional = [a.name for a in op._schema.arguments if not a.kwarg_only and a.name in local]
     node = b.call(op, *(local.pop(n) for n in positional), **local)
     results = _global_results(ctx, op, bound, q.local.device)
@@ -228,4 +243,55 @@ def _attention(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwa
             g, l = int(results[i]), int(node.meta["val"][i])
             axes = seq_axes if role == "max_q" else ()
             out[i] = DSymInt(g, l, axes, f"{name}.{role}") if axes else g
+    return tuple(out)
+
+
+def _cp_axis(ctx: ExpandContext, op: Any, bound: dict[str, Any], causal: bool) -> int | None:
+    """The context-parallel axis when this call runs in blocks there (:mod:`.context_parallel`):
+    the plan names one, the kernel has a block form, query/key/value are split by rows
+    on it alike (self-attention, equal lengths), no mask; else None."""
+    cp = ctx.mctx.cp
+    if cp is None or op not in context_parallel.KERNELS or any(bound.get(n) is not None for n in ("attn_mask", "attn_bias")):
+        return None
+    q, k, v = bound["query"], bound["key"], bound["value"]
+    if q.spec.placements[cp.axis] != pt.Shard(SEQ) or not q.spec.shape[SEQ] == k.spec.shape[SEQ] == v.spec.shape[SEQ]:
+        return None
+    if k.spec.placements[cp.axis] != pt.Shard(SEQ) or v.spec.placements[cp.axis] != pt.Shard(SEQ):
+        return None
+    n = ctx.mctx.shape[cp.axis]
+    chunks = 2 if cp.load_balance and causal else 1
+    if q.spec.shape[SEQ] % n or not context_parallel.supports(op, q.spec.shape[SEQ] // n, chunks) or any(type(p) is pt.Shard and p.dim == SEQ for a, p in enumerate(q.spec.placements) if a != cp.axis):
+        return None
+    return cp.axis
+
+
+def _context_parallel(ctx: ExpandContext, b: SubgraphBuilder, op: Any, bound: dict[str, Any], local: dict[str, Any], modes: list[Any],
+                      mask: Any, axis: int, causal: bool) -> Any:
+    """The kernel in blocks over the context-parallel axis; results laid out as the op's."""
+    cp = ctx.mctx.cp
+    kernel = context_parallel.KERNELS[op]
+    options = dict(axis=axis, causal=causal, chunks=2 if cp.load_balance else 1, method=cp.attention, scale=bound.get("scale"),
+                   reason=f"{op}")
+    if op in context_parallel.FORWARD_OPS:
+        out, lse, first = context_parallel.forward(b, kernel, local["query"], local["key"], local["value"], **options)
+        nodes = [out, lse, *first[2:]]  # the kernel's other results: the first call's (philox state, row counts)
+    else:
+        grad = local.get("grad_out", local.get("grad_out_"))
+        nodes = list(context_parallel.backward(b, kernel, grad, local["query"], local["key"], local["value"], local["out"],
+                                               local["logsumexp"], extra=local, **options))
+    name, roles, out_roles = _ROLES[op]
+    results = _global_results(ctx, op, bound, bound["query"].local.device)
+    rows = local["query"].meta["val"].shape[SEQ]
+    out: list[Any] = []
+    for role, node, r in zip(out_roles, nodes, results):
+        if role in ("max_q", "max_k"):  # this rank's rows of a sequence split over the axis
+            out.append(DSymInt(int(r), int(rows), (axis,), f"{name}.{role}"))
+        elif not isinstance(r, torch.Tensor):
+            out.append(r)
+        else:
+            node = restride_like(b, node, tuple(r.shape), tuple(r.stride()))
+            spec = pt.make_spec(ctx.mctx.mesh, _output_placements(role, modes, mask), r.shape, r.stride(), r.dtype)
+            out.append(_out_tensor(b, node, spec, {}))
+    while len(out) < len(out_roles):  # results the block form has none of (efficient backward's bias gradient)
+        out.append(None)
     return tuple(out)

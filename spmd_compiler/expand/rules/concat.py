@@ -16,7 +16,8 @@ from another rank:
 
 (Only where no other mesh axis splits ``d``.) ``cat`` also drops the legacy empty 1-D
 inputs that ``torch.cat`` skips (an empty KV cache, ``cat([tensor([]), x], -2)``),
-whose placements DTensor cannot line up with the others.
+whose placements DTensor cannot line up with the others; a ``cat`` of one tensor is a copy
+laid out as it is (DTensor gathered a sequence split, context parallelism's keys).
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ import torch
 
 from ... import _private_torch as pt
 from ..builder import SubgraphBuilder
-from ..args import ExpandContext, TensorArg, _out_tensor
+from ..args import RESULT, ExpandContext, TensorArg, _out_tensor
+from ..collectives import strided_all_to_all_ok
+from ..redistribute import emit_redistribute
 from ..dispatch import expand_op, generic_expand
 from ..registry import register_rule
 from ..values import DSymInt
@@ -62,6 +65,9 @@ def _cat(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: d
     ndim = len(tensors[0].spec.shape)
     dim = dim % ndim if ndim else dim
     first = tensors[0].spec
+    if len(tensors) == 1 and ndim:  # a copy (after dropping an empty KV cache): laid out as its input
+        node = b.call(op, [tensors[0].node], dim)
+        return _out_tensor(b, node, _spec(first, 0, first.placements[0], list(first.shape)), {})
     axis = _only_axis(first.placements, dim, pt.Shard)
     same = all(tuple(t.spec.placements) == tuple(first.placements) and tuple(t.spec.shape) == tuple(first.shape) for t in tensors)
     if axis is None or len(tensors) < 2 or not same:
@@ -69,7 +75,37 @@ def _cat(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: d
     node = b.call(op, [t.node for t in tensors], dim)
     shape = list(first.shape)
     shape[dim] *= len(tensors)
-    return _out_tensor(b, node, _spec(first, axis, pt.StridedShard(dim, split_factor=len(tensors)), shape), {})
+    out = _spec(first, axis, pt.StridedShard(dim, split_factor=len(tensors)), shape)
+    param = (ctx.grad_of or {}).get(RESULT)  # the gradient of a fused weight stored Shard(dim): back to its layout
+    if param is not None and tuple(param.shape) == tuple(shape) and param.placements[axis] == pt.Shard(dim) and strided_all_to_all_ok(
+            shape[dim], len(tensors), ctx.mctx.shape[axis]) and not ctx.mctx.head_tail(axis):
+        want = _spec(first, axis, pt.Shard(dim), shape)
+        node, _ = emit_redistribute(b, node, out, want, reason=f"gradient of a fused weight, to its Shard({dim}) layout")
+        return _out_tensor(b, node, want, {})
+    return _out_tensor(b, node, out, {})
+
+
+def _fused_pieces(ctx: ExpandContext, x: TensorArg, sizes: Any, dim: int) -> tuple[int, int] | None:
+    """``(axis, k)`` when ``x`` is a plain ``Shard(dim)`` on one mesh axis being split into
+    ``k > 1`` equal pieces that its ``_StridedShard(dim, k)`` layout splits locally (one
+    all_to_all away, :func:`..collectives.strided_all_to_all_ok`); else None."""
+    axis = _only_axis(x.spec.placements, dim, pt.Shard)
+    if axis is None or ctx.mctx.head_tail(axis):
+        return None
+    size = x.spec.shape[dim]
+    k = len(sizes) if isinstance(sizes, (list, tuple)) else (-(-size // sizes) if isinstance(sizes, int) and sizes > 0 else 0)
+    equal = isinstance(sizes, (list, tuple)) and len(set(sizes)) == 1 or isinstance(sizes, int) and size % sizes == 0
+    if k < 2 or not equal or not strided_all_to_all_ok(size, k, ctx.mctx.shape[axis]):
+        return None
+    return axis, k
+
+
+def _to_strided(ctx: ExpandContext, b: SubgraphBuilder, x: TensorArg, axis: int, k: int, why: str) -> TensorArg:
+    placements = list(x.spec.placements)
+    placements[axis] = pt.StridedShard(placements[axis].dim, split_factor=k)
+    dst = pt.make_spec(ctx.mctx.mesh, placements, x.spec.shape, x.spec.stride, x.spec.tensor_meta.dtype)
+    node, mask = emit_redistribute(b, x.node, x.spec, dst, mask=x.mask, reason=why, input_index=x.index, value_label=x.label)
+    return x.moved(node, dst, mask)
 
 
 def _global(size: Any) -> Any:
@@ -85,6 +121,9 @@ def _split(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs:
     if not isinstance(x, TensorArg) or any(not isinstance(s, int) for s in (sizes if isinstance(sizes, list) else [sizes])):
         return generic_expand(ctx, b, op, args, kwargs)
     dim = dim % len(x.spec.shape)
+    fused = _fused_pieces(ctx, x, sizes, dim)
+    if fused is not None:  # a plain Shard of a fused dim: to the strided layout of its pieces (one all_to_all)
+        x = _to_strided(ctx, b, x, *fused, f"{op} of a fused dim into {fused[1]} pieces (each piece split alike)")
     axis = _only_axis(x.spec.placements, dim, pt.StridedShard)
     if axis is None or pt.split_period(x.spec.placements[axis]) is not None:  # a symbolic block count
         return generic_expand(ctx, b, op, args, kwargs)

@@ -130,6 +130,7 @@ def _arange(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs
         start, end, step = args
     plain = [_g(start), _g(end), _g(step)]
     sharded = isinstance(end, DSymInt) and len(end.axes) == 1 and _g(start) == 0 and _g(step) == 1 and not isinstance(start, DSymInt)
+    sharded = sharded and not ctx.mctx.head_tail(end.axes[0])  # head-tail positions: whole (split where it meets a split value)
     if not sharded:
         node = b.call(aten.arange.start_step, *plain, **kwargs)
         n = node.meta["val"].shape[0]

@@ -33,6 +33,7 @@ from ..args import ExpandContext, TensorArg, _out_tensor
 from ..dispatch import generic_expand
 from ..registry import register_rule
 from .routing import index_by_rows, put_by_rows
+from .accumulate import partial_index_put
 
 aten = torch.ops.aten
 
@@ -49,6 +50,8 @@ def _local_rows_plan(ctx: ExpandContext, x: TensorArg, indices: list[Any]) -> tu
     if len(sharded) != 1 or type(sharded[0][1]) is not pt.Shard:
         return None
     axis, d = sharded[0][0], sharded[0][1].dim
+    if ctx.mctx.head_tail(axis):  # a rank's rows are two chunks, not one run from an offset
+        return None
     if d >= len(indices) or not isinstance(indices[d], TensorArg) or indices[d].positions is None:
         return None
     idx, k = indices[d], indices[d].positions
@@ -157,4 +160,5 @@ def _index_put(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwa
         if fits and tuple(values.spec.placements) == tuple(want):
             node = b.call(op, x.node, _local_indices(ctx, b, x, indices, axis, d), values.node, *args[3:])
             return _out_tensor(b, node, x.spec, {})
-    return generic_expand(ctx, b, op, args, kwargs)
+    summed = partial_index_put(ctx, b, op, args, kwargs)  # split values added into a whole x (.accumulate)
+    return summed if summed is not None else generic_expand(ctx, b, op, args, kwargs)

@@ -28,6 +28,7 @@ from ..args import ExpandContext, TensorArg
 from ..dispatch import expand_op, generic_expand
 from ..fallback import replicate_axes
 from ..registry import register_rule
+from .loss_parallel import class_split_axes, vocab_nll_loss_forward
 
 aten = torch.ops.aten
 
@@ -44,10 +45,15 @@ def _nll_loss_forward(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tup
     bound = dict(zip(names, args))
     bound.update(kwargs)
     x, target = bound["self"], bound["target"]
-    sharded = isinstance(target, TensorArg) and any(isinstance(p, (pt.Shard, pt.StridedShard)) for p in target.spec.placements)
-    if bound.get("reduction") != MEAN or not sharded:
-        return generic_expand(ctx, b, op, args, kwargs)
     weight, ignore = bound.get("weight"), bound.get("ignore_index", -100)
+    classes_split = op is aten.nll_loss_forward.default and bool(class_split_axes(x, 1)) and len(x.spec.shape) == 2
+    if classes_split and bound.get("reduction") != MEAN:  # loss parallel (.loss_parallel)
+        out = vocab_nll_loss_forward(ctx, b, op, x, target, weight, bound.get("reduction"), ignore)
+        if out is not None:
+            return out
+    sharded = isinstance(target, TensorArg) and any(isinstance(p, (pt.Shard, pt.StridedShard)) for p in target.spec.placements)
+    if bound.get("reduction") != MEAN or not (sharded or classes_split):
+        return generic_expand(ctx, b, op, args, kwargs)
     summed = expand_op(ctx, b, op, (x, target, weight, SUM, ignore), {})
     loss_sum = _arg(b, summed[0], "per-rank sum of the loss")
     count = _arg(b, summed[1], "per-rank target count")

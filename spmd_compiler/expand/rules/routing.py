@@ -28,6 +28,7 @@ from ..builder import OutTensor, SubgraphBuilder
 from ..dispatch import generic_expand
 from ..orders import ENTRY_OPS, Order, Rows, merge_origins
 from ..registry import register_rule
+from .accumulate import partial_index_add, partial_scatter_add
 
 __all__ = ["index_by_rows", "put_by_rows", "token_axes"]
 
@@ -357,7 +358,8 @@ def _scatter_add(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, k
             _counts(ctx, b, self_, idx, src, emit)
         if out is not None:
             return out
-    return generic_expand(ctx, b, op, args, kwargs)
+    summed = partial_scatter_add(ctx, b, op, args, kwargs) if op is aten.scatter_add.default else None
+    return summed if summed is not None else generic_expand(ctx, b, op, args, kwargs)
 
 
 @register_rule("torchtitan::deterministic_scatter_add")
@@ -391,8 +393,8 @@ def _index_add(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwa
             _counts(ctx, b, self_, idx, src, emit)
         if out is not None:
             return out
-    return generic_expand(ctx, b, op, args, kwargs)
-
+    summed = partial_index_add(ctx, b, op, args, kwargs) if op is aten.index_add.default else None
+    return summed if summed is not None else generic_expand(ctx, b, op, args, kwargs)
 
 
 # ---------------------------------------------------------------- row numbers of fewer rows

@@ -88,7 +88,8 @@ def _slice_backward(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple
     if not (full and sharded_here):
         return generic_expand(ctx, b, op, args, kwargs)
     local = list(b.local_shape(global_sizes, grad.spec.placements))
-    node = b.call(op, grad.node, local, dim, start, end, step)
+    # the whole local dim (an end read from a split size, ``x[:t]`` with ``t = ids.shape[1]``, is a DSymInt)
+    node = b.call(op, grad.node, local, dim, 0, local[dim], 1)
     stride = torch.empty(global_sizes, device="meta").stride()
     spec = pt.make_spec(ctx.mctx.mesh, grad.spec.placements, global_sizes, stride, grad.spec.tensor_meta.dtype)
     return _out_tensor(b, node, spec, {})
