@@ -10,6 +10,7 @@ from .errors import (
     CheckpointError,
     CollectiveError,
     DataDependentError,
+    DeferredInitError,
     HostSettingError,
     IncompleteStepError,
     HostValueError,
@@ -20,7 +21,7 @@ from .errors import (
     UnsupportedOpError,
     UnsupportedPlacementError,
 )
-from .driver import expand
+from .driver import expand, materialize
 from .expand import DSymInt, ExpansionCache, register_rule
 from .pipeline import Pipeline, SplitPoint, pipe_split
 from .plan import Plan
@@ -35,6 +36,7 @@ __all__ = [
     "CompiledStep",
     "trace",
     "expand",
+    "materialize",
     "Plan",
     "Pipeline",
     "SplitPoint",
@@ -59,4 +61,5 @@ __all__ = [
     "HostSettingError",
     "IntentError",
     "IncompleteStepError",
+    "DeferredInitError",
 ]

@@ -299,3 +299,18 @@ class IncompleteStepError(SpmdError):
         self.what, self.source = what, source
         where = f"\n  user code:  {source}" if source else ""
         super().__init__(f"the traced training step is incomplete: {what}{where}\n  fix: {fix}")
+
+
+class DeferredInitError(ValueError):
+    """A model built on ``meta`` that cannot be initialized shard by shard: no init path
+    (``compile(init_weights=...)``), an init that draws random numbers in a way that
+    depends on the sharding (a plain tensor, a generator, an op other than ``uniform_`` /
+    ``normal_``), or a parameter or buffer the init left uninitialized or replaced.
+    Attributes: ``names`` (the parameters or buffers concerned, may be empty)."""
+
+    def __init__(self, what: str, fix: str, names: list[str] | None = None) -> None:
+        self.names = list(names or [])
+        super().__init__(f"deferred initialization: {what}\n  fix: {fix}")
+
+
+__all__ += ["DeferredInitError"]

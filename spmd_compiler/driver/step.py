@@ -127,14 +127,21 @@ class StepDriver(DriverIntrospection, DriverCheckpoints):
         return self._mesh
 
     # ------------------------------------------------------------------ state
-    def distribute(self, model: torch.nn.Module, optimizer: Any = None) -> None:
+    def distribute(self, model: torch.nn.Module, optimizer: Any = None, *, _batch: Any = None) -> None:
         """Shard ``model``/``optimizer`` per the plan now (the first call does it too).
 
         Call it before loading a checkpoint, so the state dicts hold DTensors to load into.
+        A model built on ``meta`` is allocated shard by shard and initialized with the
+        ``init_weights`` option (:mod:`.deferred_init`); it stays on meta in a compile-only
+        run (explain mode, or a first call whose batch is on meta).
         """
         model = unwrap_compiled(model)
         if not is_distributed(model):
-            distribute_state(model, optimizer, self.mesh, self.plan)
+            leaves = [t for t in flatten_batch(*_batch)[0] if isinstance(t, torch.Tensor)] if _batch is not None else []
+            keep_meta = self.explain or (bool(leaves) and all(t.is_meta for t in leaves))
+            distribute_state(model, optimizer, self.mesh, self.plan, init_weights=self.options.init_weights,
+                             init_seed=self.options.init_seed, keep_meta=keep_meta)
+
     def _state(self, model: torch.nn.Module, optimizer: Any) -> Any:
         """The named state of ``model``/``optimizer`` (cached between calls; while a cached
         program runs, the state its call signature was computed from, with no second
@@ -149,7 +156,7 @@ class StepDriver(DriverIntrospection, DriverCheckpoints):
         model = unwrap_compiled(model)  # a torch.compile'd model: its original module
         state = self._state(model, optimizer)
         if not state.params or not all(isinstance(p, DTensor) for p in state.params.values()):
-            self.distribute(model, optimizer)
+            self.distribute(model, optimizer, _batch=(batch, kwargs))
             state = self._state(model, optimizer)
         key = signature(state, batch, kwargs)
         self.calls += 1

@@ -115,9 +115,9 @@ class PipelinedStep(StageOwnership, StepDriver):
             out.insert(self.pp_index, Replicate())
         return out
 
-    def distribute(self, model: torch.nn.Module, optimizer: Any = None) -> None:
+    def distribute(self, model: torch.nn.Module, optimizer: Any = None, *, _batch: Any = None) -> None:
         self.plan = self.full_plan
-        super().distribute(model, optimizer)
+        super().distribute(model, optimizer, _batch=_batch)
 
     # ------------------------------------------------------------------ batch
     def _global_batch(self, batch: tuple, kwargs: dict) -> tuple[tuple, dict]:
