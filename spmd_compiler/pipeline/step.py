@@ -9,8 +9,10 @@ under their original FQNs: ``model.state_dict()`` on a rank holds that stage's s
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import time
 import pathlib
 from typing import Any
 
@@ -56,7 +58,6 @@ class PipelinedStep(StageOwnership, StepDriver):
 
     def __init__(self, fn: Any, *, mesh: Any, plan: Any = None, pipeline: Pipeline, piece_runner: Any = None,
                  **options: Any) -> None:
-        options.setdefault("passes", [])
         self.pipeline = pipeline  # read by _per_shape, during StepDriver.__init__
         super().__init__(fn, mesh=mesh, plan=plan, **options)
         if self.options.backend != "eager" and piece_runner is None:
@@ -103,10 +104,14 @@ class PipelinedStep(StageOwnership, StepDriver):
 
     @property
     def stage_plan(self) -> Any:
-        """The user's plan (for the non-pipeline axes) with the pipeline's batch default."""
-        if self.mesh.ndim == 1:
-            return self.full_plan
-        return pipeline_plan(self._user_plan, None, self.mesh.ndim)
+        """The user's plan (for the non-pipeline axes) with the pipeline's batch default;
+        FSDP parameters gathered once per step and stage (one gather for forward and
+        backward, hoisted into the stage's G piece) unless the pipeline reshards between
+        micro-batches."""
+        plan = self.full_plan if self.mesh.ndim == 1 else pipeline_plan(self._user_plan, None, self.mesh.ndim)
+        if not self.pipeline.reshard_between_microbatches:
+            plan = dataclasses.replace(plan, reshard_after_forward=False)
+        return plan
 
     def _full_placements(self, placements: Any) -> list[Any]:
         """Stage-mesh placements widened with Replicate on the pipeline axis."""
@@ -193,8 +198,9 @@ class PipelinedStep(StageOwnership, StepDriver):
             shape_env = pt.shape_env_of(pt.fake_mode_of(traced.placeholders()[step.size_symbols[0].index].meta["val"]))
             step.size_guards = SizeGuards(shape_env, step.size_symbols, step.size_definitions, step.size_coordinates,
                                           size_symbols_of(traced, every=True))
-        program = split_program(step.gm, assignment)
+        program = split_program(step.gm, assignment, hoist_params=not cfg.reshard_between_microbatches)
         coord = list(mesh.get_coordinate())
+        self._optimize_pieces(step, program, [s for s in range(stages) if s % pp == coord[pp_index]])
         mesh_ranks = mesh.mesh
 
         def stage_rank(stage: int) -> int:
@@ -211,6 +217,24 @@ class PipelinedStep(StageOwnership, StepDriver):
         step.assignment = assignment
         step.program = program
         return step, {}
+
+    def _optimize_pieces(self, step: Any, program: Any, mine: list[int]) -> None:
+        """The passes (``compile(passes=...)``, default :func:`~spmd_compiler.optimize.default_passes`)
+        on every piece of this rank's stages: gathers fused per unit in G, gradient
+        reductions bucketed in O, collectives overlapped in F and B. Each piece keeps its
+        inputs and outputs (the runner binds them by position)."""
+        from ..optimize import run_passes
+
+        passes = self.options.pass_list()
+        if not passes:
+            return
+        t0 = time.perf_counter()
+        for (s, kind), piece in sorted(program.pieces.items()):
+            if s in mine:
+                piece.gm, records = run_passes(piece.gm, passes, disabled=self.passes_disabled)
+                for r in records:
+                    step.timings[f"pass {r.name}"] = step.timings.get(f"pass {r.name}", 0.0) + r.seconds
+        step.timings["passes"] = time.perf_counter() - t0
 
     def _draws(self, step: Any) -> bool:
         """No world-wide generator agreement: each stage draws on its own ranks, so the
