@@ -24,7 +24,7 @@ from .errors import (
 from .driver import expand, materialize
 from .expand import DSymInt, ExpansionCache, register_rule
 from .pipeline import Pipeline, SplitPoint, pipe_split
-from .plan import Plan
+from .plan import MixedPrecisionPolicy, Plan
 from .rebuild import ExpandedStep
 from .runtime import CompiledStep, compile
 from .trace import TracedStep, trace
@@ -38,6 +38,7 @@ __all__ = [
     "expand",
     "materialize",
     "Plan",
+    "MixedPrecisionPolicy",
     "Pipeline",
     "SplitPoint",
     "pipe_split",

@@ -177,7 +177,8 @@ class PipelinedStep(StageOwnership, StepDriver):
         with self._ghosted(model, optimizer), gc_paused():
             traced = trace(
                 self.fn, model, optimizer, *g_args, symbolic=self.symbolic, split_points=split, fused_optimizer=False,
-                symbolic_dims=dims, dynamic=dynamic, device_type=self.options.device_type or smesh.device_type, **g_kwargs
+                symbolic_dims=dims, dynamic=dynamic, device_type=self.options.device_type or smesh.device_type,
+                mixed_precision=self.options.mixed_precision, **g_kwargs
             )
         _refuse_kept_gradients(traced)
         defer_batchnorm_stats(traced.gm, cfg.chunks)

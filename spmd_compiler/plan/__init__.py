@@ -25,9 +25,10 @@ from .resolve import (
     _style_axis,
     _style_params,
 )
+from .precision import MixedPrecisionPolicy
 from .spec import Plan
 
-__all__ = ["Plan", "ResolvedPlan", "normalize_placements"]
+__all__ = ["Plan", "ResolvedPlan", "normalize_placements", "MixedPrecisionPolicy"]
 
 # the helpers below lived in this module before it became a package; still importable
 _MOVED = (PlacementsLike, _batch_placements, _check_dims, _fit_wildcard, _fsdp_buffer, _has_dim, _is_style, _near,

@@ -10,10 +10,11 @@ tensor dim (see :class:`spmd_compiler.expand.DSymInt`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -47,6 +48,19 @@ def _safe_name(text: str) -> str:
     return re.sub(r"[^0-9a-zA-Z_]", "_", text).strip("_")
 
 
+@contextlib.contextmanager
+def _cast_forward_inputs(model: torch.nn.Module, policy: Any) -> Iterator[None]:
+    """Mixed precision: the root module's floating inputs cast to ``param_dtype``, as FSDP2 does."""
+    if policy is None or policy.param_dtype is None:
+        yield
+        return
+    handle = model.register_forward_pre_hook(policy.cast_inputs, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 def trace(
     step_fn: Callable[..., Any],
     model: torch.nn.Module,
@@ -58,6 +72,7 @@ def trace(
     fused_optimizer: bool = True,
     dynamic: bool = False,
     device_type: str | None = None,
+    mixed_precision: Any = None,
     **batch_kwargs: Any,
 ) -> TracedStep:
     """Trace ``step_fn(model, optimizer, *batch, **batch_kwargs)`` into a :class:`TracedStep`.
@@ -96,6 +111,10 @@ def trace(
     ``meta``, composite ops keep their autograd and foreach gradient clipping works as on
     a real device, whatever ``device_type``.
 
+    ``mixed_precision`` (a :class:`~spmd_compiler.MixedPrecisionPolicy`): the modules read
+    every floating parameter cast to its ``param_dtype`` (cast at the step's start), the
+    optimizer updates the parameters themselves.
+
     Example::
 
         traced = spmd_compiler.trace(train_step, model, opt, x, y)
@@ -104,6 +123,8 @@ def trace(
     if not callable(step_fn):
         raise TypeError(f"step_fn must be callable, got {type(step_fn).__name__}")
     state = collect_state(model, optimizer)
+    if mixed_precision is not None:
+        mixed_precision.check(state.params)
     leaves, batch_spec, paths = flatten_batch(batch, batch_kwargs)
 
     inputs: list[GraphInput] = []
@@ -200,7 +221,9 @@ def trace(
             if isinstance(leaf, torch.Tensor):
                 batch_leaves[i] = next(it)
         b_args, b_kwargs = pytree.tree_unflatten(batch_leaves, batch_spec)
-        with swapped_state(model, optimizer, state, params, buffers, optim, hparams) as ctx, gradient_links(params):
+        read = mixed_precision.cast(params) if mixed_precision is not None else None  # the modules compute with these
+        with swapped_state(model, optimizer, state, params, buffers, optim, hparams, module_params=read) as ctx, \
+                gradient_links(params), _cast_forward_inputs(model, mixed_precision):
             result = step_fn(model, optimizer, *b_args, **b_kwargs)
             final_buffers = {n: _module_tensor(model, n) for n in state.buffers}
             final_optim = ctx["optim_state"]()
