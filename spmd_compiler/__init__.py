@@ -15,6 +15,7 @@ from .errors import (
     IncompleteStepError,
     HostValueError,
     IntentError,
+    MemoryBudgetError,
     RankMismatchError,
     SpmdError,
     UnevenShardingError,
@@ -61,6 +62,7 @@ __all__ = [
     "HostValueError",
     "HostSettingError",
     "IntentError",
+    "MemoryBudgetError",
     "IncompleteStepError",
     "DeferredInitError",
 ]

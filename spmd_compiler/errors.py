@@ -314,3 +314,16 @@ class DeferredInitError(ValueError):
 
 
 __all__ += ["DeferredInitError"]
+
+
+class MemoryBudgetError(SpmdError):
+    """The compiled program's static peak per rank exceeds ``compile(memory_budget_gb=...)``:
+    raised at compile time, on every rank, before anything ran. Attributes: ``peak_bytes``,
+    ``budget_bytes``, ``contributors`` (what is alive at the peak, largest first: (what, bytes))."""
+
+    def __init__(self, message: str, peak_bytes: int, budget_bytes: int, contributors: list[tuple[str, int]]) -> None:
+        self.peak_bytes, self.budget_bytes, self.contributors = peak_bytes, budget_bytes, list(contributors)
+        super().__init__(message)
+
+
+__all__ += ["MemoryBudgetError"]

@@ -78,6 +78,9 @@ class Options:
             unless the run is compile-only (explain mode, a batch on meta).
         mixed_precision: a :class:`~spmd_compiler.MixedPrecisionPolicy` (FSDP2's: parameters
             computed and gathered in ``param_dtype``, gradients reduced in float32), or None.
+        memory_budget_gb: GiB of device memory per rank; a program whose static peak
+            (``step.memory_trace()``) exceeds it raises MemoryBudgetError at compile time, on
+            every rank, with the peak, its largest contributors and a fix (:mod:`.budget`).
         init_seed: the seed of those draws (``spmd_compiler.materialize(..., seed=)`` gives the
             same values on one device).
     """
