@@ -52,8 +52,16 @@ not counted in the compile's seconds).
 The depth table compiles the 8B 2-D step with 2 to 80 layers and fits ``time ~ layers^k``
 between the shallowest and deepest rows (k = 1: linear).
 
-Hooks for more rows (not measured here yet): ``--memory-policy`` a bf16 /
-activation-checkpointing policy (raises NotImplementedError until added, issue #33).
+Memory policies (a fourth field of a row, ``8B:2d:static:bf16+full``, or ``--memory-policy``
+for every row): ``bf16`` = ``compile(mixed_precision=MixedPrecisionPolicy(param_dtype=torch.bfloat16))``
+(FSDP2's: parameters cast to bfloat16 on their shard and gathered so, gradients reduced and
+AdamW run in float32); ``full`` = every block under ``torch.utils.checkpoint`` (torchtitan's
+``activation_checkpoint.mode = "full"``); ``selective`` = op-level selective checkpointing
+(matmuls and attention saved, the rest recomputed; on the zoo Llama its trace fails today:
+torch's selective-checkpoint cache finds a ``[batch, seq, 1]`` float32 tensor mutated, an
+RMSNorm statistic, so no default row uses it); joined with ``+``. The
+static peak column is then the number a user sizes a GPU by (the static trace of the
+per-rank program: no allocator fragmentation, no backend workspaces).
 
 Usage::
 
@@ -94,6 +102,50 @@ DEFAULT_ROWS = ["8B:fsdp:static", "8B:2d:static", "8B:2d:dynamic", "8B:3d:static
                 "70B:2d:dynamic", "70B:3d:static"]
 PP, CHUNKS = 4, 4  # 3d rows: pipeline stages (at most one per layer) and micro-batches
 DEPTHS = [2, 8, 32, 80]
+MEMORY_ROWS = ["8B:fsdp:static:bf16+full", "8B:2d:static:bf16+full", "8B:2d:static:bf16", "8B:2d:static:full", "70B:2d:static:bf16+full",
+               "70B:fsdp:static:bf16+full"]
+POLICIES = ("bf16", "full", "selective")
+
+
+def _checkpointed(model: Any, how: str) -> None:
+    """Every block's forward under ``torch.utils.checkpoint`` (``how``: "full", or "selective":
+    torchtitan's save list, matmuls and attention kept, the rest recomputed). The blocks keep
+    their FQNs (the plan's patterns still match)."""
+    import functools
+
+    import torch
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    aten = torch.ops.aten
+    save = {aten.mm.default, aten._scaled_dot_product_efficient_attention.default,
+            aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_cudnn_attention.default}
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
+
+    extra = {} if how == "full" else {"context_fn": functools.partial(create_selective_checkpoint_contexts, policy)}
+    for block in model.layers.values():
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False, **extra)
+
+
+def _memory_options(model: Any, policy: str | None) -> dict[str, Any]:
+    """compile()'s options for ``policy`` (checkpointing is applied to ``model`` here)."""
+    if not policy:
+        return {}
+    parts = policy.split("+")
+    unknown = [p for p in parts if p not in POLICIES]
+    if unknown or ("full" in parts and "selective" in parts):
+        raise ValueError(f"memory policy {policy!r}: expected parts of {list(POLICIES)} joined by '+' (full or selective)")
+    for how in ("full", "selective"):
+        if how in parts:
+            _checkpointed(model, how)
+    if "bf16" not in parts:
+        return {}
+    import torch
+
+    import spmd_compiler as sc
+
+    return {"mixed_precision": sc.MixedPrecisionPolicy(param_dtype=torch.bfloat16)}
 
 
 def _plan(kind: str) -> tuple[Any, tuple[int, ...], tuple[str, ...]]:
@@ -159,9 +211,11 @@ def _steady_adamw(model: Any) -> Any:
     return opt
 
 
-def analytic_min(model: Any, kind: str, config: str, layers: int, stage_params: set[str] | None = None) -> dict[str, int]:
+def analytic_min(model: Any, kind: str, config: str, layers: int, stage_params: set[str] | None = None,
+                 bf16: bool = False) -> dict[str, int]:
     """The analytic minimum of the module docstring for this rank, per mesh axis (3d:
-    for the stage holding ``stage_params``)."""
+    for the stage holding ``stage_params``; ``bf16``: gathers and activations in bfloat16,
+    gradients reduced in float32)."""
     tp = 8 if kind in ("2d", "3d") else 1
     tp_split = ("attention.w", "feed_forward.w")
     total = blocks = 0
@@ -171,12 +225,13 @@ def analytic_min(model: Any, kind: str, config: str, layers: int, stage_params: 
         b = p.numel() * p.element_size() // (tp if any(s in name for s in tp_split) else 1)
         total += b
         blocks += b if name.startswith("layers.") else 0
+    half, act = (2, 2) if bf16 else (1, 4)  # gathers / gathered bytes; bytes of an activation element
     if kind == "3d":  # gathered once per step, reduced once; the stage's layers' all_reduces over the local batch
         stage_layers = len({n.split(".")[1] for n in stage_params or () if n.startswith("layers.")})
-        return {"dp": 2 * total, "tp": 4 * stage_layers * (BATCH * CHUNKS // WORLD) * SEQ * CONFIGS[config]["dim"] * 4}
-    out = {"dp": 2 * total + blocks}
+        return {"dp": total // half + total, "tp": 4 * stage_layers * (BATCH * CHUNKS // WORLD) * SEQ * CONFIGS[config]["dim"] * act}
+    out = {"dp": (total + blocks) // half + total}
     if tp > 1:
-        out["tp"] = 4 * layers * (BATCH // WORLD) * SEQ * CONFIGS[config]["dim"] * 4
+        out["tp"] = 4 * layers * (BATCH // WORLD) * SEQ * CONFIGS[config]["dim"] * act
     return out
 
 
@@ -219,8 +274,6 @@ class _StageClock:
 
 def measure(config: str, kind: str, dynamic: bool, layers: int | None = None, memory_policy: str | None = None) -> dict:
     """Compile one row in this process; its figures."""
-    if memory_policy is not None:
-        raise NotImplementedError(f"memory policy {memory_policy!r}: bf16 / activation checkpointing rows are to be added (issue #33)")
     if not dynamic:  # explain mode compiles one program per batch shape: dynamic rows run (on meta: nothing computed)
         os.environ["SPMD_COMPILER_EXPLAIN"] = "1"
     import torch
@@ -237,6 +290,8 @@ def measure(config: str, kind: str, dynamic: bool, layers: int | None = None, me
     local = BATCH // WORLD * (CHUNKS if kind == "3d" else 1)
     ids = torch.zeros(local, SEQ, dtype=torch.long, device="meta")
     extra = dict(pipeline=_pipeline(n_layers)) if kind == "3d" else {}
+    extra.update(_memory_options(model, memory_policy))
+    bf16 = "mixed_precision" in extra
     step = sc.compile(step_without_clip if kind == "3d" else train_step, mesh=mesh, plan=plan, dynamic=dynamic,
                       device_type="cuda", check_ranks=False, **extra)
     clock = _StageClock()
@@ -259,19 +314,19 @@ def measure(config: str, kind: str, dynamic: bool, layers: int | None = None, me
                     by_axis[r.axis] = by_axis.get(r.axis, 0) + r.bytes * reps
                     count, nbytes = count + r.count * reps, nbytes + r.bytes * reps
         mine = {fqn for fqn, owners in step.last.assignment.param_stages.items() if set(owners) & set(step.last.pipeline.my_stages)}
-        expected = analytic_min(model, kind, config, n_layers, mine)
+        expected = analytic_min(model, kind, config, n_layers, mine, bf16=bf16)
         peak = None
     else:
         comm = step.comm_summary()
         count, nbytes = comm.total_count, comm.total_bytes
         for r in comm.rows:
             by_axis[r.axis] = by_axis.get(r.axis, 0) + r.bytes
-        expected = analytic_min(model, kind, config, n_layers)
+        expected = analytic_min(model, kind, config, n_layers, bf16=bf16)
         peak = step.memory_trace().peak_bytes
     passes = sorted(((k[5:], v) for k, v in t.items() if k.startswith("pass ")), key=lambda kv: -kv[1])
     stages = {k: clock.seconds.get(k, 0.0) for k in ("trace", "expand", "passes")}
     return {
-        "config": config, "kind": kind, "dynamic": dynamic, "layers": n_layers, **stages,
+        "config": config, "kind": kind, "dynamic": dynamic, "layers": n_layers, "policy": memory_policy or "", **stages,
         "rebuild": t.get("rebuild", 0.0), "slowest passes": passes[:3], "total": t["total"],
         "other": t["total"] - sum(stages.values()),
         "rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
@@ -282,7 +337,9 @@ def measure(config: str, kind: str, dynamic: bool, layers: int | None = None, me
     }
 
 
-def _run_row(spec: str, layers: int | None = None) -> dict:
+def _run_row(spec: str, layers: int | None = None, policy: str | None = None) -> dict:
+    if policy and spec.count(":") == 2:
+        spec += f":{policy}"
     cmd = [sys.executable, __file__, "--one", spec] + (["--layers", str(layers)] if layers else [])
     out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(HERE.parent)})
     if out.returncode != 0:
@@ -307,6 +364,19 @@ def table(rows: list[dict]) -> str:
             f"{r['rss_gib']:.2f} | {r['traced nodes']:,} / {r['nodes']:,} | {r['collectives']} | {_gib(r['bytes'])} | "
             f"{r['bytes'] / r['min bytes']:.3f} ({axes}) | {_gib(r['peak']) if r['peak'] is not None else 'n/a'} |"
         )
+    return "\n".join(out)
+
+
+def memory_table(rows: list[dict], plain: list[dict]) -> str:
+    """The memory-policy rows: static peak per rank against the same model and plan without a policy."""
+    base = {(r["config"], r["kind"]): r for r in plain if not r["dynamic"] and not r.get("policy")}
+    out = ["| model | plan | policy | static peak GiB/rank | without policy GiB/rank | collectives | bytes/rank GiB | "
+           "bytes / min (dp; tp) | total s |", "|" + "---|" * 9]
+    for r in rows:
+        b = base.get((r["config"], r["kind"]))
+        axes = "; ".join(f"{r['axis bytes'].get(a, 0) / m:.3f}" for a, m in r["axis min"].items())
+        out.append(f"| {r['config']} | {r['kind']} | {r['policy']} | {_gib(r['peak'])} | {_gib(b['peak']) if b else '-'} | "
+                   f"{r['collectives']} | {_gib(r['bytes'])} | {r['bytes'] / r['min bytes']:.3f} ({axes}) | {r['total']:.1f} |")
     return "\n".join(out)
 
 
@@ -353,14 +423,15 @@ def main() -> None:
     p.add_argument("--no-depth", action="store_true", help="skip the depth table")
     p.add_argument("--one", help="measure one row in this process and print it as JSON")
     p.add_argument("--layers", type=int, default=None, help="--one: override the model's layers")
-    p.add_argument("--memory-policy", default=None, help="bf16 / activation checkpointing rows (to be added, issue #33)")
+    p.add_argument("--memory-policy", default=None, help="bf16, full, selective, joined by '+': for every row of --rows")
+    p.add_argument("--no-memory", action="store_true", help="skip the memory-policy rows (MEMORY_ROWS)")
     args = p.parse_args()
     if args.one:
         import torch
 
         torch.set_num_threads(1)
-        config, kind, shapes = args.one.split(":")
-        print(json.dumps(measure(config, kind, shapes == "dynamic", args.layers, args.memory_policy)))
+        config, kind, shapes, *policy = args.one.split(":")
+        print(json.dumps(measure(config, kind, shapes == "dynamic", args.layers, policy[0] if policy else args.memory_policy)))
         return
     from _table import results_path, write_results
     import torch
@@ -368,14 +439,22 @@ def main() -> None:
     load_before = _load()
     rows = []
     for spec in args.rows:
-        rows.append(_run_row(spec))
+        rows.append(_run_row(spec, policy=args.memory_policy))
         print(f"{spec}: {rows[-1]['total']:.1f}s", flush=True)
+    memory = []
+    if not args.no_memory:
+        for spec in MEMORY_ROWS:
+            memory.append(_run_row(spec))
+            print(f"{spec}: {memory[-1]['total']:.1f}s, peak {_gib(memory[-1]['peak'])} GiB", flush=True)
     depth = []
     if not args.no_depth:
         for n in args.depths:
             depth.append(_run_row("8B:2d:static", n))
             print(f"8B 2d {n} layers: {depth[-1]['total']:.1f}s", flush=True)
     text = table(rows) + "\n\n" + ratios(rows)
+    if memory:
+        text += "\n\nStatic peak per rank with a memory policy (bf16 mixed precision, activation checkpointing):\n\n"
+        text += memory_table(memory, rows)
     if depth:
         text += "\n\nDepth (8B dimensions, 2-D FSDP 8 x TP 8, static):\n\n" + depth_table(depth)
     lines = [
@@ -396,8 +475,6 @@ def main() -> None:
         "layers grew `budget_prefetch` 26x. Those traces were forward-only on meta (cross entropy lost its backward)",
         "and SDPA took the math path; the figures above are for the full step, traced for CUDA.",
         "",
-        "Rows to come (issue #33, others' parts): 3-D (pipeline pp x dp x tp: `ROW_KINDS`, `_plan`), and the static",
-        "peak with bf16 mixed precision and activation checkpointing (`--memory-policy`, `measure(memory_policy=...)`).",
         "",
     ]
     write_results(results_path("compile_scale"), lines)
