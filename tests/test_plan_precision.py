@@ -5,7 +5,8 @@ optimizer updates the parameters, gradients are reduced in the parameters' dtype
 FSDP the cast is made on the shard, so each gather carries the narrow dtype (half the
 bytes), for the policy and for ``torch.autocast`` alike, and the gathers still fuse per
 unit. Numerics: float64 parameters computed in float32 on 4 simulated ranks against the
-same mixed precision written by hand on one device.
+same mixed precision written by hand on one device, gradients clipped over
+``model.parameters()`` (outside the forward they are the parameters, as under FSDP2).
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ def _by_hand(model, optimizer, x, y):
     params = {n: p.float() for n, p in model.named_parameters()}
     loss = F.mse_loss(torch.func.functional_call(model, params, (x.float(),)), y)
     loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.05)
     optimizer.step()
     optimizer.zero_grad()
     return loss
@@ -77,6 +79,7 @@ def _by_hand(model, optimizer, x, y):
 def _mse_step(model, optimizer, x, y):
     loss = F.mse_loss(model(x), y)
     loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.05)  # the float64 parameters' gradients, not the casts'
     optimizer.step()
     optimizer.zero_grad()
     return loss
@@ -87,7 +90,7 @@ def test_float32_compute_of_float64_parameters_matches_one_device_by_hand():
     model, ref = MLP().double(), None
     ref = MLP().double()
     ref.load_state_dict(model.state_dict())
-    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, ref))  # SGD: a clipped step shows
     policy = sc.MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float64)
     sim = SimulatedTraining(_mse_step, model, opt, fake_mesh((4,), ("dp",)), sc.Plan(params={"*": [sc.Shard(0)]}, fsdp_axes=(0,)),
                             mixed_precision=policy)

@@ -2,9 +2,10 @@
 dtype, gradients reduced in the parameters' own.
 
 ``compile(..., mixed_precision=MixedPrecisionPolicy(param_dtype=torch.bfloat16))`` traces
-the step with every floating parameter cast to ``param_dtype`` at its start (the module
-reads the cast; the optimizer updates the float32 parameter, whose ``.grad`` is the cast's
-gradient cast back). Under an FSDP plan the cast is made on the shard, so each gather
+the step with every floating parameter cast to ``param_dtype`` while the model's forward
+runs (the modules read the casts; outside the forward, ``model.parameters()`` are the
+float32 parameters, which the optimizer updates and whose ``.grad`` is the cast's gradient
+cast back, so ``clip_grad_norm_(model.parameters())`` sees them, as under FSDP2). Under an FSDP plan the cast is made on the shard, so each gather
 carries ``param_dtype`` (half the bytes for bfloat16, ``expand/fsdp.py``). Floating tensors passed
 to the model's ``forward`` are cast too (FSDP2's ``cast_forward_inputs=True``); under
 ``torch.autocast`` alone the same holds for the weights autocast casts. The gradient is

@@ -319,11 +319,8 @@ def swapped_state(
     buffers: dict[str, torch.Tensor],
     optim: dict[tuple[str, str], Any],
     hparams: dict[tuple[int, str], Any] | None = None,
-    module_params: dict[str, torch.Tensor] | None = None,
 ) -> Iterator[dict[str, Any]]:
-    """Run the body with ``model``/``optimizer`` reading the given tensors instead
-    (``module_params``: what the modules read instead of ``params``, the optimizer still
-    updating ``params``: mixed precision's casts).
+    """Run the body with ``model``/``optimizer`` reading the given tensors instead.
 
     ``hparams`` maps ``(group index, key)`` to a function returning the value the
     optimizer should read; it is called when ``optimizer.step()`` starts (a step
@@ -333,10 +330,9 @@ def swapped_state(
     optimizer state as it is now, keyed by ``(FQN, key)``, including entries the
     optimizer created lazily during the body.
     """
-    read = params if module_params is None else module_params
-    swapped: dict[str, torch.Tensor] = {**read, **buffers}
+    swapped: dict[str, torch.Tensor] = {**params, **buffers}
     for alias, canonical in state.aliases.items():
-        swapped[alias] = read[canonical]
+        swapped[alias] = params[canonical]
     saved_groups = None
     saved_state = None
     with pt.reparametrize_module(model, swapped):
