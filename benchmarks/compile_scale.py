@@ -57,9 +57,9 @@ for every row): ``bf16`` = ``compile(mixed_precision=MixedPrecisionPolicy(param_
 (FSDP2's: parameters cast to bfloat16 on their shard and gathered so, gradients reduced and
 AdamW run in float32); ``full`` = every block under ``torch.utils.checkpoint`` (torchtitan's
 ``activation_checkpoint.mode = "full"``); ``selective`` = op-level selective checkpointing
-(matmuls and attention saved, the rest recomputed; on the zoo Llama its trace fails today:
-torch's selective-checkpoint cache finds a ``[batch, seq, 1]`` float32 tensor mutated, an
-RMSNorm statistic, so no default row uses it); joined with ``+``. The
+(torchtitan's save list: matmuls and attention saved, the rest recomputed; a row-parallel
+matmul's saved output is the unreduced one, so its Megatron all_reduce runs again in the
+recomputation, as under ``full``); joined with ``+``. The
 static peak column is then the number a user sizes a GPU by (the static trace of the
 per-rank program: no allocator fragmentation, no backend workspaces).
 
@@ -102,7 +102,8 @@ DEFAULT_ROWS = ["8B:fsdp:static", "8B:2d:static", "8B:2d:dynamic", "8B:3d:static
                 "70B:2d:dynamic", "70B:3d:static"]
 PP, CHUNKS = 4, 4  # 3d rows: pipeline stages (at most one per layer) and micro-batches
 DEPTHS = [2, 8, 32, 80]
-MEMORY_ROWS = ["8B:fsdp:static:bf16+full", "8B:2d:static:bf16+full", "8B:2d:static:bf16", "8B:2d:static:full", "70B:2d:static:bf16+full",
+MEMORY_ROWS = ["8B:fsdp:static:bf16+full", "8B:2d:static:bf16+full", "8B:2d:static:bf16+selective", "8B:2d:static:bf16",
+               "8B:2d:static:full", "70B:2d:static:bf16+full",
                "70B:fsdp:static:bf16+full"]
 POLICIES = ("bf16", "full", "selective")
 
