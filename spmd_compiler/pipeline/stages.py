@@ -133,9 +133,10 @@ def _parameter_only(gm: fx.GraphModule) -> set[fx.Node]:
 def _stage_gathers(gm: fx.GraphModule, members: dict[tuple[int, str], list[fx.Node]], hoisted: set[fx.Node],
                    num_stages: int) -> dict[int, set[fx.Node]]:
     """Per stage, its G piece's nodes: the parameter-only values its other nodes read and
-    what they are computed from, when that includes a collective (a gather). A stage whose
-    parameter-only nodes are views and local ops keeps them in F and B (nothing to save)."""
-    out: dict[int, set[fx.Node]] = {}
+    what they are computed from, when that includes a collective (a gather), or a value
+    another stage's G takes out of its F or B. A stage whose parameter-only nodes are views
+    and local ops keeps them in F and B (nothing to save)."""
+    closures: dict[int, set[fx.Node]] = {}
     for s in range(num_stages):
         reads = {a for k in ("F", "B", "O") for n in members.get((s, k), ()) if n not in hoisted
                  for a in n.all_input_nodes if a in hoisted}
@@ -145,8 +146,14 @@ def _stage_gathers(gm: fx.GraphModule, members: dict[tuple[int, str], list[fx.No
             if x not in closure:
                 closure.add(x)
                 stack.extend(a for a in x.all_input_nodes if a in hoisted)
-        if any("spmd_comm" in n.meta for n in closure):
-            out[s] = closure
+        closures[s] = closure
+    out = {s: c for s, c in closures.items() if any("spmd_comm" in n.meta for n in c)}
+    changed = True
+    while changed:  # a value moved into one stage's G is no longer sent from its F: each reader computes it
+        taken = set().union(*out.values()) if out else set()
+        more = {s: c for s, c in closures.items() if s not in out and c & taken}
+        out.update(more)
+        changed = bool(more)
     return out
 
 
