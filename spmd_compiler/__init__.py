@@ -10,20 +10,22 @@ from .errors import (
     CheckpointError,
     CollectiveError,
     DataDependentError,
+    DeferredInitError,
     HostSettingError,
     IncompleteStepError,
     HostValueError,
     IntentError,
+    MemoryBudgetError,
     RankMismatchError,
     SpmdError,
     UnevenShardingError,
     UnsupportedOpError,
     UnsupportedPlacementError,
 )
-from .driver import expand
+from .driver import expand, materialize
 from .expand import DSymInt, ExpansionCache, register_rule
 from .pipeline import Pipeline, SplitPoint, pipe_split
-from .plan import ContextParallel, Plan
+from .plan import ContextParallel, MixedPrecisionPolicy, Plan
 from .rebuild import ExpandedStep
 from .runtime import CompiledStep, compile
 from .trace import TracedStep, trace
@@ -35,8 +37,10 @@ __all__ = [
     "CompiledStep",
     "trace",
     "expand",
+    "materialize",
     "Plan",
     "ContextParallel",
+    "MixedPrecisionPolicy",
     "Pipeline",
     "SplitPoint",
     "pipe_split",
@@ -59,5 +63,7 @@ __all__ = [
     "HostValueError",
     "HostSettingError",
     "IntentError",
+    "MemoryBudgetError",
     "IncompleteStepError",
+    "DeferredInitError",
 ]

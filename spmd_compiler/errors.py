@@ -299,3 +299,31 @@ class IncompleteStepError(SpmdError):
         self.what, self.source = what, source
         where = f"\n  user code:  {source}" if source else ""
         super().__init__(f"the traced training step is incomplete: {what}{where}\n  fix: {fix}")
+
+
+class DeferredInitError(ValueError):
+    """A model built on ``meta`` that cannot be initialized shard by shard: no init path
+    (``compile(init_weights=...)``), an init that draws random numbers in a way that
+    depends on the sharding (a plain tensor, a generator, an op other than ``uniform_`` /
+    ``normal_``), or a parameter or buffer the init left uninitialized or replaced.
+    Attributes: ``names`` (the parameters or buffers concerned, may be empty)."""
+
+    def __init__(self, what: str, fix: str, names: list[str] | None = None) -> None:
+        self.names = list(names or [])
+        super().__init__(f"deferred initialization: {what}\n  fix: {fix}")
+
+
+__all__ += ["DeferredInitError"]
+
+
+class MemoryBudgetError(SpmdError):
+    """The compiled program's static peak per rank exceeds ``compile(memory_budget_gb=...)``:
+    raised at compile time, on every rank, before anything ran. Attributes: ``peak_bytes``,
+    ``budget_bytes``, ``contributors`` (what is alive at the peak, largest first: (what, bytes))."""
+
+    def __init__(self, message: str, peak_bytes: int, budget_bytes: int, contributors: list[tuple[str, int]]) -> None:
+        self.peak_bytes, self.budget_bytes, self.contributors = peak_bytes, budget_bytes, list(contributors)
+        super().__init__(message)
+
+
+__all__ += ["MemoryBudgetError"]

@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
 
-from compile_scale import depth_table, measure, ratios, table  # noqa: E402
+from compile_scale import depth_table, measure, memory_table, ratios, table  # noqa: E402
 
 
 @pytest.mark.parametrize("kind", ["fsdp", "2d"])
@@ -29,3 +29,28 @@ def test_one_layer_row(kind, monkeypatch):
     assert text.count("\n") == 2 and "| 8B |" in text
     assert "dynamic=True / static = 1.10x" in ratios([row, {**row, "dynamic": True, "total": row["total"] * 1.1}])
     assert "growth exponent k" in depth_table([row, {**row, "layers": 2, "total": row["total"] * 2}])
+
+
+def test_3d_row_is_at_the_minimum_on_dp(monkeypatch):
+    """A 4-stage pipeline of four 8B layers x FSDP 8 x TP 8: stage 0 gathers its parameters
+    once per step and reduce-scatters their gradients once (dp at the analytic minimum,
+    which counted them once per micro-batch, 4x, before the pipeline kept its passes)."""
+    monkeypatch.setenv("SPMD_COMPILER_EXPLAIN", "1")
+    row = measure("8B", "3d", False, layers=4)
+    assert row["axis bytes"]["dp"] == row["axis min"]["dp"], row
+    assert 0 <= row["axis bytes"]["tp"] - 1.5 * row["axis min"]["tp"] < 16384, row  # Megatron's backward, as in 2-D
+    assert "| 3d |" in table([row]) and "n/a |" in table([row])
+
+
+def test_memory_policy_row(monkeypatch):
+    """bf16 mixed precision with full checkpointing on one 8B layer (2-D): gathers in
+    bfloat16 at the minimum that counts them so, and a lower static peak than float32."""
+    monkeypatch.setenv("SPMD_COMPILER_EXPLAIN", "1")
+    row = measure("8B", "2d", False, layers=1, memory_policy="bf16+full")
+    plain = measure("8B", "2d", False, layers=1)
+    assert row["policy"] == "bf16+full" and row["peak"] < plain["peak"], (row["peak"], plain["peak"])
+    assert 0 <= row["axis bytes"]["dp"] - row["axis min"]["dp"] < 1024 and row["axis min"]["dp"] < plain["axis min"]["dp"]
+    text = memory_table([row], [plain])
+    assert "| 8B | 2d | bf16+full |" in text and text.count("\n") == 2
+    with pytest.raises(ValueError, match="memory policy 'fp8'"):
+        measure("8B", "2d", False, layers=1, memory_policy="fp8")

@@ -1,12 +1,14 @@
 """Pipelined training on real gloo processes (4 ranks, forked), against one device.
 
-Four configurations in one launch (each compiles in a few seconds):
+Five configurations in one launch (each compiles in a few seconds):
 - pp2 x dp2, GPT with tied embedding / LM head, interleaved 1F1B with two stages per
   rank, cut by a split spec (embeddings, block 0, block 1, final norm and head), AdamW;
 - pp2 x tp2, Megatron-TP GPT, GPipe, SGD with momentum;
 - pp4 SkipNet: ``pipe_split()`` markers, a skip connection over a stage, dict/None/scalar
   stage outputs, BatchNorm with deferred statistics, activation checkpointing
   ``except_last``, 1F1B, with a dump (stage files and the executed timeline);
+- pp2 x dp2 FSDP GPT, 1F1B: each stage's parameters gathered once per step (its G piece),
+  the gradients reduce-scattered once, the passes run on the pieces;
 - pp4 GPT cut by automatic balancing, checkpointing ``always``, GPipe, SGD with momentum.
 Tolerance: float64, 1e-10 on the loss and parameters. These compile with
 ``symbolic="none"`` (symbolic batch dims cost a third of the trace time); the
@@ -29,7 +31,7 @@ import torch.nn.functional as F
 import spmd_compiler as sc
 from gloo_launch import run_processes
 from spmd_compiler.testing import distribution_of
-from spmd_compiler.testing.models import GPT, SkipNet, gpt_tp_plan, mse_train_step, train_step
+from spmd_compiler.testing.models import GPT, SkipNet, gpt_fsdp_plan, gpt_tp_plan, mse_train_step, train_step
 
 pytestmark = pytest.mark.gloo
 
@@ -40,6 +42,8 @@ CONFIGS = {
     "tp_gpipe": dict(model="gpt", layers=2, mesh={"pp": 2, "tp": 2}, plan=gpt_tp_plan(), opt="sgd", pipe=sc.Pipeline(
         chunks=2, schedule="GPipe", split={"blocks.1": S})),
     "skipnet_bn": dict(model="skip", mesh={"pp": 4}, pipe=sc.Pipeline(chunks=4, schedule="1F1B", checkpoint="except_last")),
+    "fsdp_gathered_once": dict(model="gpt", layers=2, mesh={"pp": 2, "dp": 2}, plan=gpt_fsdp_plan(), pipe=sc.Pipeline(
+        chunks=2, schedule="1F1B", split={"blocks.1": S})),
     "auto_always": dict(model="gpt", layers=4, mesh={"pp": 4}, opt="sgd", pipe=sc.Pipeline(chunks=2, schedule="GPipe", auto=True, checkpoint="always")),
 }
 

@@ -6,7 +6,9 @@ per-call record: ``save_inputs`` right before the region's forward runs,
 the first unpack of a saved tensor), ``torch.utils.checkpoint.CheckpointFunction`` (the
 reentrant checkpoint's autograd Function) and the ``node.meta["recompute"]`` policy that
 selective checkpointing (``create_selective_checkpoint_contexts``) writes on the nodes a
-tracer records under it. Checked against torch 2.13.0 and 2.14.1.
+tracer records under it, and ``torch.utils.checkpoint._VersionWrapper`` (the selective
+cache's entry, whose version check is off while tracing, see :func:`marked_checkpoints`).
+Checked against torch 2.13.0 and 2.14.1.
 """
 
 from __future__ import annotations
@@ -30,7 +32,13 @@ def marked_checkpoints(mark: Callable[[str, int], None]) -> Iterator[None]:
     All are outside the region's ``context_fn`` contexts, so a selective-checkpoint policy
     never sees them. A reentrant checkpoint (``use_reentrant=True``, which make_fx cannot
     trace: its output has no grad_fn) runs as the non-reentrant one, which computes the
-    same gradients."""
+    same gradients.
+
+    Under a tracer, selective checkpointing caches every op's output and hands the cached
+    values to the recomputation, refusing one an in-place op changed after it was cached
+    (RMSNorm's composite: ``mean(...).add_(eps)``). The in-place op's own output is cached
+    too, so the recomputation sees the final value, and the traced recomputation is rebuilt
+    from the policy's tags anyway (``trace/checkpointing.py``): the check is off here."""
     ids = itertools.count()
     frame_cls = _ckpt._CheckpointFrame
 
@@ -68,13 +76,16 @@ def marked_checkpoints(mark: Callable[[str, int], None]) -> Iterator[None]:
         def apply(function: Callable[..., Any], preserve_rng_state: bool, *args: Any) -> Any:
             return _ckpt.checkpoint(function, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state)
 
+    get_val = _ckpt._VersionWrapper.get_val
     _ckpt._CheckpointFrame = _MarkedFrame  # type: ignore[misc]
     _ckpt.CheckpointFunction = _AsNonReentrant  # type: ignore[misc, assignment]
+    _ckpt._VersionWrapper.get_val = lambda self, allow_cache_entry_mutation: get_val(self, True)  # type: ignore[method-assign]
     try:
         yield
     finally:
         _ckpt._CheckpointFrame = frame_cls  # type: ignore[misc]
         _ckpt.CheckpointFunction = reentrant  # type: ignore[misc]
+        _ckpt._VersionWrapper.get_val = get_val  # type: ignore[method-assign]
 
 
 def selective_policy(node: fx.Node) -> str | None:

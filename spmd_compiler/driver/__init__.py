@@ -10,6 +10,7 @@ simulated test harness (:mod:`spmd_compiler.testing`) all build on it.
 from .agreement import check_agreement, comm_device, compare_fingerprints, exchange, fingerprint
 from .batch import batch_placements, global_batch, sharded_batch_dims, signature, why_recompile
 from .build import Options, build_program, expand, gc_paused, optimize_program
+from .deferred_init import materialize
 from .distribute import distribute_state, is_distributed, is_host_scalar
 from .io import program_inputs, store_outputs
 from .step import Program, StepDriver, as_mesh
@@ -36,6 +37,7 @@ __all__ = [
     "exchange",
     "fingerprint",
     "distribute_state",
+    "materialize",
     "is_distributed",
     "is_host_scalar",
 ]

@@ -71,6 +71,18 @@ class Options:
             It matters for a model on ``meta`` (explain mode, compile-only checks): SDPA is
             traced as the fused kernel that device runs, so the program and its memory
             trace are that device's (``trace(device_type=...)``).
+        init_weights: how a model built on ``meta`` gets its values at the first call
+            (:mod:`.deferred_init`): ``"reset_parameters"`` (every module's) or a callable
+            ``init_weights(model)``, run on each rank's freshly allocated shards (DTensors), with
+            shard-independent random draws; None (the default): a model on meta is refused
+            unless the run is compile-only (explain mode, a batch on meta).
+        mixed_precision: a :class:`~spmd_compiler.MixedPrecisionPolicy` (FSDP2's: parameters
+            computed and gathered in ``param_dtype``, gradients reduced in float32), or None.
+        memory_budget_gb: GiB of device memory per rank; a program whose static peak
+            (``step.memory_trace()``) exceeds it raises MemoryBudgetError at compile time, on
+            every rank, with the peak, its largest contributors and a fix (:mod:`.budget`).
+        init_seed: the seed of those draws (``spmd_compiler.materialize(..., seed=)`` gives the
+            same values on one device).
     """
 
     fallback: str = "replicate"
@@ -88,6 +100,10 @@ class Options:
     dynamic: bool = False
     check_intent: bool = False
     device_type: str | None = None
+    init_weights: Any = None
+    init_seed: int = 0
+    mixed_precision: Any = None
+    memory_budget_gb: float | None = None
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -110,6 +126,17 @@ class Options:
             raise ValueError(f"cache_size={self.cache_size!r}: expected an int >= 1 (compiled programs to keep)")
         if self.device_type is not None and not isinstance(self.device_type, str):
             raise ValueError(f"device_type={self.device_type!r}: expected a device type such as 'cuda' or 'cpu', or None")
+        if self.init_weights is not None and not callable(self.init_weights) and self.init_weights != "reset_parameters":
+            raise ValueError(f"init_weights={self.init_weights!r}: expected 'reset_parameters', a callable init_weights(model), or None")
+        from ..plan import MixedPrecisionPolicy
+
+        if self.mixed_precision is not None and not isinstance(self.mixed_precision, MixedPrecisionPolicy):
+            raise ValueError(f"mixed_precision={self.mixed_precision!r}: expected a spmd_compiler.MixedPrecisionPolicy "
+                             f"(e.g. MixedPrecisionPolicy(param_dtype=torch.bfloat16)) or None")
+        if self.memory_budget_gb is not None and not (isinstance(self.memory_budget_gb, (int, float)) and self.memory_budget_gb > 0):
+            raise ValueError(f"memory_budget_gb={self.memory_budget_gb!r}: expected GiB > 0 per rank, or None")
+        if not isinstance(self.init_seed, int):
+            raise ValueError(f"init_seed={self.init_seed!r}: expected an int")
         if self.timeout is not None and not (isinstance(self.timeout, (int, float)) and self.timeout > 0):
             raise ValueError(f"timeout={self.timeout!r}: expected seconds > 0, or None for the process group's own")
 
@@ -270,7 +297,8 @@ def build_program(
             traced = trace(
                 fn, model, optimizer, *args, symbolic=options.symbolic,
                 symbolic_dims=sharded_batch_dims(plan, args, kwargs, len(tuple(mesh.shape)), dynamic=options.dynamic),
-                dynamic=options.dynamic, device_type=options.device_type or getattr(mesh, "device_type", None), **kwargs,
+                dynamic=options.dynamic, device_type=options.device_type or getattr(mesh, "device_type", None),
+                mixed_precision=options.mixed_precision, **kwargs,
             )
     with gc_paused():
         if options.dynamic:

@@ -6,6 +6,8 @@ new parameters, and any existing optimizer state and gradient (``.grad``) is a D
 laid out like its parameter. ``model.state_dict()`` / ``optimizer.state_dict()`` then return DTensors, which
 ``torch.distributed.checkpoint`` saves and loads. Values come from rank 0 (``distribute_tensor``
 scatters/broadcasts), so all ranks start identical even if they initialized differently.
+A model built on ``meta`` is instead allocated shard by shard and initialized there
+(``init_weights``, :mod:`.deferred_init`): no rank holds a whole parameter.
 """
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from ..errors import DeferredInitError
 from ..plan import Plan
 from ..trace.state import collect_state
 from ..trace.tracer import GraphInput
+from .deferred_init import _FIX_INIT, empty_shard, run_init, target_device
 
 __all__ = ["distribute_state", "state_inputs", "is_distributed", "is_host_scalar"]
 
@@ -64,16 +68,21 @@ def _set(model: torch.nn.Module, fqn: str, value: Any, buffer: bool) -> None:
         mod._parameters[attr] = value
 
 
-def distribute_state(model: torch.nn.Module, optimizer: Any, mesh: Any, plan: Plan) -> dict[str, tuple]:
+def distribute_state(model: torch.nn.Module, optimizer: Any, mesh: Any, plan: Plan, *, init_weights: Any = None,
+                     init_seed: int = 0, keep_meta: bool = False) -> dict[str, tuple]:
     """Shard ``model``'s parameters and buffers and ``optimizer``'s state per ``plan``.
 
-    Tensors that already are DTensors must already have the planned placements.
-    Returns the placements by input label.
+    Tensors that already are DTensors must already have the planned placements. Tensors
+    on ``meta`` stay on meta with ``keep_meta`` (a compile-only run); otherwise each rank
+    allocates its shards on the mesh's device and ``init_weights`` initializes them
+    (:mod:`.deferred_init`; None: DeferredInitError). Returns the placements by input label.
     """
     inputs, state = state_inputs(model, optimizer)
     resolved = plan.resolve(SimpleNamespace(inputs=inputs, state=state, model=model), mesh)
     placements = {inp.label: pl for inp, pl in zip(inputs, resolved.placements)}
     new_params: dict[int, torch.nn.Parameter] = {}
+    deferred = not keep_meta and _check_deferred(state, init_weights)
+    device = target_device(mesh.device_type) if deferred else None
     with torch.no_grad():
         for inp, pl in zip(inputs, resolved.placements):
             if inp.kind == "param":
@@ -81,7 +90,7 @@ def distribute_state(model: torch.nn.Module, optimizer: Any, mesh: Any, plan: Pl
                 if isinstance(p, DTensor):
                     _check(inp.label, p, pl)
                     continue
-                dt = distribute_tensor(p.detach(), mesh, list(pl))
+                dt = empty_shard(p, mesh, pl, device) if deferred and p.is_meta else distribute_tensor(p.detach(), mesh, list(pl))
                 new = torch.nn.Parameter(dt, requires_grad=p.requires_grad)
                 if p.grad is not None:  # a gradient accumulated before: laid out like its parameter
                     new.grad = distribute_tensor(p.grad.detach(), mesh, list(pl))
@@ -95,7 +104,12 @@ def distribute_state(model: torch.nn.Module, optimizer: Any, mesh: Any, plan: Pl
                 if isinstance(b, DTensor):
                     _check(inp.label, b, pl)
                     continue
-                _set(model, inp.name, distribute_tensor(b, mesh, list(pl)), buffer=True)
+                _set(model, inp.name, empty_shard(b, mesh, pl, device) if deferred and b.is_meta else distribute_tensor(b, mesh, list(pl)),
+                     buffer=True)
+        if deferred:  # every rank initializes its own shards (the init's ops are collective where DTensor's are)
+            _, replaced = run_init(model, init_weights, seed=init_seed, sharded=True)
+            for name, b in replaced.items():  # a buffer the init computed again (RoPE tables): placed as planned
+                _set(model, name, distribute_tensor(b.to(device), mesh, list(placements[name])), buffer=True)
         if optimizer is not None:
             old_state = optimizer.state
             for group in optimizer.param_groups:
@@ -118,6 +132,26 @@ def distribute_state(model: torch.nn.Module, optimizer: Any, mesh: Any, plan: Pl
             optimizer.state.update(new_state)
     log.info("distributed %d parameters and %d buffers over mesh %s", len(state.params), len(state.buffers), tuple(mesh.shape))
     return placements
+
+
+def _check_deferred(state: Any, init_weights: Any) -> bool:
+    """Whether the model is on meta and has an init path (DeferredInitError when it has none,
+    or when its optimizer already holds state or gradients on meta)."""
+    meta = [n for n, t in {**state.params, **state.buffers}.items() if t.is_meta and not isinstance(t, DTensor)]
+    if not meta:
+        return False
+    if init_weights is None:
+        raise DeferredInitError(
+            f"{len(meta)} parameter(s)/buffer(s) of the model are on the meta device ({', '.join(meta[:3])}"
+            f"{', ...' if len(meta) > 3 else ''}): a model built under torch.device('meta') has shapes but no values, and "
+            f"this step runs on real tensors", _FIX_INIT, meta)
+    stale = [n for (n, _), v in state.optim.items() if isinstance(v, torch.Tensor) and v.is_meta]
+    stale += [n for n, p in state.params.items() if p.grad is not None]
+    if stale:
+        raise DeferredInitError(
+            f"the optimizer state or gradients of {stale[:3]} exist already, on meta, before the model has values",
+            "build the optimizer on the meta model and call the compiled step before any optimizer.step()", stale)
+    return True
 
 
 def _check(label: str, t: DTensor, placements: tuple) -> None:

@@ -68,3 +68,23 @@ class DriverIntrospection:
         if self._current is None:
             return {}
         return dict(self._current.timings)
+
+    def _memory(self, step: Any, batch: tuple, kwargs: dict) -> Any:
+        """The program's static memory trace (a symbolic program's at this call's batch
+        sizes), with ``sizes_note`` saying which sizes; None where there is none to take."""
+        from ..dump.memory import memory_trace
+
+        backend = dist.get_backend() if dist.is_initialized() else None
+        if not step.size_symbols:
+            trace = memory_trace(step.gm, backend=backend)
+            trace.sizes_note = ""
+            return trace
+        from ..dump.sizes import SizeContext
+
+        try:
+            ctx = SizeContext(step, self._sizes.call_values(batch, kwargs, self._compiling)(step) if self._sizes else None)
+        except ValueError:  # a batch not laid out as torch.chunk cuts it: raised later, on every rank
+            ctx = SizeContext(step)
+        trace = memory_trace(step.gm, backend=backend, sizes=ctx if ctx.values is not None else None)
+        trace.sizes_note = f", batch sizes {ctx.call_text()}" if ctx.values is not None else ", the trace's example sizes"
+        return trace

@@ -33,9 +33,11 @@ from ..expand import ExpansionCache
 from ..plan import Plan
 from ..trace.state import StateCache, unwrap_compiled
 from ..trace.tracer import flatten_batch
+from .._format import format_bytes
 from .agreement import check_agreement, exchange
 from .batch import signature, why_recompile
 from .batch_digest import batch_digests, value_slots, values_error
+from .budget import check_budget
 from .build import Options
 from .cache_watch import CacheWatch
 from .checkpoint import DriverCheckpoints
@@ -129,14 +131,21 @@ class StepDriver(DriverIntrospection, DriverCheckpoints):
         return self._mesh
 
     # ------------------------------------------------------------------ state
-    def distribute(self, model: torch.nn.Module, optimizer: Any = None) -> None:
+    def distribute(self, model: torch.nn.Module, optimizer: Any = None, *, _batch: Any = None) -> None:
         """Shard ``model``/``optimizer`` per the plan now (the first call does it too).
 
         Call it before loading a checkpoint, so the state dicts hold DTensors to load into.
+        A model built on ``meta`` is allocated shard by shard and initialized with the
+        ``init_weights`` option (:mod:`.deferred_init`); it stays on meta in a compile-only
+        run (explain mode, or a first call whose batch is on meta).
         """
         model = unwrap_compiled(model)
         if not is_distributed(model):
-            distribute_state(model, optimizer, self.mesh, self.plan)
+            leaves = [t for t in flatten_batch(*_batch)[0] if isinstance(t, torch.Tensor)] if _batch is not None else []
+            keep_meta = self.explain or (bool(leaves) and all(t.is_meta for t in leaves))
+            distribute_state(model, optimizer, self.mesh, self.plan, init_weights=self.options.init_weights,
+                             init_seed=self.options.init_seed, keep_meta=keep_meta)
+
     def _lazy_state(self, optimizer: Any) -> bool:
         """Create the optimizer's lazy state now (what its first ``step()`` creates before
         its update, :func:`pt.create_lazy_state`), so the first call compiles the steady
@@ -165,7 +174,7 @@ class StepDriver(DriverIntrospection, DriverCheckpoints):
         model = unwrap_compiled(model)  # a torch.compile'd model: its original module
         state = self._state(model, optimizer)
         if not state.params or not all(isinstance(p, DTensor) for p in state.params.values()):
-            self.distribute(model, optimizer)
+            self.distribute(model, optimizer, _batch=(batch, kwargs))
             state = self._state(model, optimizer)
         if optimizer is not None and self._lazy_state(optimizer):
             state = self._state(model, optimizer)
@@ -388,12 +397,16 @@ class StepDriver(DriverIntrospection, DriverCheckpoints):
         log.info("compiling %s (%s)", name, reason)
         start = time.perf_counter()
         error: BaseException | None = None
-        step, texts = None, {}
+        step, texts, memory = None, {}, None
         try:  # anything that can fail on one rank fails here, before the step's first collective
             step, texts = self._build(model, optimizer, batch, kwargs)
             bad_ids = embedding_ids_error(step.traced, batch, kwargs)  # once per compile, on the batch it is for
             if bad_ids is not None:
                 raise bad_ids
+            memory = self._memory(step, batch, kwargs) if self.options.memory_budget_gb or log.isEnabledFor(logging.INFO) else None
+            step.static_peak_bytes = memory.peak_bytes if memory is not None else None
+            if memory is not None and self.options.memory_budget_gb:
+                check_budget(memory, self.options.memory_budget_gb, name=name)
             self._dump(step, texts)
         except BaseException as e:  # reported to every rank by check_agreement (an interrupt too)
             error = e
@@ -413,27 +426,16 @@ class StepDriver(DriverIntrospection, DriverCheckpoints):
         self.compiles += 1
         step.timings["total"] = elapsed
         if log.isEnabledFor(logging.INFO):
-            from ..dump.memory import memory_trace
             from ..dump.summary import comm_summary
 
             log.info("collectives per rank per step:\n%s", comm_summary(step.gm).table())
-            backend = dist.get_backend() if dist.is_initialized() else None
-            if not step.size_symbols:
-                log.info("memory per rank per step (static trace):\n%s", memory_trace(step.gm, backend=backend).table())
-            else:  # a symbolic program's bytes depend on the batch sizes of each call: this one's
-                from ..dump.sizes import SizeContext
-
-                try:
-                    ctx = SizeContext(step, self._sizes.call_values(batch, kwargs, self._compiling)(step) if self._sizes else None)
-                except ValueError:  # a batch not laid out as torch.chunk cuts it: raised below, on every rank
-                    ctx = SizeContext(step)
-                log.info("memory per rank per step (static trace, %s):\n%s",
-                         f"batch sizes {ctx.call_text()}" if ctx.values is not None else "the trace's example sizes",
-                         memory_trace(step.gm, backend=backend, sizes=ctx if ctx.values is not None else None).table())
+            if memory is not None:
+                log.info("memory per rank per step (static trace%s):\n%s", memory.sizes_note, memory.table())
+            peak = f", static peak {format_bytes(memory.peak_bytes)} per rank" if memory is not None else ""
             log.info(
-                "compiled %s in %.2fs (%s): %d nodes, %d collectives", name, elapsed,
+                "compiled %s in %.2fs (%s): %d nodes, %d collectives%s", name, elapsed,
                 ", ".join(f"{k} {v:.2f}s" for k, v in step.timings.items() if not k.startswith("pass ") and k != "total"),
-                len(step.gm.graph.nodes), len(step.collectives()),
+                len(step.gm.graph.nodes), len(step.collectives()), peak,
             )
         return Program(step, elapsed, reason, dict(step.timings), draws=self._draws(step), state_changed=state_changed)
 

@@ -27,7 +27,7 @@ from .advice import log_advice
 from .builder import local_fake
 from .cache import ExpansionCache
 from ..trace.markers import MARKER
-from .fsdp import fsdp_gathered, regathered_view
+from .fsdp import fsdp_cast, fsdp_gathered, is_precision_cast, regathered_view
 from .recipes import expand_node
 from .symbolic import LocalSizes, size_symbols_of, symbolic_local_shape, symint_of, trace_fake_mode
 from .values import DSymInt, DValue, MeshContext, RScalar, placements_text, sym_apply
@@ -154,6 +154,7 @@ class Expansion:
         self._gathered: dict[tuple[fx.Node, str], DValue] = {}
         self._written = positions.written_storages(traced.gm.graph)  # no position tensor among these
         self._regathered: dict[fx.Node, DValue] = {}  # traced forward view -> its backward replay
+        self._cast_shards: dict[tuple[fx.Node, Any], DValue] = {}  # (FSDP shard, dtype) -> the shard cast (fsdp_cast)
         # each traced input as planned (env entries may later point at reduced copies),
         # in the order of traced.inputs; input_value() finds one by name
         self.input_values: list[DValue] = []
@@ -288,6 +289,8 @@ class Expansion:
             swap = {a: v for a in traced if (v := regathered_view(self, a, node)) is not None}
             if swap:
                 args, kwargs = tree_map(lambda x: swap[x] if isinstance(x, fx.Node) and x in swap else self._lookup(x), (node.args, node.kwargs))
+        if self.fsdp_axes and phase in ("forward", "backward") and is_precision_cast(target, args, kwargs):
+            return fsdp_cast(self, node, target, args, kwargs)  # mixed precision: cast the shard, gather the cast
         if self.fsdp_axes and phase in ("forward", "backward") and isinstance(target, torch._ops.OpOverload):
             args, kwargs = tree_map(
                 lambda v: fsdp_gathered(self, v, node, phase) if isinstance(v, DValue) and "fsdp" in v.extra else v, (args, kwargs)

@@ -11,6 +11,16 @@ forward's gather that autograd saved (``t(weight)``) reads the same view of the 
 gather instead (:func:`regathered_view`), so the full parameter is not resident between
 its forward and its backward. With ``False`` one gather serves both phases.
 
+Mixed precision (``compile(mixed_precision=MixedPrecisionPolicy(param_dtype=torch.bfloat16))``
+or ``torch.autocast``): a cast of an FSDP parameter to a narrower float dtype is made on
+the shard, before the gather (:func:`fsdp_cast`), so the gather carries the narrow dtype
+(half the bytes for bfloat16), as ``fully_shard``'s ``param_dtype`` does; the cast shard
+is then an FSDP value like its parameter (gathered per phase, fused per unit, its nodes
+marked ``spmd_param_cast`` so passes see the parameter through it, and placed at the
+program's start, so a unit's casts are ready together and its gathers fuse). Its gradient, cast
+back to the parameter's dtype by the cast's backward, is reduced in that dtype (float32:
+FSDP2's ``reduce_dtype=torch.float32``).
+
 The root unit (parameters outside any numbered block, :func:`unit_of`: embeddings, the
 final norm, the output head) is kept from forward to backward under ``True`` too, as
 ``fully_shard`` does for its root module: its parameters are read last in forward and
@@ -25,6 +35,7 @@ import re
 
 from typing import Any
 
+import torch
 import torch.fx as fx
 
 from .. import _private_torch as pt
@@ -33,7 +44,11 @@ from .splice import FSDP_GATHER, redistribute_value
 from .tree import tree_map
 from .values import DValue
 
-__all__ = ["fsdp_gathered", "regathered_view", "is_view_op", "nodes_after", "unit_of", "kept_for_backward"]
+__all__ = ["fsdp_gathered", "regathered_view", "is_view_op", "nodes_after", "unit_of", "kept_for_backward", "fsdp_cast",
+           "is_precision_cast", "PARAM_CAST"]
+
+PARAM_CAST = "spmd_param_cast"  # meta of the nodes casting an FSDP shard (the parameter's FQN)
+_CAST_KWARGS = {"dtype", "layout", "device", "pin_memory"}
 
 
 def unit_of(fqn: str) -> str:
@@ -66,6 +81,39 @@ def is_view_op(target: Any) -> bool:
     """An aten op whose result is a view of its first argument (``t``, ``view``, ``detach``)."""
     rets = getattr(getattr(target, "_schema", None), "returns", None)
     return bool(rets and rets[0].alias_info is not None and not rets[0].alias_info.is_write)
+
+
+def is_precision_cast(target: Any, args: tuple, kwargs: dict) -> bool:
+    """``_to_copy(p, dtype=...)`` of an FSDP value to a narrower floating dtype, nothing else changed."""
+    if target is not torch.ops.aten._to_copy.default or not args or not isinstance(args[0], DValue) or "fsdp" not in args[0].extra:
+        return False
+    src, dtype = args[0].spec.tensor_meta.dtype, kwargs.get("dtype")
+    device = kwargs.get("device")
+    return (set(kwargs) <= _CAST_KWARGS and isinstance(dtype, torch.dtype) and dtype.is_floating_point and src.is_floating_point
+            and dtype.itemsize < src.itemsize and (device is None or torch.device(device) == args[0].local.device)
+            and kwargs.get("layout") in (None, torch.strided))
+
+
+def fsdp_cast(ex: Any, node: fx.Node, target: Any, args: tuple, kwargs: dict) -> DValue:
+    """The cast of an FSDP parameter made on its shard (:func:`is_precision_cast`): an FSDP
+    value itself, which its readers gather; one per parameter and dtype."""
+    value = args[0]
+    key = (value.node, kwargs["dtype"])
+    got = ex._cast_shards.get(key)
+    if got is None:
+        last = next(iter(reversed(ex.graph.nodes)))
+        got = expand_node(ex, node, target, args, kwargs)
+        if tuple(got.spec.placements) != tuple(value.spec.placements):  # not cast where it lies: the plain path
+            return expand_node(ex, node, target, (fsdp_gathered(ex, value, node, node.meta.get("spmd_phase")), *args[1:]), kwargs)
+        made = nodes_after(ex.graph, last)
+        first = next(n for n in ex.graph.nodes if n.op != "placeholder")
+        for n in made:  # at the program's start, as the parameter: every cast shard exists before any unit's gather
+            n.meta[PARAM_CAST] = value.extra["fsdp"]
+            if first not in made:
+                first.prepend(n)
+        got.extra["fsdp"] = value.extra["fsdp"]
+        ex._cast_shards[key] = got
+    return got
 
 
 def fsdp_gathered(ex: Any, value: DValue, node: fx.Node, phase: str) -> DValue:
@@ -106,8 +154,8 @@ def regathered_view(ex: Any, x: fx.Node, node: fx.Node) -> DValue | None:
         if not (root.args and isinstance(root.args[0], fx.Node)):
             return None
         root = root.args[0]
-    shard = ex.env.get(root)
-    if not chain or root.op != "placeholder" or not (isinstance(shard, DValue) and "fsdp" in shard.extra):
+    shard = ex.env.get(root)  # the parameter's shard, or its cast (fsdp_cast)
+    if not chain or not (isinstance(shard, DValue) and "fsdp" in shard.extra):
         return None
     if kept_for_backward(ex, shard):
         return None  # the root unit: the view autograd saved reads the forward's gather, kept

@@ -217,11 +217,12 @@ def _fuse(gm: fx.GraphModule, bucket: list[fx.Node], pos: dict[fx.Node, float], 
         g.erase_node(member)
 
 
-def _coordinate(gm: fx.GraphModule, comm: dict[str, Any]) -> fx.Node:
-    """The placeholder of this rank's coordinate on ``comm``'s mesh axis (its index in the group)."""
+def _coordinate(gm: fx.GraphModule, comm: dict[str, Any]) -> fx.Node | None:
+    """The placeholder of this rank's coordinate on ``comm``'s mesh axis (its index in the
+    group); None in a pipeline stage's piece that does not take it (no rider then)."""
     coords = [n for n in gm.graph.find_nodes(op="placeholder") if n.meta.get("spmd_coord") == comm.get("axis_name")]
-    assert len(coords) == 1, (comm.get("axis_name"), coords)
-    return coords[0]
+    assert len(coords) <= 1, (comm.get("axis_name"), coords)
+    return coords[0] if coords else None
 
 
 def _rider_rows(add: Callable[..., fx.Node], x: fx.Node, coord: fx.Node, n: int) -> fx.Node:
@@ -283,8 +284,8 @@ def _riders(
         op = "sum" if n.args[1] == "avg" and floating else n.args[1]  # a mean is a sum divided by the group size
         key = (c["kind"], n.args[-1], op, c["dtype"], c["group_size"])
         candidates = [*planned.get(key, ())]
-        if op == "sum" and floating:  # a sum can also ride in a reduce_scatter bucket (FSDP), in every row
-            candidates += planned.get(("reduce_scatter", *key[1:]), ())
+        if op == "sum" and floating and _coordinate(gm, c) is not None:  # a sum can also ride in a reduce_scatter
+            candidates += planned.get(("reduce_scatter", *key[1:]), ())    # bucket (FSDP), in every row (_rider_rows)
         touch, use = _reads(waits[0], pos)
         written = writes.get(alias_root(src), ())
         for b in candidates:

@@ -28,7 +28,7 @@ import torch.fx as fx
 
 from ..expand.fsdp import unit_of
 from ..expand.splice import FSDP_GATHER
-from .graph_utils import WAIT, alias_root, fused_comm, is_collective, is_wait, new_node, positions, prep_chain, written_inputs
+from .graph_utils import WAIT, alias_root, fused_comm, param_root, is_collective, is_wait, new_node, positions, prep_chain, written_inputs
 
 __all__ = ["bucket_parameter_gathers_pass", "unit_of"]
 
@@ -48,7 +48,7 @@ def _gathered_input(n: fx.Node) -> Any:
         return None
     chain = prep_chain(n)
     src = chain[-1].args[0] if chain else n.args[0]
-    root = alias_root(src)
+    root = param_root(src)  # the parameter, or (mixed precision) the parameter whose cast shard it gathers
     inp = root.meta.get("spmd_input") if isinstance(root, fx.Node) else None
     if isinstance(root, fx.Node) and root.op == "placeholder" and inp is not None and inp.kind in ("param", "buffer"):
         return inp

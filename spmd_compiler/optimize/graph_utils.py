@@ -60,6 +60,16 @@ def alias_root(node: Any) -> Any:
     return node
 
 
+def param_root(node: Any) -> Any:
+    """:func:`alias_root`, through the casts of an FSDP shard to its compute dtype (mixed
+    precision: ``meta["spmd_param_cast"]``, :mod:`spmd_compiler.expand.fsdp`): the
+    parameter placeholder a gather of a cast shard collects."""
+    root = alias_root(node)
+    while isinstance(root, fx.Node) and root.meta.get("spmd_param_cast") and root.args and isinstance(root.args[0], fx.Node):
+        root = alias_root(root.args[0])
+    return root
+
+
 def written_roots(gm: fx.GraphModule) -> set[fx.Node]:
     """Storage roots written by some in-place op anywhere in the graph."""
     return {alias_root(n.args[0]) for n in gm.graph.nodes if is_inplace(n) and isinstance(n.args[0], fx.Node)}

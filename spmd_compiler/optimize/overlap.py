@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from .graph_utils import alias_root, hoist, is_collective, is_wait, move_before, positions, prep_chain, writes_by_root
+from .graph_utils import alias_root, hoist, param_root, is_collective, is_wait, move_before, positions, prep_chain, writes_by_root
 
 __all__ = ["overlap_pass", "is_param_gather"]
 
@@ -30,7 +30,7 @@ def is_param_gather(n: fx.Node) -> bool:
         return False
     chain = prep_chain(n)
     src = chain[-1].args[0] if chain else n.args[0]
-    root = alias_root(src)
+    root = param_root(src)
     inp = root.meta.get("spmd_input") if isinstance(root, fx.Node) else None
     return root.op == "placeholder" and inp is not None and inp.kind in ("param", "buffer")
 

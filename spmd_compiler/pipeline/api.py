@@ -42,6 +42,13 @@ class Pipeline:
             during its backward instead of keeping its activations.
         scale_grads: divide gradients summed over micro-batches by ``chunks`` (the loss
             is a mean, as on one device); with False they are summed.
+        reshard_between_microbatches: False (the default): what a stage computes from its
+            parameters alone, FSDP gathers above all, runs once per step before its first
+            micro-batch and is kept until its last backward (the stage's gathered
+            parameters stay resident for the step, as ``fully_shard`` with
+            ``reshard_after_forward=False`` under torchtitan's pipelines); True: gathered
+            again for every micro-batch's forward and backward, as the plan's
+            ``reshard_after_forward`` says (less memory, ``2 x chunks`` times the bytes).
     """
 
     axis: str = "pp"
@@ -53,6 +60,7 @@ class Pipeline:
     no_chunk: Sequence[str] = ()
     checkpoint: str = "never"
     scale_grads: bool = True
+    reshard_between_microbatches: bool = False
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -3,6 +3,9 @@
 Each rank of the pipeline axis holds one stage (or several with Interleaved1F1B: stage
 ``s`` lives on pipeline rank ``s mod p``). For every step the rank walks its schedule:
 
+* before the first action of stage ``s`` in a step: ``G[s]``, what its forward and
+  backward compute from the parameters alone (FSDP gathers), kept until its last
+  backward of the step;
 * ``F(s, mb)``: receive the forward values stage ``s`` reads from earlier stages (shapes
   and dtypes are known from compile time, so buffers are allocated up front and nothing
   else is exchanged), run ``F[s]`` on micro-batch ``mb``, send its values to later stages;
@@ -143,6 +146,8 @@ class PipelineRunner:
         store: list[dict[str, Any]] = [dict() for _ in range(self.m)]
         drew: dict[tuple[int, int], Any] = {}  # checkpointing: generator state before a forward that draws
         acc: dict[str, torch.Tensor] = {}
+        gathered: dict[int, dict[str, Any]] = {}  # per stage: its G piece's values for this step
+        last_use = {a.stage: i for i, a in enumerate(self.order) if a.kind in ("F", "B")}
         sends: list[Any] = []
         outputs: dict[str, list[Any]] = defaultdict(list)
         program = self.program
@@ -174,6 +179,8 @@ class PipelineRunner:
                     args.append(feed(name, mb))
                 elif name in values:
                     args.append(values[name])
+                elif name in gathered.get(stage, ()):
+                    args.append(gathered[stage][name])
                 elif kind == "O" and name in acc:
                     args.append(acc[name])
                 else:
@@ -189,6 +196,9 @@ class PipelineRunner:
         for position, action in enumerate(self.order):
             s, kind, mb = action.stage, action.kind, action.microbatch
             values = store[mb]
+            if s not in gathered:  # the stage's parameter-only values, once per step
+                gathered[s] = {}
+                run_piece(s, "G", None, gathered[s])
             for r in self.routes:  # inputs from other stages
                 if r.dst == s and r.dst_kind == kind and r.src_kind in ("F", "B") and r.src not in self.my_stages:
                     recv(r, mb, values)
@@ -210,6 +220,8 @@ class PipelineRunner:
             if kind in ("F", "B"):
                 self._accumulate(s, kind, values, acc)
             self._release(position, mb, values)
+            if last_use.get(s) == position and not self._optimizer_reads_g(s):  # no later action reads them
+                gathered[s] = {}
             live = self._live_bytes(store)
             self.peak_activation_bytes = max(self.peak_activation_bytes, live)
         # gradients summed over micro-batches, to the optimizer
@@ -235,6 +247,10 @@ class PipelineRunner:
             if name in step_values:
                 result[name] = [step_values[name]]
         return result
+
+    def _optimizer_reads_g(self, stage: int) -> bool:
+        g, o = self.program.pieces.get((stage, "G")), self.program.pieces.get((stage, "O"))
+        return g is not None and o is not None and bool(set(g.outputs) & set(o.inputs))
 
     def _draws(self, stage: int) -> bool:
         """The stage's forward piece has random ops (dropout...)."""

@@ -9,8 +9,10 @@ under their original FQNs: ``model.state_dict()`` on a rank holds that stage's s
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import time
 import pathlib
 from typing import Any
 
@@ -56,12 +58,15 @@ class PipelinedStep(StageOwnership, StepDriver):
 
     def __init__(self, fn: Any, *, mesh: Any, plan: Any = None, pipeline: Pipeline, piece_runner: Any = None,
                  **options: Any) -> None:
-        options.setdefault("passes", [])
         self.pipeline = pipeline  # read by _per_shape, during StepDriver.__init__
         super().__init__(fn, mesh=mesh, plan=plan, **options)
         if self.options.backend != "eager" and piece_runner is None:
             raise ValueError(f"backend={self.options.backend!r} needs a piece_runner for the stage pieces; "
                              f"fix: compile through spmd_compiler.compile(..., pipeline=...)")
+        if self.options.memory_budget_gb is not None:
+            raise ValueError(f"compile(memory_budget_gb={self.options.memory_budget_gb}) is not checked for pipelined steps yet "
+                             f"(their memory is per stage and micro-batch, not one program's static trace); fix: leave it out, "
+                             f"or check the plan's memory without pipeline= first")
         self.pipeline = pipeline
         self.piece_runner = piece_runner  # (piece, timings) -> runner of the piece; None: its GraphModule
         self._ghosts: dict[str, tuple[Any, ...]] = {}  # dropped params: shape, dtype, device, grad, group, position
@@ -103,10 +108,14 @@ class PipelinedStep(StageOwnership, StepDriver):
 
     @property
     def stage_plan(self) -> Any:
-        """The user's plan (for the non-pipeline axes) with the pipeline's batch default."""
-        if self.mesh.ndim == 1:
-            return self.full_plan
-        return pipeline_plan(self._user_plan, None, self.mesh.ndim)
+        """The user's plan (for the non-pipeline axes) with the pipeline's batch default;
+        FSDP parameters gathered once per step and stage (one gather for forward and
+        backward, hoisted into the stage's G piece) unless the pipeline reshards between
+        micro-batches."""
+        plan = self.full_plan if self.mesh.ndim == 1 else pipeline_plan(self._user_plan, None, self.mesh.ndim)
+        if not self.pipeline.reshard_between_microbatches:
+            plan = dataclasses.replace(plan, reshard_after_forward=False)
+        return plan
 
     def _full_placements(self, placements: Any) -> list[Any]:
         """Stage-mesh placements widened with Replicate on the pipeline axis."""
@@ -115,9 +124,9 @@ class PipelinedStep(StageOwnership, StepDriver):
             out.insert(self.pp_index, Replicate())
         return out
 
-    def distribute(self, model: torch.nn.Module, optimizer: Any = None) -> None:
+    def distribute(self, model: torch.nn.Module, optimizer: Any = None, *, _batch: Any = None) -> None:
         self.plan = self.full_plan
-        super().distribute(model, optimizer)
+        super().distribute(model, optimizer, _batch=_batch)
 
     # ------------------------------------------------------------------ batch
     def _global_batch(self, batch: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -172,7 +181,8 @@ class PipelinedStep(StageOwnership, StepDriver):
         with self._ghosted(model, optimizer), gc_paused():
             traced = trace(
                 self.fn, model, optimizer, *g_args, symbolic=self.symbolic, split_points=split, fused_optimizer=False,
-                symbolic_dims=dims, dynamic=dynamic, device_type=self.options.device_type or smesh.device_type, **g_kwargs
+                symbolic_dims=dims, dynamic=dynamic, device_type=self.options.device_type or smesh.device_type,
+                mixed_precision=self.options.mixed_precision, **g_kwargs
             )
         _refuse_kept_gradients(traced)
         defer_batchnorm_stats(traced.gm, cfg.chunks)
@@ -193,8 +203,9 @@ class PipelinedStep(StageOwnership, StepDriver):
             shape_env = pt.shape_env_of(pt.fake_mode_of(traced.placeholders()[step.size_symbols[0].index].meta["val"]))
             step.size_guards = SizeGuards(shape_env, step.size_symbols, step.size_definitions, step.size_coordinates,
                                           size_symbols_of(traced, every=True))
-        program = split_program(step.gm, assignment)
+        program = split_program(step.gm, assignment, hoist_params=not cfg.reshard_between_microbatches)
         coord = list(mesh.get_coordinate())
+        self._optimize_pieces(step, program, [s for s in range(stages) if s % pp == coord[pp_index]])
         mesh_ranks = mesh.mesh
 
         def stage_rank(stage: int) -> int:
@@ -211,6 +222,29 @@ class PipelinedStep(StageOwnership, StepDriver):
         step.assignment = assignment
         step.program = program
         return step, {}
+
+    def _optimize_pieces(self, step: Any, program: Any, mine: list[int]) -> None:
+        """The passes (``compile(passes=...)``, default :func:`~spmd_compiler.optimize.default_passes`)
+        on every piece of this rank's stages: gathers fused per unit in G, gradient
+        reductions bucketed in O, collectives overlapped in F and B. Each piece keeps its
+        inputs and outputs (the runner binds them by position)."""
+        from ..optimize import run_passes
+
+        passes = self.options.pass_list()
+        if not passes:
+            return
+        t0 = time.perf_counter()
+        for (s, kind), piece in sorted(program.pieces.items()):
+            if s in mine:
+                piece.gm, records = run_passes(piece.gm, passes, disabled=self.passes_disabled)
+                for r in records:
+                    step.timings[f"pass {r.name}"] = step.timings.get(f"pass {r.name}", 0.0) + r.seconds
+        step.timings["passes"] = time.perf_counter() - t0
+
+    def _memory(self, step: Any, batch: tuple, kwargs: dict) -> Any:
+        """None: a pipeline's memory is per stage piece and micro-batch (``peak_activation_bytes``
+        after a step), not the whole one-micro-batch program's static trace."""
+        return None
 
     def _draws(self, step: Any) -> bool:
         """No world-wide generator agreement: each stage draws on its own ranks, so the

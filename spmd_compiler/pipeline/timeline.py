@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 __all__ = ["format_timeline", "chrome_trace_events", "bubble_fractions", "COMPUTE_KINDS"]
 
-COMPUTE_KINDS = ("F", "B", "O", "R")
+COMPUTE_KINDS = ("G", "F", "B", "O", "R")
 
 
 def _as_dict(span: Any) -> dict:
@@ -38,7 +38,7 @@ def _bounds(spans_by_rank: Sequence[Sequence[Any]]) -> tuple[float, float]:
 
 
 def bubble_fractions(spans_by_rank: Sequence[Sequence[Any]]) -> list[float]:
-    """Per rank: 1 - (time in F/B/O/R) / (step wall time, first start to last end over
+    """Per rank: 1 - (time in G/F/B/O/R) / (step wall time, first start to last end over
     all ranks)."""
     t0, t1 = _bounds(spans_by_rank)
     total = max(t1 - t0, 1e-12)
@@ -57,8 +57,8 @@ def _char(span: dict) -> str:
         return string.ascii_lowercase[mb % 26] if mb is not None else "B"
     if kind == "R":
         return "r"
-    if kind == "O":
-        return "O"
+    if kind in ("O", "G"):
+        return kind
     if kind == "recv":
         return "~"
     return ""  # sends are asynchronous: they take no visible time
@@ -70,7 +70,7 @@ def format_timeline(spans_by_rank: Sequence[Sequence[Any]], *, width: int = 72) 
     total = max(t1 - t0, 1e-12)
     bubbles = bubble_fractions(spans_by_rank)
     lines = [f"step {total * 1e3:.2f} ms, {width} slots of {total * 1e3 / width:.3f} ms; "
-             "digits: forward of micro-batch n, letters: backward (a = 0), r: recompute, O: optimizer, ~: receive wait"]
+             "digits: forward of micro-batch n, letters: backward (a = 0), r: recompute, G: parameter gathers, O: optimizer, ~: receive wait"]
     for rank, row in enumerate(spans_by_rank):
         cells = [" "] * width
         # compute spans drawn last so they win over receive waits in a shared slot

@@ -26,9 +26,10 @@ from .resolve import (
     _style_params,
 )
 from .context import ContextParallel, CPLayout, head_tail_index
+from .precision import MixedPrecisionPolicy
 from .spec import Plan
 
-__all__ = ["Plan", "ContextParallel", "CPLayout", "ResolvedPlan", "head_tail_index", "normalize_placements"]
+__all__ = ["Plan", "ContextParallel", "CPLayout", "MixedPrecisionPolicy", "ResolvedPlan", "head_tail_index", "normalize_placements"]
 
 # the helpers below lived in this module before it became a package; still importable
 _MOVED = (PlacementsLike, _batch_placements, _check_dims, _fit_wildcard, _fsdp_buffer, _has_dim, _is_style, _near,

@@ -270,7 +270,7 @@ def _is_host(n: fx.Node) -> bool:
     return n.target is resync_if_flagged or n.target is digest_elements
 
 
-_PIECE_KINDS = {"F": "forward", "B": "backward", "O": "optimizer"}
+_PIECE_KINDS = {"G": "parameter", "F": "forward", "B": "backward", "O": "optimizer"}
 
 
 def piece_runner(piece: Any, timings: dict[str, float]) -> InductorRunner:

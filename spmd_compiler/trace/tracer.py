@@ -10,10 +10,11 @@ tensor dim (see :class:`spmd_compiler.expand.DSymInt`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -47,6 +48,42 @@ def _safe_name(text: str) -> str:
     return re.sub(r"[^0-9a-zA-Z_]", "_", text).strip("_")
 
 
+@contextlib.contextmanager
+def _mixed_precision(model: torch.nn.Module, policy: Any) -> Iterator[None]:
+    """Mixed precision, as FSDP2 does it: while a module's forward runs (the recomputation
+    of a checkpointed one included), its own parameters are their casts to ``param_dtype``;
+    outside it they are the parameters themselves, so code after ``backward()``
+    (``clip_grad_norm_(model.parameters())``) sees them and their gradients. The root's
+    floating inputs are cast too."""
+    if policy is None or policy.param_dtype is None:
+        yield
+        return
+    saved: dict[int, list[dict[str, Any]]] = {}
+
+    def before(module: torch.nn.Module, args: tuple) -> None:
+        own = dict(module._parameters)
+        saved.setdefault(id(module), []).append(own)
+        module._parameters.update(policy.cast({n: p for n, p in own.items() if p is not None}))
+
+    def after(module: torch.nn.Module, args: tuple, output: Any) -> None:
+        stack = saved.get(id(module))
+        if stack:
+            module._parameters.update(stack.pop())
+
+    owners = [m for m in model.modules() if any(p is not None for p in m._parameters.values())]
+    handles = [model.register_forward_pre_hook(policy.cast_inputs, with_kwargs=True)]
+    for m in owners:
+        handles += [m.register_forward_pre_hook(before), m.register_forward_hook(after, always_call=True)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        for m in owners:
+            for own in reversed(saved.get(id(m), [])):
+                m._parameters.update(own)
+
+
 def trace(
     step_fn: Callable[..., Any],
     model: torch.nn.Module,
@@ -58,6 +95,7 @@ def trace(
     fused_optimizer: bool = True,
     dynamic: bool = False,
     device_type: str | None = None,
+    mixed_precision: Any = None,
     **batch_kwargs: Any,
 ) -> TracedStep:
     """Trace ``step_fn(model, optimizer, *batch, **batch_kwargs)`` into a :class:`TracedStep`.
@@ -96,6 +134,11 @@ def trace(
     ``meta``, composite ops keep their autograd and foreach gradient clipping works as on
     a real device, whatever ``device_type``.
 
+    ``mixed_precision`` (a :class:`~spmd_compiler.MixedPrecisionPolicy`): while the model's
+    forward runs, every floating parameter is its cast to ``param_dtype`` (cast when the
+    forward starts) and its floating inputs are cast; the optimizer, and any code outside
+    the forward, see the parameters themselves.
+
     Example::
 
         traced = spmd_compiler.trace(train_step, model, opt, x, y)
@@ -104,6 +147,8 @@ def trace(
     if not callable(step_fn):
         raise TypeError(f"step_fn must be callable, got {type(step_fn).__name__}")
     state = collect_state(model, optimizer)
+    if mixed_precision is not None:
+        mixed_precision.check(state.params)
     leaves, batch_spec, paths = flatten_batch(batch, batch_kwargs)
 
     inputs: list[GraphInput] = []
@@ -200,7 +245,8 @@ def trace(
             if isinstance(leaf, torch.Tensor):
                 batch_leaves[i] = next(it)
         b_args, b_kwargs = pytree.tree_unflatten(batch_leaves, batch_spec)
-        with swapped_state(model, optimizer, state, params, buffers, optim, hparams) as ctx, gradient_links(params):
+        with swapped_state(model, optimizer, state, params, buffers, optim, hparams) as ctx, gradient_links(params), \
+                _mixed_precision(model, mixed_precision):
             result = step_fn(model, optimizer, *b_args, **b_kwargs)
             final_buffers = {n: _module_tensor(model, n) for n in state.buffers}
             final_optim = ctx["optim_state"]()
