@@ -28,7 +28,8 @@ class DriverIntrospection:
         folder = write_dump(
             dump_root(self.dump_dir), step, name=name, expanded_text=texts.get("expanded"), pass_texts=texts.get("passes", []),
             notes=texts.get("notes"),
-            info={"world size": dist.get_world_size() if dist.is_initialized() else 1}, sizes=values,
+            info={"world size": dist.get_world_size() if dist.is_initialized() else 1,
+                  **({"compiled because": texts["reason"]} if texts.get("reason") else {})}, sizes=values,
         )
         self.dumps.append(folder)
         log.info("dump of %s written to %s", name, folder)

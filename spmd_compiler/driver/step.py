@@ -346,7 +346,7 @@ class StepDriver(DriverIntrospection, DriverCheckpoints):
             bad_ids = embedding_ids_error(step.traced, batch, kwargs)  # once per compile, on the batch it is for
             if bad_ids is not None:
                 raise bad_ids
-            self._dump(step, texts)
+            self._dump(step, {**texts, "reason": reason})
         except BaseException as e:  # reported to every rank by check_agreement (an interrupt too)
             error = e
         if self.options.check_ranks:
