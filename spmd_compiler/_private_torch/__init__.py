@@ -65,7 +65,7 @@ from .grouped_mm import GROUPED_MM, explain_grouped_mm_error, grouped_mm_out_sha
 from .rows_exchange import ALL_TO_ALL_ROWS, rows_exchange_inputs
 from .stack_traces import fast_stack_traces, unchecked_symbolic_pow
 from .distributed import (
-    world_info, group_name, set_group_timeout, default_store, pipeline_order, collectives_launched,
+    world_info, group_name, set_group_timeout, default_store, pipeline_order, collectives_launched, drop_mesh_groups,
 )
 
 __all__ = [
@@ -85,7 +85,7 @@ __all__ = [
     "fake_mode_of", "sym_expr", "shape_env_guards", "symbol_range", "is_symbolic", "sym_free_symbols",
     "symbol_of", "unbacked_symbols", "branch_atom", "sympy_as_python", "set_real_value",
     "propagating_real_values", "real_value_branches", "is_real_value_log", "record_stack_traces_of",
-    "data_dependent_exceptions", "batchnorm_base", "collectives_launched", "inductor_compile", "inductor_compile_symbolic", "inductor_cache_counts", "inductor_cache_dir",
+    "data_dependent_exceptions", "batchnorm_base", "collectives_launched", "drop_mesh_groups", "inductor_compile", "inductor_compile_symbolic", "inductor_cache_counts", "inductor_cache_dir",
     "storage_owner", "written_storages", "marked_checkpoints", "selective_policy",
     "StoredItem", "flatten_state", "item_is_readable", "read_checkpoint_metadata", "stored_items",
 ]
