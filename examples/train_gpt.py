@@ -98,8 +98,11 @@ def main() -> int:
     if args.strategy in ("dp", "fsdp"):
         input_placements = [Shard(0)] * mesh.ndim
 
+    # under `python -m spmd_compiler explain` the process group is a fake one: the steps
+    # compile and are dumped but do not run (they return zeros), so there is no loss to show
+    explaining = dist.get_backend() == "fake"
     if rank == 0:
-        print(f"spmd-compiler: {args.strategy} on mesh {mesh_shape} ({world} x {backend}), GPT {args.layers} layers x dim {args.dim}")
+        print(f"spmd-compiler: {args.strategy} on mesh {mesh_shape} ({world} x {dist.get_backend()}), GPT {args.layers} layers x dim {args.dim}")
     losses, times = [], []
     for i in range(args.steps):
         ids, targets = batch_for_step(i, args)
@@ -111,10 +114,13 @@ def main() -> int:
         elapsed = time.perf_counter() - start
         losses.append(value)
         times.append(elapsed)
-        if rank == 0:
+        if rank == 0 and not explaining:
             note = " (compile)" if i < 2 else ""
             print(f"step {i:3d}  loss {value:.4f}  step time {elapsed * 1000:8.1f} ms{note}", flush=True)
 
+    if explaining:
+        dist.destroy_process_group()
+        return 0
     ok = True
     if rank == 0:
         steady = sorted(times[2:]) or times
@@ -138,10 +144,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # Leave without interpreter shutdown, as multiprocessing's workers do: DTensor's
-    # caches keep the device mesh and its gloo groups alive, and gloo's worker threads
-    # destroyed during shutdown can abort the process (SIGABRT) after a good run.
-    os._exit(code)
+    sys.exit(main())

@@ -3,8 +3,9 @@
 explain
     Runs a training script with its process group replaced by a fake one of
     ``--world-size`` ranks (this process is rank 0, nothing is communicated) and its
-    compiled steps compiled and dumped but never executed (they return zeros). Prints
-    the communication summary and where the dump folders are.
+    compiled steps compiled and dumped but never executed (they return zeros). Then
+    prints, for every program compiled: why, the collectives per rank per step with
+    their reasons and bytes, the static memory peak per rank, and its report.
 diff
     Compares the collectives of two dump folders (two plans, or before/after a pass).
 """
@@ -32,6 +33,8 @@ def _explain(args: argparse.Namespace) -> int:
             real_init("fake", rank=0, world_size=args.world_size)
 
     dist.init_process_group = fake_init
+    real_exit = os._exit
+    os._exit = _exit_as_exception  # a script that leaves with os._exit() still gets its summary
     before = set(dump.glob("*")) if dump.exists() else set()
     sys.argv = [args.script, *args.script_args]
     code = 0
@@ -47,15 +50,22 @@ def _explain(args: argparse.Namespace) -> int:
         code = 1
     finally:
         dist.init_process_group = real_init
-    written = sorted(set(dump.glob("*")) - before) if dump.exists() else []
+        os._exit = real_exit
+    written = sorted(p for p in set(dump.glob("*")) - before if (p / "meta.json").exists()) if dump.exists() else []
     if not written:
         print(f"explain: {args.script} compiled nothing (no spmd_compiler.compile step was called)", file=sys.stderr)
         return 1
-    for folder in written:
-        print(f"\n== {folder.name} ==")
-        print((folder / "comm_summary.txt").read_text().rstrip())
-        print(f"dump: {folder}  (open {folder / 'report.html'})")
+    from .dump.overview import explain_overview
+
+    sys.stdout.flush()
+    print("\n" + explain_overview(written, script=args.script, world_size=args.world_size), flush=True)
     return 0 if code in (0, None) else int(code)
+
+
+def _exit_as_exception(code: int = 0) -> None:
+    """``os._exit`` while explain runs a script: nothing to tear down on a fake process
+    group, so leave the script as ``sys.exit`` would and let explain print its summary."""
+    raise SystemExit(code)
 
 
 def _diff(args: argparse.Namespace) -> int:

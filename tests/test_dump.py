@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -169,6 +170,8 @@ SCRIPT = textwrap.dedent("""
     compiled = spmd_compiler.compile(step, mesh=(dist.get_world_size(),))
     model = MLP()
     print("loss", float(compiled(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(2, 16), torch.randn(2, 16))))
+    import os
+    os._exit(0)  # as scripts that dodge an interpreter shutdown do: explain still prints its summary
 """)
 
 
@@ -180,7 +183,22 @@ def test_cli_explain_and_diff(tmp_path):
                          capture_output=True, text=True, timeout=240, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "all_reduce" in out.stdout and "report.html" in out.stdout
+    # explain's own summary: what was compiled and why, each collective's reason and bytes, the static peak
+    assert re.search(r"^explain: .*train\.py compiled 1 program on a fake process group of 8 ranks", out.stdout, re.M), out.stdout
+    assert "(compiled: first call)" in out.stdout and "static peak " in out.stdout
+    assert re.search(r"^\s+optimizer\s+all_reduce\s+axis0\s+x1\s+[\d.]+ (B|KiB)\s+bucket of 4 gradient all_reduces", out.stdout, re.M), out.stdout
     (folder,) = list((tmp_path / "d").iterdir())
     assert json.loads((folder / "meta.json").read_text())["world size"] == 8
     diff = subprocess.run([sys.executable, "-m", "spmd_compiler", "diff", str(folder), str(folder)], capture_output=True, text=True, timeout=120)
     assert diff.returncode == 0 and "no collective differs" in diff.stdout
+
+
+def test_cli_explain_of_the_example_prints_its_summary_and_no_fake_figures(tmp_path):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "-m", "spmd_compiler", "explain", os.path.join(root, "examples", "train_gpt.py"), "--world-size", "8",
+           "--dump-dir", str(tmp_path / "d"), "--", "--strategy", "2d", "--steps", "2", "--layers", "1", "--dim", "16", "--seq", "8"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "(8 x fake)" in out.stdout and "x gloo" not in out.stdout and "loss " not in out.stdout, out.stdout
+    assert "train_gpt.py compiled 2 programs on a fake process group of 8 ranks" in out.stdout, out.stdout
+    assert re.search(r"^\s+forward\s+all_reduce\s+tp\s+x2\s+", out.stdout, re.M), out.stdout

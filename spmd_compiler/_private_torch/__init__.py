@@ -53,7 +53,7 @@ from .shapes import (
 )
 from .tracing import (
     reparametrize_module, static_fake_mode, example_tensor, local_tensor, tracing_graph, traced_node_of, rename_node,
-    preserve_node_meta, link_backward_to_forward, record_stack_traces_of, data_dependent_exceptions,
+    preserve_node_meta, set_traced_module_stack, module_call_hooks, link_backward_to_forward, record_stack_traces_of, data_dependent_exceptions,
     batchnorm_base, is_view_op, written_args, writes_first_arg, raw_operator, mark_optimizer_stepped,
     inductor_compile, inductor_compile_symbolic, inductor_cache_counts, inductor_cache_dir,
     storage_owner, written_storages, compiled_original,
@@ -67,7 +67,7 @@ from .rows_exchange import ALL_TO_ALL_ROWS, rows_exchange_inputs
 from .optim import create_lazy_state
 from .stack_traces import fast_stack_traces, unchecked_symbolic_pow
 from .distributed import (
-    world_info, group_name, set_group_timeout, default_store, pipeline_order, collectives_launched,
+    world_info, group_name, set_group_timeout, default_store, pipeline_order, collectives_launched, drop_mesh_groups,
 )
 
 __all__ = [
@@ -80,14 +80,14 @@ __all__ = [
     "to_symbolic_fake", "static_fake_mode", "size_hint", "example_tensor", "local_tensor",
     "custom_handled_ops", "random_ops", "tracing_graph", "traced_node_of", "group_name", "is_view_op", "written_args",
     "writes_first_arg", "Partial", "Placement", "Replicate", "Shard", "Placements", "world_info",
-    "rename_node", "compiled_original", "preserve_node_meta", "fake_call", "link_backward_to_forward", "pipeline_order",
+    "rename_node", "compiled_original", "preserve_node_meta", "set_traced_module_stack", "module_call_hooks", "fake_call", "link_backward_to_forward", "pipeline_order",
     "mark_optimizer_stepped", "clear_dtensor_caches", "localized_shape_arg", "raw_operator", "set_group_timeout", "default_store",
     "shape_env_of", "num_guards", "example_values", "replaced_symbols", "false_unless_proven_true", "definitely_contiguous",
     "true_unless_proven_false", "size_oblivious", "new_size_symint", "is_pinned", "register_symbolic_mode",
     "fake_mode_of", "sym_expr", "shape_env_guards", "symbol_range", "is_symbolic", "sym_free_symbols",
     "symbol_of", "unbacked_symbols", "branch_atom", "sympy_as_python", "set_real_value",
     "propagating_real_values", "real_value_branches", "is_real_value_log", "record_stack_traces_of",
-    "data_dependent_exceptions", "batchnorm_base", "collectives_launched", "inductor_compile", "inductor_compile_symbolic", "inductor_cache_counts", "inductor_cache_dir",
+    "data_dependent_exceptions", "batchnorm_base", "collectives_launched", "drop_mesh_groups", "inductor_compile", "inductor_compile_symbolic", "inductor_cache_counts", "inductor_cache_dir",
     "storage_owner", "written_storages", "marked_checkpoints", "selective_policy",
     "StoredItem", "flatten_state", "item_is_readable", "read_checkpoint_metadata", "stored_items",
 ]

@@ -2,6 +2,7 @@
 pipelining schedules' action order.
 
 Touches ``DeviceMesh.get_group(...).group_name`` (the name functional collectives take),
+``DeviceMesh._pg_registry`` / ``_get_root_mesh`` (the process groups a mesh holds),
 ``torch.distributed.distributed_c10d`` (``_set_pg_timeout``, ``_get_default_store``) and
 ``torch.distributed.pipelining.schedules`` private order computations
 (``_get_pipeline_order``, ``_calculate_single_rank_operations``, ``_ComputationType``).
@@ -15,7 +16,8 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["world_info", "group_name", "set_group_timeout", "default_store", "pipeline_order", "collectives_launched"]
+__all__ = ["world_info", "group_name", "set_group_timeout", "default_store", "pipeline_order", "collectives_launched",
+           "drop_mesh_groups"]
 
 
 def world_info() -> tuple[int, int]:
@@ -29,6 +31,20 @@ def world_info() -> tuple[int, int]:
 def group_name(mesh: DeviceMesh, axis: int) -> str:
     """The c10d group name used by functional collectives over ``axis`` of ``mesh``."""
     return mesh.get_group(axis).group_name
+
+
+
+def drop_mesh_groups(mesh: DeviceMesh) -> int:
+    """Drop the references ``mesh`` (its root mesh's registry) holds to its process groups
+    (a DeviceMesh keeps them after ``destroy_process_group()``); returns how many."""
+    root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+    n = 0
+    for m in {id(root): root, id(mesh): mesh}.values():
+        registry = getattr(m, "_pg_registry", None)
+        if isinstance(registry, dict):
+            n += len(registry)
+            registry.clear()
+    return n
 
 
 

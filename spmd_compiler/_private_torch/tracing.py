@@ -3,7 +3,7 @@ module hooks, and inductor.
 
 Touches ``torch._subclasses.fake_tensor`` (FakeTensorMode, data-dependent exceptions),
 ``torch.fx.experimental.proxy_tensor.get_proxy_mode`` and ``get_proxy_slot``, ``torch.fx.Node._rename``,
-``torch.fx.traceback.preserve_node_meta``, ``torch.fx.proxy._register_stack_trace_anchor``,
+``torch.fx.traceback.preserve_node_meta`` and ``get_current_meta``, torch's global module hooks, ``torch.fx.proxy._register_stack_trace_anchor``,
 ``torch._functorch._aot_autograd.logging_utils``, ``torch.nn.utils.stateless._reparametrize_module``,
 ``torch.nn.modules.batchnorm._BatchNorm``, OpOverload's ``_schema`` / ``_op``,
 ``DTensor._local_tensor``, the optimizer's ``_opt_called`` flag, and
@@ -26,7 +26,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 __all__ = [
     "reparametrize_module", "static_fake_mode", "example_tensor", "local_tensor", "tracing_graph", "rename_node",
-    "preserve_node_meta", "link_backward_to_forward", "record_stack_traces_of", "data_dependent_exceptions",
+    "preserve_node_meta", "set_traced_module_stack", "module_call_hooks", "link_backward_to_forward", "record_stack_traces_of", "data_dependent_exceptions",
     "batchnorm_base", "is_view_op", "written_args", "storage_owner", "written_storages", "compiled_original", "writes_first_arg", "raw_operator", "mark_optimizer_stepped",
     "inductor_compile", "inductor_compile_symbolic", "inductor_cache_counts", "inductor_cache_dir",
 ]
@@ -106,6 +106,30 @@ def preserve_node_meta():
     import torch.fx.traceback as fx_traceback
 
     return fx_traceback.preserve_node_meta()
+
+
+
+def set_traced_module_stack(stack: dict[str, tuple[str, str]] | None) -> None:
+    """While make_fx traces under :func:`preserve_node_meta`: every node created from now
+    on gets ``meta["nn_module_stack"] = stack`` (fx copies that field of its current node
+    meta to each new node); None: no field."""
+    import torch.fx.traceback as fx_traceback
+
+    meta = fx_traceback.get_current_meta()
+    if stack:
+        meta["nn_module_stack"] = dict(stack)
+    else:
+        meta.pop("nn_module_stack", None)
+
+
+def module_call_hooks(pre: Callable[..., Any], post: Callable[..., Any]) -> Any:
+    """Install ``pre(module, args)`` / ``post(module, args, output)`` around every
+    ``nn.Module`` call (torch's global module hooks; ``post`` runs even when forward
+    raises); returns a callable that removes both."""
+    from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+    handles = [register_module_forward_pre_hook(pre), register_module_forward_hook(post, always_call=True)]
+    return lambda: [h.remove() for h in handles]
 
 
 

@@ -239,12 +239,14 @@ def optimize_program(
     check: Callable[[str, Any], None] | None = None,
 ) -> ExpandedStep:
     """Stage 4 on ``step`` (its ``gm`` is replaced); with ``texts``, the annotated graph
-    before and after every pass is recorded there for a dump; ``check(name, gm)`` runs
+    before and after every pass is recorded there for a dump (and their node notes,
+    ``texts["notes"]``: :mod:`spmd_compiler.dump.notes`); ``check(name, gm)`` runs
     after every pass (the intent check)."""
     from ..optimize import run_passes
 
     after: Callable[[str, Any], None] | None = check
     if texts is not None:
+        from ..dump.notes import graph_notes
         from ..dump.printer import annotated_code
         from ..dump.sizes import SizeContext
 
@@ -253,9 +255,11 @@ def optimize_program(
         sizes = SizeContext(step, values(step)) if step.size_symbols and values is not None else None
         texts["expanded"] = annotated_code(step.gm, title="per-rank graph after expansion", sizes=sizes)
         texts["passes"] = []
+        texts["notes"] = graph_notes(step.gm, "expanded")  # what the texts say on single nodes, for the report
 
         def record(name: str, gm: Any) -> None:
             texts["passes"].append((name, annotated_code(gm, title=f"after pass {name}", sizes=sizes)))
+            texts["notes"].extend(graph_notes(gm, name))
             if check is not None:
                 check(name, gm)
 

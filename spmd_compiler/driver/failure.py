@@ -35,37 +35,50 @@ from .. import _private_torch as pt
 from ..errors import CollectiveError, user_source_line
 from ..optimize.graph_utils import is_collective, is_wait
 
-__all__ = ["collective_failure", "failed_node", "is_collective_node", "start_heartbeat"]
+__all__ = ["collective_failure", "failed_node", "is_collective_node", "start_heartbeat", "stop_heartbeats"]
 
 log = logging.getLogger(__name__)
 
 ROLL_CALL_SECONDS = 5.0
 HEARTBEAT_SECONDS = 1.0
 _HEARTBEAT = "spmd_compiler/heartbeat"
-_beating: dict[int, threading.Thread] = {}  # id of the store -> its heartbeat thread (one per process)
+_beating: dict[int, tuple[threading.Thread, threading.Event]] = {}  # id of the store -> its heartbeat (one per process)
 
 
 def start_heartbeat() -> None:
     """Start this process's heartbeat (once; a daemon thread): ``store.add`` of 1 to its
-    rank's counter every :data:`HEARTBEAT_SECONDS`. Stops quietly when the store goes."""
+    rank's counter every :data:`HEARTBEAT_SECONDS`. Stops quietly when the store goes, and
+    at exit (:func:`stop_heartbeats`)."""
     store = pt.default_store()
     if store is None or not dist.is_initialized() or dist.get_world_size() == 1:
         return
-    if id(store) in _beating and _beating[id(store)].is_alive():
+    if id(store) in _beating and _beating[id(store)][0].is_alive():
         return
     key = f"{_HEARTBEAT}/{dist.get_rank()}"
+    stop = threading.Event()
 
     def beat() -> None:
-        while True:
+        while not stop.is_set():
             try:
                 store.add(key, 1)
             except Exception:  # the store (on rank 0) went away, or the group was torn down
                 return
-            time.sleep(HEARTBEAT_SECONDS)
+            stop.wait(HEARTBEAT_SECONDS)
 
     thread = threading.Thread(target=beat, name="spmd_compiler heartbeat", daemon=True)
-    _beating[id(store)] = thread
+    _beating[id(store)] = (thread, stop)
     thread.start()
+
+
+def stop_heartbeats(timeout: float = 2.0) -> None:
+    """Stop every heartbeat and wait for its thread to end (at exit: a thread still inside
+    ``store.add`` when the interpreter finalizes is ended by Python as it takes the GIL
+    back, inside C++, which aborts the process)."""
+    for thread, stop in list(_beating.values()):
+        stop.set()
+    for thread, _ in list(_beating.values()):
+        thread.join(timeout)
+    _beating.clear()
 
 
 def _beats(store: Any, ranks: list[int]) -> dict[int, int]:

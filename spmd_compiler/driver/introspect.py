@@ -27,7 +27,9 @@ class DriverIntrospection:
         values = texts["size_values"](step) if step.size_symbols and texts.get("size_values") else None
         folder = write_dump(
             dump_root(self.dump_dir), step, name=name, expanded_text=texts.get("expanded"), pass_texts=texts.get("passes", []),
-            info={"world size": dist.get_world_size() if dist.is_initialized() else 1}, sizes=values,
+            notes=texts.get("notes"),
+            info={"world size": dist.get_world_size() if dist.is_initialized() else 1,
+                  **({"compiled because": texts["reason"]} if texts.get("reason") else {})}, sizes=values,
         )
         self.dumps.append(folder)
         log.info("dump of %s written to %s", name, folder)

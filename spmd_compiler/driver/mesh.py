@@ -2,7 +2,7 @@
 
 :func:`as_mesh` makes the DeviceMesh from what ``compile(mesh=...)`` was given; every
 :class:`~.step.StepDriver` is registered in ``_LIVE`` so that what holds process groups
-is freed before the interpreter shuts down (:func:`_release_at_exit`).
+is freed before the interpreter shuts down (:func:`_release_at_exit`, which says why).
 """
 
 from __future__ import annotations
@@ -29,19 +29,35 @@ _LIVE: "weakref.WeakSet[StepDriver]" = weakref.WeakSet()
 
 @atexit.register
 def _release_at_exit() -> None:
-    """Free what holds process groups before the interpreter shuts down (best effort).
+    """Tear down what the compiled steps hold of the process groups before the
+    interpreter finalizes, so a script can end as any script does (its last line, or
+    ``sys.exit``) after ``destroy_process_group()``.
 
-    A compiled graph reaches the DeviceMesh through the placements recorded on its
-    nodes, DTensor's process-wide caches hold meshes too, and a mesh holds its process
-    groups. Whatever is still alive at interpreter shutdown is destroyed there, where
-    gloo's worker threads can no longer take the GIL to release the tensors of their
-    last collective, and the process can abort ("terminate called without an active
-    exception") after the training itself succeeded. Scripts launched by torchrun should
-    end with ``os._exit`` after ``destroy_process_group()``, as ``examples/train_gpt.py`` does.
+    The cause this answers (seen on gloo, torch 2.13, in about one exit in four without it):
+    a gloo process group still alive when Python finalizes is freed there, and its worker
+    thread (``pt_gloo_runloop``) then releases the last reference to its last work, whose
+    tensors have Python objects: it asks for the GIL, Python ends any thread that asks
+    during finalization (``pthread_exit``), the unwind crosses a C++ destructor and the
+    process aborts ("terminate called without an active exception", SIGABRT) after the
+    training succeeded. What keeps a group alive past ``destroy_process_group()``: the
+    DeviceMesh (it keeps its groups in a registry), which DTensor's process-wide caches,
+    the compiled programs (placements on their nodes) and the user's DTensors reach. Here,
+    at exit, before finalization: every step's programs and DTensor's caches are dropped
+    and, once the default group is destroyed, the meshes' references to their groups, so
+    the groups are freed while threads can still take the GIL. The heartbeat threads
+    (:mod:`.failure`) stop first: one inside ``store.add`` at finalization would abort the
+    same way.
     """
+    from .failure import stop_heartbeats
+
+    stop_heartbeats()
+    meshes = [step._mesh for step in list(_LIVE) if getattr(step, "_mesh", None) is not None]
     for step in list(_LIVE):
         step._release()
     pt.clear_dtensor_caches()
+    if not dist.is_initialized():  # destroyed: nothing else should hold its groups
+        for mesh in meshes:
+            pt.drop_mesh_groups(mesh)
     gc.collect()
 
 

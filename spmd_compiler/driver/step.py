@@ -407,7 +407,7 @@ class StepDriver(DriverIntrospection, DriverCheckpoints):
             step.static_peak_bytes = memory.peak_bytes if memory is not None else None
             if memory is not None and self.options.memory_budget_gb:
                 check_budget(memory, self.options.memory_budget_gb, name=name)
-            self._dump(step, texts)
+            self._dump(step, {**texts, "reason": reason})
         except BaseException as e:  # reported to every rank by check_agreement (an interrupt too)
             error = e
         if self.options.check_ranks:

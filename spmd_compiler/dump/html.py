@@ -1,7 +1,9 @@
 """A self-contained HTML report of one compile.
 
-One file, no network: inline CSS and JavaScript. It shows the communication summary,
-the per-rank graph node by node (placements, shapes, origin) with collectives
+One file, no network: inline CSS, SVG and JavaScript. It shows the memory per rank over
+the step (a plot of the static memory trace), the communication summary, the
+communication by layer and by module, every replicate fallback and scheduling note of
+the text dump (:mod:`.html_sections`), the per-rank graph node by node (placements, shapes, origin) with collectives
 highlighted and linked to the traced nodes that caused them, and the traced graph. A
 search box filters both tables; ``report.html?q=all_reduce`` opens pre-filtered.
 """
@@ -9,6 +11,7 @@ search box filters both tables; ``report.html?q=all_reduce`` opens pre-filtered.
 from __future__ import annotations
 
 import html
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -17,6 +20,9 @@ import torch.fx as fx
 from ..errors import user_source_line
 from ..expand.values import placements_text
 from .format import format_bytes, shape_text, short_source, target_name
+from .html_sections import SECTION_CSS, memory_section, modules_section, notes_section
+from .memory import memory_trace
+from .notes import Note
 from .sizes import readable
 
 __all__ = ["render_report"]
@@ -125,9 +131,12 @@ def _traced_rows(gm: fx.GraphModule) -> list[str]:
 
 
 def render_report(step: Any, summary: Any, *, title: str = "spmd-compiler report", info: dict[str, Any] | None = None,
-                  sizes: Any = None) -> str:
+                  sizes: Any = None, memory: Any = None, memory_at: str = "", notes: Sequence[Note] | None = None) -> str:
     """The HTML report of an ExpandedStep (``summary``: its CommSummary; ``sizes``: a
-    :class:`~spmd_compiler.dump.sizes.SizeContext` for a symbolic program)."""
+    :class:`~spmd_compiler.dump.sizes.SizeContext` for a symbolic program; ``memory``: its
+    MemoryTrace (default: computed here), ``memory_at``: the sizes it is counted at;
+    ``notes``: the node notes of the expanded program and of every pass's output, as the
+    text dump has them (default: the final program's))."""
     traced_names = {n.name for n in step.traced.gm.graph.nodes}
     info = dict(info or {})
     info.setdefault("mesh", dict(zip(step.mctx.axis_names, step.mctx.shape)))
@@ -145,15 +154,23 @@ def render_report(step: Any, summary: Any, *, title: str = "spmd-compiler report
         f"<tr><th>total</th><th></th><th></th><th class='num'>{summary.total_count}</th>"
         f"<th class='num'>{_e(format_bytes(summary.total_bytes))}</th><th class='num'>{_e(format_bytes(summary.total_wire_bytes))}</th></tr>"
     )
+    if memory is None:
+        memory = memory_trace(step.gm)
+    coord = step.mctx.coordinate
+    rank_text = (f"This rank (coordinate {tuple(coord)}); every rank runs the same program on the same shapes"
+                 if step.rank_independent and not getattr(step, "size_symbols", None)
+                 else f"The rank at coordinate {tuple(coord)}; the ranks' programs differ, each rank's dump has its own "
+                      f"(SPMD_COMPILER_DUMP_RANKS=all)")
+    pictures = memory_section(memory, step.gm, rank_text=rank_text, at=memory_at)
     sizes_block = f"<h2>Batch sizes</h2>\n<pre class='mono'>{_e(chr(10).join(sizes.section()))}</pre>\n" if sizes is not None else ""
     return f"""<!DOCTYPE html>
-<html><head><meta charset="utf-8"><title>{_e(title)}</title><style>{_CSS}</style><script>{_JS}</script></head>
+<html><head><meta charset="utf-8"><title>{_e(title)}</title><style>{_CSS}{SECTION_CSS}</style><script>{_JS}</script></head>
 <body>
 <h1>{_e(title)}</h1>
 <table style="width:auto">{info_rows}</table>
-{sizes_block}<h2>Collectives per rank per step</h2>
+{pictures}{sizes_block}<h2>Collectives per rank per step</h2>
 <table id="summary"><tr><th>phase</th><th>collective</th><th>axis</th><th>count</th><th>bytes/rank</th><th>sent/rank (ring)</th></tr>{sum_rows}</table>
-<h2>Per-rank graph</h2>
+{modules_section(step.gm, step.traced.gm)}{notes_section(step.gm, notes)}<h2>Per-rank graph</h2>
 <p><input id="search" placeholder="search nodes, ops, placements, reasons (e.g. all_reduce, S(0), addmm_3)"> <span id="count" class="muted"></span></p>
 <table id="expanded"><tr><th>#</th><th>node</th><th>op</th><th>placements</th><th>global shape</th><th>local shape</th><th>origin / why</th></tr>
 {''.join(_expanded_rows(step.gm, traced_names, sizes))}</table>

@@ -15,6 +15,7 @@ import torch.fx as fx
 
 from ..expand.values import placements_text
 from .format import describe_collective, shape_text, short_source, target_name
+from .notes import node_notes
 from .sizes import SizeContext, readable
 
 __all__ = ["annotated_code", "node_annotation"]
@@ -74,14 +75,7 @@ def node_annotation(node: fx.Node, sizes: SizeContext | None = None) -> str:
         parts.append(f"from {origin['node']}" + (f" ({src})" if src else ""))
     if "spmd_writeback" in node.meta:
         parts.append(f"write back {node.meta['spmd_writeback']}")
-    if "spmd_fallback" in node.meta:
-        parts.append(f"replicate fallback: {node.meta['spmd_fallback']}")
-    if "spmd_schedule" in node.meta:
-        parts.append(f"moved: {node.meta['spmd_schedule']}")
-    if "spmd_prefetch_budget" in node.meta:
-        parts.append(f"moved: {node.meta['spmd_prefetch_budget']}")
-    if "spmd_remat" in node.meta:
-        parts.append(f"recomputed: {node.meta['spmd_remat']}")
+    parts.extend(f"{label}: {text}" for label, text in node_notes(node))
     return " | ".join(parts)
 
 

@@ -14,7 +14,9 @@ Layout of ``<dump_dir>/<step>-<NNN>-rank<R>/``:
                        expression, the values of the last call (when known); the
                        memory trace is then counted at that call's sizes
 ``meta.json``          mesh, coordinate, plan source of every input, timings
-``report.html``        self-contained, searchable report (open in a browser)
+``report.html``        self-contained, searchable report (open in a browser): memory
+                       plot, communication by layer and module, fallbacks and
+                       scheduling notes, the graphs
 =====================  =====================================================
 
 Dumps are written when ``compile(..., dump_dir=...)`` is given or the environment
@@ -39,6 +41,7 @@ from .html import render_report
 from .printer import annotated_code
 from .sizes import SizeContext
 from .memory import memory_trace
+from .notes import Note
 from .summary import comm_summary
 
 __all__ = ["write_dump", "dump_root", "collectives_table", "should_dump"]
@@ -95,6 +98,7 @@ def write_dump(
     stages: Sequence[tuple[str, fx.GraphModule]] = (),
     info: dict[str, Any] | None = None,
     sizes: Sequence[int] | None = None,
+    notes: Sequence[Note] | None = None,
 ) -> pathlib.Path:
     """Write the dump of one compile (an ExpandedStep) and return its folder.
 
@@ -104,6 +108,9 @@ def write_dump(
     graph) per pass. A symbolic program (dynamic=True) also gets ``sizes.txt``: each
     size symbol, each rank's local size expression and, given ``sizes`` (the global
     sizes of the last call, in the order of ``step.size_symbols``), their values.
+    ``notes``: the node notes (:mod:`.notes`) of the expanded program and of every pass's
+    output, as ``expanded_text`` and ``pass_texts`` print them, for the report (default:
+    ``step.gm``'s).
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     folder = _next_folder(pathlib.Path(root), name, rank)
@@ -146,7 +153,8 @@ def write_dump(
         **(info or {}),
     }
     (folder / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
-    (folder / "report.html").write_text(render_report(step, summary, title=f"spmd-compiler: {name}", info=info, sizes=ctx))
+    (folder / "report.html").write_text(render_report(step, summary, title=f"spmd-compiler: {name}", info=info, sizes=ctx,
+                                                         memory=memory, memory_at=at, notes=notes))
     log.info("wrote dump %s", folder)
     return folder
 

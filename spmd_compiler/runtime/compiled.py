@@ -13,6 +13,7 @@ shape or dtype, or optimizer state appearing after the first step, compiles agai
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +32,7 @@ from ..expand.symbolic import concrete_shape
 from ..plan import Plan
 from ..trace.tracer import flatten_batch
 from .executor import compile_runner
+from .step_trace import ENV_TRACE, write_step_trace
 from .inductor import InductorRunner, piece_runner
 from .inductor_dynamic import SymbolicSizes
 
@@ -49,9 +51,35 @@ class CompiledStep(StepDriver):
         fold_guard: carry the per-step check in the program's first all_reduce where it
             can (gloo; :mod:`spmd_compiler.driver.fold`); False: always the standalone check.
         checks: steps per check path ("folded", "standalone", "unchecked", "resync (...)").
+
+    ``trace_step(path)`` times the next call and writes a Chrome/Perfetto trace of it
+    (:mod:`.step_trace`; ``$SPMD_COMPILER_TRACE`` too).
     """
 
     fold_guard = True
+    _trace_path: str | None = None  # trace_step(path): the next call is timed and written there
+    _traced_env = False  # SPMD_COMPILER_TRACE: written once
+    _compiles_run = 0  # compiles when the last call ran (a call that compiled has more)
+
+    def trace_step(self, path: str | os.PathLike) -> None:
+        """Time the next call node by node and write a Chrome/Perfetto trace of it to
+        ``path`` (rank 0 writes every rank's spans; call it on every rank: the call
+        gathers them). Open the file in ui.perfetto.dev (:mod:`.step_trace`). The
+        environment variable ``SPMD_COMPILER_TRACE=path`` does the same for the first
+        call that runs without compiling."""
+        self._trace_path = os.fspath(path)
+
+    def _trace_request(self) -> str | None:
+        """Where this call's trace goes, if it is to be traced (and forget the request)."""
+        compiled, self._compiles_run = self.compiles != self._compiles_run, self.compiles
+        path, self._trace_path = self._trace_path, None
+        env = os.environ.get(ENV_TRACE)
+        if path is None and env and not self._traced_env and not compiled:
+            path, self._traced_env = env, True
+        if path is not None and self.explain:
+            log.info("explain mode runs no step: no step trace for %s", path)
+            return None
+        return path
 
     def _per_shape(self) -> str | None:
         return "explain mode" if self.explain else None
@@ -95,6 +123,12 @@ class CompiledStep(StepDriver):
                     step.folded_gm, step.folded_id = gm, program
                 runner = self._runner(step, gm)
                 setattr(step, attr, runner)
+            trace_path = self._trace_request()
+            if trace_path is not None:  # the same program, on the eager runner timing every node
+                gm = step.gm if point is None else step.folded_gm
+                if self.options.backend != "eager":
+                    log.warning("the traced call runs on the eager runner (backend=%r times no single node)", self.options.backend)
+                runner = compile_runner(gm, guard=True, check_before=first_effect(gm), timed=True)
             try:
                 with torch.no_grad():
                     outs = runner(*inputs, _check=check)
@@ -109,6 +143,8 @@ class CompiledStep(StepDriver):
                 raise collective_failure(e, runner, step_name=getattr(self.fn, "__name__", "step"), call=self.calls,
                                          timeout=self.options.timeout) from e
             pt.mark_optimizer_stepped(optimizer)
+            if trace_path is not None:
+                write_step_trace(trace_path, gm, runner.spans, coordinate=step.mctx.coordinate)
         mesh = self.mesh
         values = dict(zip((s.symbol for s in step.size_symbols), feed))
 

@@ -72,7 +72,8 @@ def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable[..
         try:
             result = fn(rank, world_size, *args)
         finally:
-            dist.destroy_process_group()
+            if dist.is_initialized():  # fn may have destroyed it (as a script's end does)
+                dist.destroy_process_group()
         queue.put((rank, "ok", result))
     except BaseException:  # noqa: BLE001 - reported to the parent
         queue.put((rank, "error", traceback.format_exc()))

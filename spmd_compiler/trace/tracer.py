@@ -27,6 +27,7 @@ from .checkpointing import recompute_selected
 from .decompositions import decomposition_table
 from .host_values import HostSnapshot, as_data_dependent_error, check_data_dependent_shapes, user_outputs, with_batch_sizes_named
 from .grad_links import gradient_links
+from .modules import module_stacks
 from .markers import phase_markers, recompute_markers, refuse_scheduler_steps, split_point_hooks, tag_phases
 from .rewrites import contiguous_copies_written, symbolic_size_rewrites, traceable_scalars
 from .rng import RngLedger, replay_recomputed_draws, rng_replay
@@ -280,7 +281,7 @@ def trace(
     pt.record_stack_traces_of(step_fn)  # the step's own lines (loss, `if`, .item()) get a user line
     rewrites = symbolic_size_rewrites(dynamic)
     try:
-        with phase_markers(optimizer), pt.preserve_node_meta(), split_point_hooks(model, split_points), \
+        with phase_markers(optimizer), pt.preserve_node_meta(), module_stacks(model), split_point_hooks(model, split_points), \
                 host_scalar_values(mode, optimizer, bool(scalars)), traceable_scalars(), rng_replay(ledger), \
                 pt.size_oblivious(dynamic), rewrites, refuse_scheduler_steps(), recompute_markers(), \
                 pt.meta_trace_for(device_type, enabled=any(t.device.type == "meta" for t in real)), \
