@@ -23,6 +23,7 @@ from ..expand.rules.random import RNG_MODES as RNG
 from ..plan import Plan
 from ..rebuild import ExpandedStep, finalize
 from ..trace import trace
+from .progress import current, stage_done
 
 __all__ = ["Options", "expand", "build_program", "optimize_program", "gc_paused"]
 
@@ -83,6 +84,10 @@ class Options:
             every rank, with the peak, its largest contributors and a fix (:mod:`.budget`).
         init_seed: the seed of those draws (``spmd_compiler.materialize(..., seed=)`` gives the
             same values on one device).
+        progress: the compile's progress lines on rank 0 (:mod:`.progress`): True (a compile
+            longer than 2 s shows a line per stage and a summary), False (none), "verbose"
+            (every compile, and a line per pass); None (the default): ``SPMD_COMPILER_LOGS``
+            decides (``-progress`` off, ``+progress`` verbose), else True.
     """
 
     fallback: str = "replicate"
@@ -104,6 +109,7 @@ class Options:
     init_seed: int = 0
     mixed_precision: Any = None
     memory_budget_gb: float | None = None
+    progress: Any = None
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -135,6 +141,9 @@ class Options:
                              f"(e.g. MixedPrecisionPolicy(param_dtype=torch.bfloat16)) or None")
         if self.memory_budget_gb is not None and not (isinstance(self.memory_budget_gb, (int, float)) and self.memory_budget_gb > 0):
             raise ValueError(f"memory_budget_gb={self.memory_budget_gb!r}: expected GiB > 0 per rank, or None")
+        from .progress import progress_mode
+
+        progress_mode(self.progress, env="")  # a bad value is refused here, not at the first compile
         if not isinstance(self.init_seed, int):
             raise ValueError(f"init_seed={self.init_seed!r}: expected an int")
         if self.timeout is not None and not (isinstance(self.timeout, (int, float)) and self.timeout > 0):
@@ -268,8 +277,11 @@ def optimize_program(
     t0 = time.perf_counter()
     step.gm, step.pass_records = run_passes(step.gm, list(passes), disabled=tuple(disabled), after_pass=after)
     step.timings["passes"] = time.perf_counter() - t0
+    p = current()
     for r in step.pass_records:
         step.timings[f"pass {r.name}"] = r.seconds
+        if p is not None and p.verbose:
+            p.line(f"    pass {r.name:<24} {r.seconds:6.2f} s")
     return step
 
 
@@ -304,6 +316,7 @@ def build_program(
                 dynamic=options.dynamic, device_type=options.device_type or getattr(mesh, "device_type", None),
                 mixed_precision=options.mixed_precision, **kwargs,
             )
+        stage_done("trace", traced.trace_seconds, f"{len(traced.gm.graph.nodes):,} nodes")
     with gc_paused():
         if options.dynamic:
             from .dynamic import expand_dynamic
@@ -321,7 +334,10 @@ def build_program(
         intent = check_trace(traced.gm)
         check_intent(intent, step.gm, "expansion")
         check = lambda name, gm: check_intent(intent, gm, f"pass {name!r}")  # noqa: E731
+    stage_done("expand", step.timings.get("expand", 0.0) + step.timings.get("rebuild", 0.0),
+               f"{len(step.gm.graph.nodes):,} nodes, {len(step.collectives())} collectives")
     step = optimize_program(step, options.pass_list(), disabled=options.passes_disabled, texts=texts, check=check)
+    stage_done("passes", step.timings.get("passes", 0.0), f"{len(step.gm.graph.nodes):,} nodes")
     if step.size_symbols:  # after the passes: every decision on a size symbol is a guard by now
         shape_env = pt.shape_env_of(pt.fake_mode_of(traced.placeholders()[step.size_symbols[0].index].meta["val"]))
         step.size_guards = SizeGuards(shape_env, step.size_symbols, step.size_definitions, step.size_coordinates,

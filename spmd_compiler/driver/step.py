@@ -46,6 +46,7 @@ from .failure import collective_failure, start_heartbeat
 from .guard import GuardError, Resync, StepGuard
 from .introspect import DriverIntrospection
 from .mesh import _LIVE, as_mesh
+from .progress import compiling, header_line, progress_mode, running, summary_line
 from .rng import draws
 from .sizes import BatchSizes
 from .token_ids import IdCheck, embedding_ids_error, ranks_ids_error
@@ -100,6 +101,7 @@ class StepDriver(DriverIntrospection, DriverCheckpoints):
         self.plan = plan or Plan()
         self.cache = ExpansionCache()
         self._states = StateCache()
+        self._progress = progress_mode(self.options.progress)  # "off", "on" or "verbose" (SPMD_COMPILER_LOGS read now)
         self._lazy_checked: dict[int, int] = {}  # id(optimizer) -> len(optimizer.state) after creating its lazy state
         self._pinned: tuple[Any, Any, Any] | None = None  # (model, optimizer, state) while a cached program runs
         _LIVE.add(self)
@@ -248,7 +250,8 @@ class StepDriver(DriverIntrospection, DriverCheckpoints):
 
     def _run_checked(self, program: Program, model: Any, optimizer: Any, batch: tuple, kwargs: dict, check: Any) -> Any:
         try:
-            return self._run(program.step, model, optimizer, batch, kwargs, check)
+            with running(self._progress):  # a backend compiling on the first run reports in this mode
+                return self._run(program.step, model, optimizer, batch, kwargs, check)
         finally:
             check.finish()  # ranks other than 0 that drew from rank 0's generator get theirs back
 
@@ -392,7 +395,16 @@ class StepDriver(DriverIntrospection, DriverCheckpoints):
         return (meets or found or [None])[0]
 
     def _compile(self, model: Any, optimizer: Any, batch: tuple, kwargs: dict, reason: str) -> Program:
-        """``_build`` on every rank, then agreement: all ranks return, or all raise."""
+        """``_build`` on every rank, then agreement: all ranks return, or all raise; with
+        progress lines on rank 0 (:mod:`.progress`)."""
+        name = getattr(self.fn, "__name__", "step")
+        with compiling(header_line(name, self.mesh, reason), self._progress) as progress:
+            program = self._compile_stages(model, optimizer, batch, kwargs, reason, progress)
+            if progress is not None:
+                progress.finish(summary_line(name, program.compile_seconds, program.step))
+        return program
+
+    def _compile_stages(self, model: Any, optimizer: Any, batch: tuple, kwargs: dict, reason: str, progress: Any) -> Program:
         name = getattr(self.fn, "__name__", "step")
         log.info("compiling %s (%s)", name, reason)
         start = time.perf_counter()
@@ -403,7 +415,8 @@ class StepDriver(DriverIntrospection, DriverCheckpoints):
             bad_ids = embedding_ids_error(step.traced, batch, kwargs)  # once per compile, on the batch it is for
             if bad_ids is not None:
                 raise bad_ids
-            memory = self._memory(step, batch, kwargs) if self.options.memory_budget_gb or log.isEnabledFor(logging.INFO) else None
+            shown = progress is not None and (progress.verbose or time.perf_counter() - start >= progress.threshold)
+            memory = self._memory(step, batch, kwargs) if self.options.memory_budget_gb or log.isEnabledFor(logging.INFO) or shown else None
             step.static_peak_bytes = memory.peak_bytes if memory is not None else None
             if memory is not None and self.options.memory_budget_gb:
                 check_budget(memory, self.options.memory_budget_gb, name=name)

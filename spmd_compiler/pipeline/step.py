@@ -26,6 +26,7 @@ from ..driver import StepDriver, exchange, expand, gc_paused, global_batch, is_h
 from ..driver.batch import sharded_batch_dims
 from ..driver.dynamic import expand_dynamic
 from ..driver.failure import collective_failure
+from ..driver.progress import stage_done
 from ..driver.rng import AxesRngSync
 from ..driver.token_ids import explain_index_error
 from ..errors import SpmdError
@@ -184,6 +185,7 @@ class PipelinedStep(StageOwnership, StepDriver):
                 symbolic_dims=dims, dynamic=dynamic, device_type=self.options.device_type or smesh.device_type,
                 mixed_precision=self.options.mixed_precision, **g_kwargs
             )
+        stage_done("trace", traced.trace_seconds, f"{len(traced.gm.graph.nodes):,} nodes")
         _refuse_kept_gradients(traced)
         defer_batchnorm_stats(traced.gm, cfg.chunks)
         assignment = assign_stages(traced.gm, traced.outputs)
@@ -203,9 +205,12 @@ class PipelinedStep(StageOwnership, StepDriver):
             shape_env = pt.shape_env_of(pt.fake_mode_of(traced.placeholders()[step.size_symbols[0].index].meta["val"]))
             step.size_guards = SizeGuards(shape_env, step.size_symbols, step.size_definitions, step.size_coordinates,
                                           size_symbols_of(traced, every=True))
+        stage_done("expand", step.timings.get("expand", 0.0) + step.timings.get("rebuild", 0.0),
+                   f"{len(step.gm.graph.nodes):,} nodes, {len(step.collectives())} collectives")
         program = split_program(step.gm, assignment, hoist_params=not cfg.reshard_between_microbatches)
         coord = list(mesh.get_coordinate())
         self._optimize_pieces(step, program, [s for s in range(stages) if s % pp == coord[pp_index]])
+        stage_done("passes", step.timings.get("passes", 0.0), f"{len(program.pieces)} stage pieces")
         mesh_ranks = mesh.mesh
 
         def stage_rank(stage: int) -> int:

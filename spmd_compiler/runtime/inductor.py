@@ -64,6 +64,7 @@ from .. import _private_torch as pt
 from ..driver.batch_digest import digest_elements
 from ..driver.fold import resync_if_flagged
 from ..driver.guard import first_effect
+from ..driver.progress import backend_done
 from ..optimize.graph_utils import is_collective, is_wait
 from .executor import compile_runner
 from .failed_collective import collective_groups, generated_collective, last_launched
@@ -171,6 +172,7 @@ class InductorRunner:
         hit = pt.inductor_cache_counts()[0] > hits
         self.timings["backend inductor"] = self.timings.get("backend inductor", 0.0) + seconds
         self.compiles += 1
+        backend_done(f"inductor: {name} (FX graph cache {'hit' if hit else 'miss'})", seconds)
         log.info("inductor compiled %s%s in %.2fs (FX graph cache %s)", name,
                  "" if templates is None else f" for every batch size ({'; '.join(map(str, guards)) or 'no guard'})",
                  seconds, "hit" if hit else ("miss" if pt.inductor_cache_counts()[1] > misses else "unused"))
