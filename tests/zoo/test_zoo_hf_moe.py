@@ -176,3 +176,16 @@ def test_grouped_mm_for_cuda_in_float32_names_the_cause_and_the_fix():
     with pytest.raises(Exception, match="bfloat16") as info:
         sc.trace(step, model, opt, ids, ids, device_type="cuda")
     assert "experts_implementation" in str(info.value) and "autocast" in str(info.value)
+
+
+def test_hf_mixtral_experts_tp_splits_the_fused_gate_up_without_gathering_it():
+    """Issue #32 item 4: transformers stores Mixtral's gate and up projections as one
+    ``gate_up_proj`` [experts, 2 x hidden, dim] and ``chunk``s it; with that fused dim split
+    over tp (and ``down_proj``'s hidden dim), each rank keeps its rows of both halves (one
+    all_to_all into the pieces' strided layout): no expert weight or its gradient is
+    gathered, and the step equals one device."""
+    plan = sc.Plan(params={"*.experts.gate_up_proj": [Shard(1)], "*.experts.down_proj": [Shard(2)]}, default_input=[Replicate()])
+    res = run("mixtral", "experts_tp", fake_mesh((2,), ("tp",)), plan)
+    gathers = [c for c in collectives(res) if "all_gather" in c[1]]
+    assert gathers == [], gathers
+    assert_distributed(res, sharded=["model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"])

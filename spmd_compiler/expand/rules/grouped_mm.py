@@ -63,7 +63,10 @@ def grouped_mm_placements(a: Any, b: Any, axes: tuple[int, ...], ndim: int, expe
                     return None
                 out.append(pt.Shard(0))
             continue
-        if pa.is_partial() and pb.is_replicate() or pa.is_replicate() and pb.is_partial():
+        strided = _strided_out(pa, pb, two_d)
+        if strided is not None:  # a split fused dim (gate|up stored as one weight): its rows keep their layout
+            out.append(strided)
+        elif pa.is_partial() and pb.is_replicate() or pa.is_replicate() and pb.is_partial():
             out.append(pt.Partial("sum"))
         elif pa.is_replicate() and pb.is_replicate():
             out.append(pt.Replicate())
@@ -80,6 +83,16 @@ def grouped_mm_placements(a: Any, b: Any, axes: tuple[int, ...], ndim: int, expe
     return out
 
 
+def _strided_out(pa: Any, pb: Any, two_d: bool) -> Any:
+    """The result's ``_StridedShard`` when the split dim of ``a`` (weight gradient: its m
+    rows) or ``b`` (forward: its n columns) is one, the other operand whole; else None."""
+    if two_d and isinstance(pa, pt.StridedShard) and pa.dim == 0 and pb.is_replicate():
+        return pt.StridedShard(1, split_factor=pa.split_factor)
+    if not two_d and pa.is_replicate() and isinstance(pb, pt.StridedShard) and pb.dim == 2:
+        return pt.StridedShard(1, split_factor=pb.split_factor)
+    return None
+
+
 @register_rule(pt.GROUPED_MM)
 def _grouped_mm(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: dict) -> Any:
     bound = {"offs": None, "bias": None, "out_dtype": None}
@@ -88,6 +101,10 @@ def _grouped_mm(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kw
     a, w, offs = bound["mat_a"], bound["mat_b"], bound["offs"]
     if bound["bias"] is not None or not isinstance(a, TensorArg) or not isinstance(w, TensorArg) or len(a.spec.shape) != 2:
         return generic_expand(ctx, b, op, args, kwargs)
+    if _strided_whole_rows(a, w, offs):  # rows whole on every rank, a fused dim split: keep its layout
+        placements = grouped_mm_placements(a, w, (), ctx.mctx.ndim)
+        if placements is not None:
+            return _emit(ctx, b, op, a, w, offs, bound["out_dtype"], placements, (), None)
     order = _order(a) if len(w.spec.shape) == 3 else (_order(a), _order(w))
     if len(w.spec.shape) == 2:
         if order[0] is None or order[0] != order[1]:
@@ -99,13 +116,28 @@ def _grouped_mm(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kw
     placements = grouped_mm_placements(a, w, order.axes, ctx.mctx.ndim, expert_axes)
     if placements is None:
         return generic_expand(ctx, b, op, args, kwargs)
-    node = b.call(op, a.node, w.node, offs.node, **({"out_dtype": bound["out_dtype"]} if bound["out_dtype"] is not None else {}))
+    return _emit(ctx, b, op, a, w, offs, bound["out_dtype"], placements, expert_axes, order)
+
+
+def _strided_whole_rows(a: Any, w: Any, offs: Any) -> bool:
+    """No token split (``offs`` the same everywhere, no row order) and some operand a
+    ``_StridedShard``: DTensor has no grouped_mm strategy for that layout (it gathers)."""
+    if not isinstance(offs, TensorArg) or not all(p.is_replicate() for p in offs.spec.placements):
+        return False
+    if _order(a) is not None:
+        return False
+    return any(isinstance(p, pt.StridedShard) for t in (a, w) for p in t.spec.placements)
+
+
+def _emit(ctx: ExpandContext, b: SubgraphBuilder, op: Any, a: Any, w: Any, offs: Any, out_dtype: Any, placements: list[Any],
+          expert_axes: tuple[int, ...], order: Order | None) -> Any:
+    node = b.call(op, a.node, w.node, offs.node, **({"out_dtype": out_dtype} if out_dtype is not None else {}))
     shape = list(pt.grouped_mm_out_shape(_Shape(a.spec.shape), _Shape(w.spec.shape), _Shape(offs.spec.shape)))
     if len(w.spec.shape) == 2:  # (experts, m, n): the local experts' offsets count this rank's experts only
         for axis in expert_axes:
             shape[0] = shape[0] * ctx.mctx.shape[axis]
     spec = _spec(ctx, placements, shape, node.meta["val"].dtype)
-    rows = Rows(order=order, origins=merge_origins(a, w, offs)) if len(w.spec.shape) == 3 else None
+    rows = Rows(order=order, origins=merge_origins(a, w, offs)) if len(w.spec.shape) == 3 and order is not None else None
     return _out(b, node, spec, rows)
 
 
