@@ -75,6 +75,34 @@ def test_meta_model_without_init_is_refused_with_the_fix():
         _step_on_fake_mesh(_meta_mlp())
 
 
+def _half_meta_mlp() -> torch.nn.Module:
+    model = MLP(dim=8, hidden=16).double()  # l1 has values (loaded weights, say); l2 left on meta
+    with torch.device("meta"):
+        model.l2 = torch.nn.Linear(16, 8, dtype=torch.float64)
+    return model
+
+
+def test_meta_model_with_real_batches_is_a_deferred_init_error_not_a_fake_tensor_traceback():
+    """The usual mistake: a model built under torch.device('meta'), real CPU batches, no
+    init_weights; and a model with one submodule left on meta."""
+    with pytest.raises(sc.DeferredInitError) as info:
+        _step_on_fake_mesh(_meta_mlp())
+    assert "FakeTensor" not in str(info.value) and info.value.names == ["l1.weight", "l1.bias", "l2.weight", "l2.bias"]
+    with pytest.raises(sc.DeferredInitError, match=r"2 parameter\(s\)/buffer\(s\) of the model are on the meta device "
+                       r"\(l2.weight, l2.bias\).*\n  fix: compile\(\.\.\., init_weights="):
+        _step_on_fake_mesh(_half_meta_mlp())
+
+
+def test_partly_meta_model_is_not_overwritten_by_init_weights():
+    """init_weights would re-initialize the submodule that has values: refused, naming both parts."""
+    model = _half_meta_mlp()
+    before = model.l1.weight.detach().clone()
+    with pytest.raises(sc.DeferredInitError, match=r"partly on the meta device: 2 .*\(l2.weight, l2.bias\) and 2 "
+                       r"parameter\(s\) with values \(l1.weight, l1.bias\).*\n  fix: build the whole model on meta"):
+        _step_on_fake_mesh(model, init_weights="reset_parameters")
+    assert torch.equal(model.l1.weight, before)
+
+
 def test_fake_mesh_rank_materializes_only_its_shards():
     model = _meta_mlp()
     step = sc.compile(mse_train_step, mesh=fake_mesh((2,), ("dp",), world_size=2), plan=FSDP, init_weights="reset_parameters")

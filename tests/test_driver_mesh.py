@@ -22,7 +22,8 @@ pytestmark = pytest.mark.gloo
 def _held_at_exit(rank: int, world: int) -> dict:
     model = MLP()  # its parameters become DTensors on the step's mesh, and stay alive here
     step = sc.compile(mse_train_step, mesh=(world,))
-    step(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(2, 16), torch.randn(2, 16))
+    g = torch.Generator().manual_seed(rank)  # each rank its own rows (equal rows on every rank: a global batch, refused)
+    step(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(2, 16, generator=g), torch.randn(2, 16, generator=g))
     mesh = step.mesh
     before = {"groups": len(mesh._pg_registry), "heartbeat": any(t.name == "spmd_compiler heartbeat" for t in threading.enumerate())}
     dist.destroy_process_group()

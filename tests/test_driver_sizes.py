@@ -8,6 +8,7 @@ Tolerance: float64, 1e-10 on parameters after every step.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import re
 
@@ -134,6 +135,12 @@ def _train(rank: int, world: int, fn, sizes, replicated: bool = False, **options
             "size_inputs": sum(n.op == "placeholder" and n.name.startswith("size_") for n in step.last.gm.graph.nodes)}
 
 
+def _replicated(plan: sc.Plan) -> sc.Plan:
+    """``plan`` with every batch tensor Replicate: each rank passes the whole batch (with
+    the default Shard(0) that would be every rank passing the global batch, refused)."""
+    return dataclasses.replace(plan, default_input=[sc.Replicate()])
+
+
 def _two_ranks(rank: int, world: int) -> dict:
     logs: list[tuple[str, str]] = []
     handler = logging.Handler()
@@ -141,7 +148,7 @@ def _two_ranks(rank: int, world: int) -> dict:
     logging.getLogger("spmd_compiler").addHandler(handler)  # INFO: the compile's logs run too
     logging.getLogger("spmd_compiler").setLevel(logging.INFO)
     out = {"train": _train(rank, world, mse_step, [8, 5, 3, 8, 1, 7])}
-    out["tp"] = _train(rank, world, mse_step, [8, 5, 3, 1, 7], replicated=True, plan=megatron_mlp_plan())  # the batch replicated
+    out["tp"] = _train(rank, world, mse_step, [8, 5, 3, 1, 7], replicated=True, plan=_replicated(megatron_mlp_plan()))  # the batch replicated
     del logs[:]
     out["branch"] = _train(rank, world, branching_step, [6, 5, 7, 6, 9])
     out["branch_logs"] = [m for name, m in logs if name == "spmd_compiler.driver.dynamic"]

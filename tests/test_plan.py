@@ -85,6 +85,35 @@ def test_inputs_by_index_and_path(traced_adam, mesh4):
         sc.Plan(inputs={"batch[7]": [Shard(0)]}).resolve(traced_adam, mesh4)
 
 
+def test_every_bad_entry_in_one_error(traced_adam, mesh4):
+    """Several mistakes: one error lists them all, the first one's message (and type)
+    first, as a plan with that mistake alone raises it; a parameter's grad and optimizer
+    state, which follow its entry, do not repeat it."""
+    plan = sc.Plan(params={"l1.wieght": [Shard(0)], "l2.weight": [Shard(2)], "encoder.*": [Shard(0)]},
+                   inputs={"batch[3]": [Replicate()]}, fsdp_axes=("dpp",))
+    with pytest.raises(ValueError) as info:
+        plan.resolve(traced_adam, mesh4)
+    text = str(info.value)
+    lines = text.splitlines()
+    assert lines[0].startswith("plan entry 'l1.wieght' names no parameter"), text
+    assert "the plan has 4 more bad entries (all 5 listed; fix each):" in lines[1], text
+    assert len(lines) == 6, text
+    for part in (r"Did you mean 'l1.weight'", "l2.weight (shape [16, 32]) gets placements [Shard(dim=2)] from plan['l2.weight']",
+                 "plan pattern 'encoder.*' matches no parameter", "plan input 'batch[3]' names no batch tensor",
+                 "fsdp axis 'dpp' is not a mesh axis name"):
+        assert part in text, (part, text)
+    assert all("fix:" in line for line in lines[2:]), text
+    assert text.count("l2.weight (shape") == 1, text  # not again for its grad and Adam state
+    with pytest.raises(ValueError) as alone:
+        sc.Plan(params={"l1.wieght": [Shard(0)]}).resolve(traced_adam, mesh4)
+    assert str(alone.value) == lines[0]
+
+
+def test_first_bad_entry_keeps_its_type(traced_adam, mesh4):
+    with pytest.raises(TypeError, match=r"is not a Placement(.|\n)*the plan has 1 more bad entry(.|\n)*'l1.wieght'"):
+        sc.Plan(params={"l2.weight": ["shard"], "l1.wieght": [Shard(0)]}).resolve(traced_adam, mesh4)
+
+
 def _bn_model():
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 8)).double()
 

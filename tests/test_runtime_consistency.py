@@ -153,7 +153,7 @@ def _cases(rank: int, world: int, tmp: str) -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     step = sc.compile(mse_step, mesh=(world,), cache_size=2)
     for i in range(2):  # steady: the next call's rank 1 runs the agreed program, rank 0 does not
-        step(model, opt, *_rows(i, 4))
+        step(model, opt, *_rows(i + 2 * rank, 4))  # each rank its own rows (the same on every rank: a global batch, refused)
     # a split that is not torch.chunk's layout (3 rows on rank 0, 4 on rank 1): refused on every rank
     x, y = _rows(9, 7)
     mine = slice(0, 3) if rank == 0 else slice(3, 7)

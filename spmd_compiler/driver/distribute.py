@@ -145,6 +145,16 @@ def _check_deferred(state: Any, init_weights: Any) -> bool:
             f"{len(meta)} parameter(s)/buffer(s) of the model are on the meta device ({', '.join(meta[:3])}"
             f"{', ...' if len(meta) > 3 else ''}): a model built under torch.device('meta') has shapes but no values, and "
             f"this step runs on real tensors", _FIX_INIT, meta)
+    real = [n for n, t in state.params.items() if not t.is_meta and not isinstance(t, DTensor)]
+    if real:  # init_weights runs the model's whole init: it would overwrite the values these already hold
+        raise DeferredInitError(
+            f"the model is partly on the meta device: {len(meta)} parameter(s)/buffer(s) on meta ({', '.join(meta[:3])}"
+            f"{', ...' if len(meta) > 3 else ''}) and {len(real)} parameter(s) with values ({', '.join(real[:3])}"
+            f"{', ...' if len(real) > 3 else ''}); init_weights initializes the whole model, and would overwrite the values "
+            f"those hold (loaded weights, say)",
+            "build the whole model on meta (then load weights into the distributed model: step.distribute(model, "
+            "optimizer), then torch.distributed.checkpoint.load), or give the meta part values yourself before the call "
+            "(submodule.to_empty(device='cpu'); submodule.reset_parameters()) and compile without init_weights", real)
     stale = [n for (n, _), v in state.optim.items() if isinstance(v, torch.Tensor) and v.is_meta]
     stale += [n for n, p in state.params.items() if p.grad is not None]
     if stale:

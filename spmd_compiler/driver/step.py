@@ -43,6 +43,7 @@ from .cache_watch import CacheWatch
 from .checkpoint import DriverCheckpoints
 from .distribute import distribute_state, is_distributed
 from .failure import collective_failure, start_heartbeat
+from .copied_batch import global_batch_error, shard_digests
 from .guard import GuardError, Resync, StepGuard
 from .introspect import DriverIntrospection
 from .mesh import _LIVE, as_mesh
@@ -234,15 +235,19 @@ class StepDriver(DriverIntrospection, DriverCheckpoints):
                 where = e.where or "the per-step check that every rank runs the same program (before the step's first collective)"
                 raise collective_failure(e, where=where, step_name=name, call=self.calls, timeout=self.options.timeout) from e
         try:
+            checks = self._checks_values()
             everyone = tuple(exchange((self._payload(key, free, batch, kwargs), None if bad_ids is None else str(bad_ids),
-                                       batch_digests(self.mesh, self.plan, batch, kwargs) if self._checks_values() else None)))
+                                       batch_digests(self.mesh, self.plan, batch, kwargs) if checks else None,
+                                       shard_digests(self.mesh, self.plan, batch, kwargs) if checks else None)))
         except RuntimeError as e:
             raise collective_failure(e, where="the exchange of call signatures that picks the program", step_name=name,
                                      call=self.calls, timeout=self.options.timeout) from e
-        error = bad_ids or ranks_ids_error([text for _, text, _ in everyone]) or values_error([d for _, _, d in everyone], self.mesh)
+        error = (bad_ids or ranks_ids_error([text for _, text, _, _ in everyone])
+                 or values_error([d for _, _, d, _ in everyone], self.mesh)
+                 or global_batch_error([s for _, _, _, s in everyone], self.mesh))  # every rank passed the global batch
         if error is not None:
             raise error
-        everyone = tuple(payload for payload, _, _ in everyone)
+        everyone = tuple(payload for payload, _, _, _ in everyone)
         program = self._agree_program(model, optimizer, batch, kwargs, key, everyone, free)
         self._current = program
         self._last_key, self.last = key, program.step

@@ -13,6 +13,7 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from .. import _private_torch as pt
 from .placements import ResolvedPlan, _check_dims, normalize_placements
+from .problems import Problems
 
 if TYPE_CHECKING:
     from .spec import Plan
@@ -35,10 +36,12 @@ def _style_axis(plan: Plan, mesh: Any) -> int:
         return names.index("tp") if "tp" in names else mesh.ndim - 1
     if isinstance(ax, int):
         if not 0 <= ax < mesh.ndim:
-            raise ValueError(f"style_axis {ax} is out of range for a {mesh.ndim}-D mesh")
+            raise ValueError(f"style_axis {ax} is out of range for a {mesh.ndim}-D mesh; expected an index in "
+                             f"[0, {mesh.ndim - 1}] or a mesh axis name {names}. fix: Plan(style_axis=...) one of them")
         return ax
     if ax not in names:
-        raise ValueError(f"style_axis {ax!r} is not a mesh axis name; mesh axes are {names}")
+        raise ValueError(f"style_axis {ax!r} is not a mesh axis name; mesh axes are {names}. "
+                         f"fix: Plan(style_axis=...) one of them, or an index in [0, {mesh.ndim - 1}]")
     return names.index(ax)
 
 
@@ -80,9 +83,14 @@ def _near(name: str, candidates: list[str]) -> str:
 
 
 def _resolve(plan: Plan, traced: Any, mesh: Any) -> ResolvedPlan:
+    """Every input's placements; every bad entry of the plan in one error (:class:`Problems`)."""
+    problems = Problems()
     ndim = mesh.ndim
     replicate = (Replicate(),) * ndim
-    default_param = normalize_placements(plan.default_param, ndim, "default_param") if plan.default_param is not None else replicate
+    default_param = replicate
+    with problems.entry():
+        if plan.default_param is not None:
+            default_param = normalize_placements(plan.default_param, ndim, "default_param")
 
     state = traced.state
     named = list(state.params) + list(state.buffers) + list(state.aliases)
@@ -93,43 +101,63 @@ def _resolve(plan: Plan, traced: Any, mesh: Any) -> ResolvedPlan:
     patterns: list[tuple[str, tuple[Placement, ...]]] = []
     model = getattr(traced, "model", None)
     for key, value in plan.params.items():
-        if _is_style(value):
-            if model is None:
-                raise ValueError("ParallelStyle plans need the model; compile through spmd_compiler.compile or pass model=")
-            axis = _style_axis(plan, mesh)
-            modules = [n for n, _ in model.named_modules() if n and fnmatch.fnmatchcase(n, key)]
-            if not modules and plan.strict:
-                raise ValueError(
-                    f"plan entry {key!r} ({type(value).__name__}) matches no module FQN."
-                    + _near(key, [n for n, _ in model.named_modules() if n])
-                )
-            for mod_name in modules:
-                for fqn, p in _style_params(value, model.get_submodule(mod_name), mod_name).items():
-                    pl = list(default_param)
-                    pl[axis] = p
-                    exact[fqn] = tuple(pl)
-            continue
-        pl = normalize_placements(value, ndim, f"plan entry {key!r}")
-        if any(c in key for c in "*?["):
-            patterns.append((key, pl))
-        else:
-            if key not in canonical and plan.strict:
-                raise ValueError(
-                    f"plan entry {key!r} names no parameter or buffer of the model (it gives {list(pl)!r})."
-                    + _near(key, named)
-                    + " fix: use the FQN from model.named_parameters() / named_buffers(), or a glob pattern, "
-                    "or pass Plan(strict=False) to ignore it."
-                )
-            exact[canonical.get(key, key)] = pl
+        with problems.entry():
+            _param_entry(plan, key, value, mesh, model, default_param, canonical, named, exact, patterns)
     if plan.strict:
         for pat, pl in patterns:
             if not any(fnmatch.fnmatchcase(n, pat) for n in named):
-                raise ValueError(
+                problems.add(ValueError(
                     f"plan pattern {pat!r} matches no parameter or buffer of the model (it gives {list(pl)!r})."
                     + _near(pat, named)
                     + " fix: match the names of model.named_parameters() / named_buffers() ('*' also matches dots), "
                     "or pass Plan(strict=False) to allow patterns that match nothing."
-                )
+                ))
+    return _placements(plan, traced, mesh, problems, exact, patterns, default_param)
+
+
+def _param_entry(plan: Plan, key: str, value: Any, mesh: Any, model: Any, default_param: tuple, canonical: dict,
+                 named: list[str], exact: dict, patterns: list) -> None:
+    """Check one ``plan.params`` entry and record it in ``exact`` or ``patterns`` (a
+    ParallelStyle: the parameters it gives placements, in ``exact``)."""
+    ndim = mesh.ndim
+    if _is_style(value):
+        if model is None:
+            raise ValueError("ParallelStyle plans need the model; compile through spmd_compiler.compile or pass model=")
+        axis = _style_axis(plan, mesh)
+        modules = [n for n, _ in model.named_modules() if n and fnmatch.fnmatchcase(n, key)]
+        if not modules and plan.strict:
+            raise ValueError(
+                f"plan entry {key!r} ({type(value).__name__}) matches no module FQN."
+                + _near(key, [n for n, _ in model.named_modules() if n])
+                + " fix: use a module name from model.named_modules() (or a glob over them), or pass Plan(strict=False)"
+            )
+        for mod_name in modules:
+            for fqn, p in _style_params(value, model.get_submodule(mod_name), mod_name).items():
+                pl = list(default_param)
+                pl[axis] = p
+                exact[fqn] = tuple(pl)
+        return
+    pl = normalize_placements(value, ndim, f"plan entry {key!r}")
+    if any(c in key for c in "*?["):
+        patterns.append((key, pl))
+    else:
+        if key not in canonical and plan.strict:
+            raise ValueError(
+                f"plan entry {key!r} names no parameter or buffer of the model (it gives {list(pl)!r})."
+                + _near(key, named)
+                + " fix: use the FQN from model.named_parameters() / named_buffers(), or a glob pattern, "
+                "or pass Plan(strict=False) to ignore it."
+            )
+        exact[canonical.get(key, key)] = pl
+
+
+def _placements(plan: Plan, traced: Any, mesh: Any, problems: Problems, exact: dict, patterns: list,
+                default_param: tuple) -> ResolvedPlan:
+    """The placements of every input of ``traced`` from the checked entries (then every
+    problem found, raised in one error)."""
+    ndim = mesh.ndim
+    replicate = (Replicate(),) * ndim
+    state = traced.state
 
     def for_fqn(fqn: str) -> tuple[tuple[Placement, ...], str, bool]:
         """(placements, source, whether they come from a pattern or default_param)."""
@@ -144,7 +172,7 @@ def _resolve(plan: Plan, traced: Any, mesh: Any) -> ResolvedPlan:
                 return pl, f"plan[{pat!r}]", True
         return default_param, "default_param", True
 
-    batch = iter(plan.batch_placements([i for i in traced.inputs if i.kind == "batch"], ndim))
+    batch = iter(_batch_placements(plan, [i for i in traced.inputs if i.kind == "batch"], ndim, problems))
     placements, sources = [], []
     # a pattern shards, on each mesh axis, the tensors it matches that have the dim it
     # names; one whose dim no tensor it matches has is an error, not a silent Replicate
@@ -155,21 +183,27 @@ def _resolve(plan: Plan, traced: Any, mesh: Any) -> ResolvedPlan:
             if wild:
                 splits.setdefault(src, set()).update(a for a, p in enumerate(pl) if _has_dim(inp, p))
     fitted: list[str] = []
-    fsdp = plan.fsdp_axis_indices(mesh)
+    fsdp: tuple[int, ...] = ()
+    with problems.entry():
+        fsdp = plan.fsdp_axis_indices(mesh)
     for inp in traced.inputs:
+        entry = None  # the plan entry behind its placements: one problem per entry (a parameter, its grad and state)
         if inp.kind in ("param", "buffer"):
             pl, src, wild = for_fqn(inp.name)
+            entry = src
             if wild:
                 pl, src = _fit_wildcard(inp, pl, src, splits.get(src, set()), fitted)
                 if inp.kind == "buffer" and fsdp:
                     pl, src = _fsdp_buffer(pl, src, fsdp)
         elif inp.kind == "grad":  # stored like its parameter (FSDP: sharded, as after a reduce-scatter)
             pl, src, wild = for_fqn(inp.name)
+            entry = src
             if wild:
                 pl, src = _fit_wildcard(inp, pl, src, splits.get(src, set()), [])
             src = f"follows param {inp.name!r}"
         elif inp.kind == "optim":
             pl, src, wild = for_fqn(inp.name)
+            entry = src
             if wild:
                 pl, src = _fit_wildcard(inp, pl, src, splits.get(src, set()), [])
             param_shape = next(i.shape for i in traced.inputs if i.kind == "param" and i.name == inp.name)
@@ -181,8 +215,12 @@ def _resolve(plan: Plan, traced: Any, mesh: Any) -> ResolvedPlan:
             pl, src = replicate, "replicated (optimizer hyperparameter)"
         else:
             pl, src = next(batch)
-        placements.append(_check_dims(inp, tuple(pl), src))
+        checked = tuple(pl)
+        with problems.entry(entry):
+            checked = _check_dims(inp, checked, src)
+        placements.append(checked)
         sources.append(src)
+    problems.raise_all()
     if fitted:
         log.debug("plan patterns left %d tensors Replicate where they have no dim to split: %s", len(fitted), "; ".join(fitted))
     grads = {inp.name: tuple(pl) for inp, pl in zip(traced.inputs, placements) if inp.kind == "param"}
@@ -260,12 +298,17 @@ def _fit_wildcard(
     return tuple(out), f"{source}, Replicate on mesh axes {axes} ({why} has no dim to split there)"
 
 
-def _batch_placements(plan: Plan, batch_inputs: list[Any], ndim: int) -> list[tuple[tuple[Placement, ...], str]]:
+def _batch_placements(plan: Plan, batch_inputs: list[Any], ndim: int,
+                      problems: Problems | None = None) -> list[tuple[tuple[Placement, ...], str]]:
+    """``(placements, source)`` per batch input; its bad entries recorded in ``problems``
+    (then each gets Replicate), or raised in one error when none is given."""
+    own = problems is None
+    problems = Problems() if problems is None else problems
     replicate = (Replicate(),) * ndim
-    if plan.default_input is not None:
-        default_input = normalize_placements(plan.default_input, ndim, "default_input")
-    else:
-        default_input = (Shard(0),) + (Replicate(),) * (ndim - 1)
+    default_input = (Shard(0),) + (Replicate(),) * (ndim - 1)
+    with problems.entry():
+        if plan.default_input is not None:
+            default_input = normalize_placements(plan.default_input, ndim, "default_input")
     inputs_by_index: dict[int, Any] = {}
     inputs_by_path: dict[str, Any] = {}
     if isinstance(plan.inputs, Mapping):
@@ -275,16 +318,26 @@ def _batch_placements(plan: Plan, batch_inputs: list[Any], ndim: int) -> list[tu
     known_paths = {i.name for i in batch_inputs}
     for path in inputs_by_path:
         if path not in known_paths:
-            raise ValueError(f"plan input {path!r} names no batch tensor; batch tensors are {sorted(known_paths)}")
+            problems.add(ValueError(
+                f"plan input {path!r} names no batch tensor; batch tensors are {sorted(known_paths)}."
+                + _near(path, sorted(known_paths))
+                + " fix: key Plan(inputs=...) by one of those paths (batch[i] for the i-th positional batch argument)"))
     out = []
     for pos, inp in enumerate(batch_inputs):
-        if inp.name in inputs_by_path:
-            pl, src = normalize_placements(inputs_by_path[inp.name], ndim, f"plan input {inp.name!r}"), f"inputs[{inp.name!r}]"
-        elif pos in inputs_by_index:
-            pl, src = normalize_placements(inputs_by_index[pos], ndim, f"plan input {pos}"), f"inputs[{pos}]"
-        else:
-            pl, src = default_input, "default_input"
+        pl, src = replicate, "default_input"
+        with problems.entry():
+            if inp.name in inputs_by_path:
+                pl, src = normalize_placements(inputs_by_path[inp.name], ndim, f"plan input {inp.name!r}"), f"inputs[{inp.name!r}]"
+            elif pos in inputs_by_index:
+                pl, src = normalize_placements(inputs_by_index[pos], ndim, f"plan input {pos}"), f"inputs[{pos}]"
+            else:
+                pl, src = default_input, "default_input"
         if len(inp.shape) == 0:
             pl, src = replicate, "replicated (0-d tensor)"
-        out.append((_check_dims(inp, tuple(pl), src), src))
+        checked = tuple(pl)
+        with problems.entry("default_input" if src == "default_input" else None):
+            checked = _check_dims(inp, checked, src)
+        out.append((checked, src))
+    if own:
+        problems.raise_all()
     return out
