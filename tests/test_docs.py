@@ -28,6 +28,7 @@ import linecache
 import os
 import pathlib
 import re
+import textwrap
 
 import pytest
 
@@ -71,7 +72,8 @@ def extract_blocks(path: pathlib.Path) -> list[Block]:
                 if unknown:
                     raise ValueError(f"{path}:{i}: unknown docs marker(s) {sorted(unknown)}; expected some of {MARKERS}")
                 markers = words
-            blocks.append(Block(path, start + 1, "\n".join(lines[start:j]) + "\n", markers))
+            code = textwrap.dedent("\n".join(lines[start:j]) + "\n")  # a fence indented in a list item
+            blocks.append(Block(path, start + 1, code, markers))
             i = j
         i += 1
     return blocks
