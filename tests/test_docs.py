@@ -50,7 +50,8 @@ class Block:
 
     @property
     def name(self) -> str:
-        return f"{self.path.relative_to(ROOT)}:{self.line}"
+        path = self.path.relative_to(ROOT) if self.path.is_relative_to(ROOT) else self.path
+        return f"{path}:{self.line}"
 
 
 def extract_blocks(path: pathlib.Path) -> list[Block]:
