@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils import _pytree as pytree
 from torch.distributed.tensor import DTensor
 
 from .. import _private_torch as pt
@@ -87,6 +88,9 @@ class CompiledStep(StepDriver):
     def _build(self, model: Any, optimizer: Any, batch: tuple, kwargs: dict) -> tuple[Any, dict[str, Any]]:
         mesh = self.mesh
         args, kw = global_batch(batch, kwargs, mesh, self.plan, exchange)
+        if self.explain and any(p.is_meta for p in model.parameters()):
+            # a model built on meta stays there in explain mode (nothing runs): so does the example batch
+            args, kw = pytree.tree_map_only(torch.Tensor, lambda t: t if t.is_meta else torch.empty_like(t, device="meta"), (args, kw))
         texts: dict[str, Any] | None = self._dump_texts(batch, kwargs) if self._dumping() else None
         step = build_program(
             self.fn, model, optimizer, args, kw, mesh, self.plan, self._sizes.options(self.options, batch, kwargs) if self._sizes else self.options,
