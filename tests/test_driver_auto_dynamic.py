@@ -114,3 +114,20 @@ def test_compile_a_feature_change_compiles_static():
 def test_dynamic_option_is_validated():
     with pytest.raises(ValueError, match="expected None"):
         sc.compile(mse_train_step, mesh=fake_mesh((2,), ("dp",)), dynamic="auto")
+
+
+def test_pipeline_default_switches_once():
+    """A pipelined step behaves the same: static, then one symbolic program (its size_*
+    inputs are micro-batch sizes, spmd_compiler/pipeline/sizes.py)."""
+    from spmd_compiler.testing.models import GPT, train_step
+
+    model = GPT(vocab=32, seq=8, dim=16, heads=2, layers=2).double()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    step = sc.compile(train_step, mesh=fake_mesh((2,), ["pp"]),
+                      pipeline=sc.Pipeline(chunks=2, split={"blocks.1": sc.SplitPoint.BEGINNING}))
+    symbolic = []
+    for b in (8, 6, 4, 12):
+        ids = torch.randint(0, 32, (b, 8))
+        step(model, opt, ids, ids)
+        symbolic.append(bool(step.last.size_symbols))
+    assert step.compiles == 2 and symbolic == [False, True, True, True]
