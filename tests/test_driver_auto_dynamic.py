@@ -131,3 +131,44 @@ def test_pipeline_default_switches_once():
         step(model, opt, ids, ids)
         symbolic.append(bool(step.last.size_symbols))
     assert step.compiles == 2 and symbolic == [False, True, True, True]
+
+
+# ------------------------------------------------------------------ real processes (gloo)
+def _gloo_default(rank: int, world: int) -> dict:
+    """The default on 2 gloo ranks, each holding torch.chunk's piece: every rank takes the
+    switch at the same call (the decision reads the payloads all ranks exchanged)."""
+    import copy
+
+    logs: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda r: logs.append(r.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("spmd_compiler.driver.step").addHandler(handler)
+    logging.getLogger("spmd_compiler.driver.step").setLevel(logging.INFO)
+    torch.manual_seed(0)
+    model = MLP().double()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = _sgd(model.parameters()), _sgd(ref.parameters())
+    step = sc.compile(mse_train_step, mesh=(world,))
+    errs, symbolic = [], []
+    for i, b in enumerate(SIZES):
+        g = torch.Generator().manual_seed(100 + i)
+        x, y = (torch.randn(b, 16, dtype=torch.float64, generator=g) for _ in range(2))
+        c = -(-b // world)
+        mine = slice(min(rank * c, b), min((rank + 1) * c, b))
+        loss = step(model, opt, x[mine], y[mine])
+        errs.append(abs(loss.item() - mse_train_step(ref, ref_opt, x, y).item()))
+        errs.append(max((p.full_tensor() - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters())))
+        symbolic.append(bool(step.last.size_symbols))
+    return {"err": max(errs), "compiles": step.compiles, "symbolic": symbolic,
+            "switches": [m for m in logs if m.startswith("batch size changed")]}
+
+
+@pytest.mark.gloo
+def test_gloo_default_switches_together_and_equals_one_device():
+    from gloo_launch import run_processes
+
+    for rank, r in enumerate(run_processes(_gloo_default, 2, timeout=300)):
+        assert r["err"] < 1e-10, (rank, r)
+        assert r["compiles"] == 2 and r["symbolic"] == [False] + [True] * (len(SIZES) - 1), (rank, r)
+        assert r["switches"] == ["batch size changed from 8 to 5: compiling once with the batch dims symbolic; later sizes "
+                                 "reuse it (dynamic=False to keep one program per size)"], (rank, r)
