@@ -11,7 +11,7 @@ from spmd_compiler.testing.models import MLP, mse_train_step
 
 
 def test_a_cache_cycling_through_more_signatures_than_it_holds_warns_once(mesh4, caplog):
-    step = sc.compile(mse_train_step, mesh=mesh4, cache_size=2)
+    step = sc.compile(mse_train_step, mesh=mesh4, cache_size=2, dynamic=False)
     model = MLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)  # no optimizer state: one program per batch size
     with caplog.at_level(logging.WARNING, logger="spmd_compiler"):
@@ -25,7 +25,7 @@ def test_a_cache_cycling_through_more_signatures_than_it_holds_warns_once(mesh4,
 
 
 def test_a_cache_that_holds_every_signature_stays_quiet(mesh4, caplog):
-    step = sc.compile(mse_train_step, mesh=mesh4, cache_size=3)
+    step = sc.compile(mse_train_step, mesh=mesh4, cache_size=3, dynamic=False)
     model = MLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with caplog.at_level(logging.WARNING, logger="spmd_compiler"):

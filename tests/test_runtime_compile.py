@@ -26,7 +26,7 @@ def mse_step(model, optimizer, x, y):
 
 
 def test_decorator_and_cache(mesh4, caplog):
-    @sc.compile(mesh=mesh4)
+    @sc.compile(mesh=mesh4, dynamic=False)  # one program per batch shape
     def train_step(model, optimizer, x, y):
         return mse_step(model, optimizer, x, y)
 
@@ -52,7 +52,7 @@ def test_decorator_and_cache(mesh4, caplog):
 
 
 def test_compile_cache_evicts_the_least_recently_used_program(mesh4):
-    step = sc.compile(mse_step, mesh=mesh4, cache_size=2)
+    step = sc.compile(mse_step, mesh=mesh4, cache_size=2, dynamic=False)
     model = MLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)  # no optimizer state: one program per batch size
 

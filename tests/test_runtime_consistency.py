@@ -84,7 +84,7 @@ def _uneven(rank: int, world: int, fold: bool) -> dict:
     all_reduce (``fold``) or standalone. Counts the standalone check's all_reduces."""
     splits = [(4, 4), (4, 3), (4, 4), (4, 3), (4, 4), (4, 4), (4, 4)]
     model, ref, opt, ref_opt = _mlp_pair()
-    step = sc.compile(mse_step, mesh=(world,), cache_size=2)
+    step = sc.compile(mse_step, mesh=(world,), cache_size=2, dynamic=False)  # one program per split: the check's switches
     step.fold_guard = fold
     errs = []
     with _counted_flags() as flags:
@@ -108,7 +108,7 @@ def _dropout_rng(rank: int, world: int, fold: bool) -> tuple:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Dropout(0.25), torch.nn.Linear(32, 16)).double()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    step = sc.compile(mse_step, mesh=(world,), cache_size=2)
+    step = sc.compile(mse_step, mesh=(world,), cache_size=2, dynamic=False)  # one program per split: the check's switches
     step.fold_guard = fold
     for i, split in enumerate([(4, 4), (4, 3), (4, 4), (4, 4)]):
         x, y = _rows(i, sum(split))
@@ -302,7 +302,8 @@ def _mesh2x2(rank: int, world: int) -> dict:
     rows (ranks 2 and 3 change shape, ranks 0 and 1 learn it in the dp fold), then a step
     where rank 3 alone gets 3 rows (its tp partner 4: a replicated input that differs)."""
     model, ref, opt, ref_opt = _mlp_pair()
-    step = sc.compile(mse_step, mesh={"dp": 2, "tp": 2}, plan=megatron_mlp_plan(ndim=2, axis=1), cache_size=2)
+    step = sc.compile(mse_step, mesh={"dp": 2, "tp": 2}, plan=megatron_mlp_plan(ndim=2, axis=1), cache_size=2,
+                      dynamic=False)  # one program per split: the folded check's resyncs
     errs = []
     with _counted_flags() as flags:
         for i, split in enumerate([(4, 4), (4, 4), (4, 3), (4, 4), (4, 4)]):

@@ -55,11 +55,15 @@ class Options:
             number the single-device step draws (each rank draws the global tensor and
             keeps its slice); "fast" draws only local elements from per-shard seeds
             (Replicate values still agree across ranks; not the single-device numbers).
-        dynamic: one program for every size of the plan's sharded batch dims
+        dynamic: True: one program for every size of the plan's sharded batch dims
             (docs/dynamic_shapes.md): the per-rank program takes the global sizes as
             run-time ints and computes every size that depends on them; a call whose
-            sizes break a condition the compile relied on compiles again. False (the
-            default): one program per batch shape.
+            sizes break a condition the compile relied on compiles again. False: one
+            program per batch shape. None (the default): automatic, as torch.compile's
+            automatic dynamic shapes: the first call compiles for its exact shapes, and
+            the first call whose sharded batch sizes differ (nothing else) compiles once
+            more with them symbolic, a program every later size reuses
+            (:mod:`.auto_dynamic`).
         backend: what runs the per-rank program: "eager" (one aten call per node, from
             generated straight-line Python) or "inductor" (the whole program compiled by
             torch's inductor; a program it cannot compile runs eagerly, with a WARNING).
@@ -102,7 +106,7 @@ class Options:
     timeout: float | None = 300.0
     rng: str = "exact"
     backend: str = "eager"
-    dynamic: bool = False
+    dynamic: bool | None = None
     check_intent: bool = False
     device_type: str | None = None
     init_weights: Any = None
@@ -123,8 +127,9 @@ class Options:
             raise ValueError(f"backend={self.backend!r}: expected one of {list(BACKENDS)} (the per-rank program's runner)")
         if not isinstance(self.check_intent, bool):
             raise ValueError(f"check_intent={self.check_intent!r}: expected True (check the program against its trace) or False")
-        if not isinstance(self.dynamic, bool):
-            raise ValueError(f"dynamic={self.dynamic!r}: expected True (one program for every batch size) or False")
+        if self.dynamic is not None and not isinstance(self.dynamic, bool):
+            raise ValueError(f"dynamic={self.dynamic!r}: expected None (automatic: static until the batch size changes), "
+                             f"True (one program for every batch size) or False (one program per batch size)")
         if self.dynamic and self.symbolic == "none":
             raise ValueError("dynamic=True needs symbolic batch sizes; expected symbolic='batch' or 'all', got 'none'")
         object.__setattr__(self, "passes_disabled", tuple(self.passes_disabled))
@@ -312,8 +317,8 @@ def build_program(
         with gc_paused():
             traced = trace(
                 fn, model, optimizer, *args, symbolic=options.symbolic,
-                symbolic_dims=sharded_batch_dims(plan, args, kwargs, len(tuple(mesh.shape)), dynamic=options.dynamic),
-                dynamic=options.dynamic, device_type=options.device_type or getattr(mesh, "device_type", None),
+                symbolic_dims=sharded_batch_dims(plan, args, kwargs, len(tuple(mesh.shape)), dynamic=bool(options.dynamic)),
+                dynamic=bool(options.dynamic), device_type=options.device_type or getattr(mesh, "device_type", None),
                 mixed_precision=options.mixed_precision, **kwargs,
             )
         stage_done("trace", traced.trace_seconds, f"{len(traced.gm.graph.nodes):,} nodes")

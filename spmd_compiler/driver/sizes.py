@@ -198,8 +198,8 @@ class BatchSizes:
         process and the fake group exchange nothing); None, after one INFO line, when
         the check does not span the world (the sizes cannot ride in it)."""
         if not exchanged and dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() != "fake":
-            log.info("dynamic=True: the mesh does not span the world, so the ranks cannot agree on batch sizes in the "
-                     "step check; compiling one program per batch shape")
+            log.info("dynamic batch sizes: the mesh does not span the world, so the ranks cannot agree on batch sizes in "
+                     "the step check; compiling one program per batch shape")
             return None
         return cls(mesh, plan, exchanged)
 
@@ -213,7 +213,7 @@ class BatchSizes:
     def options(self, options: Any, batch: tuple, kwargs: dict) -> Any:
         """The compile options for this call: ``dynamic=False`` (one INFO line) when a
         batch dim is split over several mesh axes, whose sizes cannot ride in the check yet."""
-        if self.dims(batch, kwargs) is not None:
+        if not options.dynamic or self.dims(batch, kwargs) is not None:
             return options
         log.info("dynamic=True: a batch dim is split over more than one mesh axis; compiling one program per batch shape")
         return dataclasses.replace(options, dynamic=False)
@@ -319,6 +319,14 @@ class BatchSizes:
             log.info("a symbolic program for these batch shapes is kept beside %d other(s) whose size guards do not hold "
                      "(%s); each call runs the first, most recently used first, whose guards hold", others, reason)
         return ("sizes", free, self._serial)
+
+    def global_of(self, dims: list[ShardedDim], everyone: list[Any]) -> list[int]:
+        """The global sizes of ``dims`` from the agreement's exchange (each rank's
+        ``(coordinate, local sizes)``; one process and the fake group: this rank's on every
+        rank). Raises ValueError as :func:`global_sizes` does."""
+        if not self.exchanged:
+            everyone = self.everyone(None, None, everyone[0][1])
+        return global_sizes(dims, everyone, self.mesh_shape)
 
     def agreed_values(self, program: Any, everyone: list[Any]) -> tuple[list[int], str | None]:
         """The ``size_*`` inputs from the agreement's exchange (each rank's

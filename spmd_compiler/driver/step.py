@@ -36,6 +36,7 @@ from ..trace.tracer import flatten_batch
 from .._format import format_bytes
 from .agreement import check_agreement, exchange
 from .batch import signature, why_recompile
+from .auto_dynamic import AutoDynamic
 from .batch_digest import batch_digests, value_slots, values_error
 from .budget import check_budget
 from .build import Options
@@ -71,6 +72,8 @@ class Program:
     sizes: Any = None  # a symbolic program's (dynamic=True) sizes.SizeProgram: keyed without the sharded sizes
     slot: int = 1  # its id in the cache, 1 to cache_size, the same on every rank (carried by a folded check)
     state_changed: bool = False  # its compile changed the state the call signature reads (keyed by the state after)
+    free: Any = None  # every rank's free-signature digest (dynamic=None: a call differing only in batch sizes switches)
+    batch_sizes: Any = None  # the global sharded batch sizes it was compiled for (dynamic=None's INFO line)
 
 
 class StepDriver(DriverIntrospection, DriverCheckpoints):
@@ -91,9 +94,12 @@ class StepDriver(DriverIntrospection, DriverCheckpoints):
         self.options = Options.from_kwargs(options)
         self.explain = os.environ.get("SPMD_COMPILER_EXPLAIN") == "1"  # compile and dump, never execute
         why = self._per_shape()
-        if self.options.dynamic and why:
-            log.info("dynamic=True: %s compiles one program per batch shape (docs/dynamic_shapes.md)", why)
+        if self.options.dynamic is not False and (why or self.options.symbolic == "none"):
+            if self.options.dynamic:
+                log.info("dynamic=True: %s compiles one program per batch shape (docs/dynamic_shapes.md)", why)
             self.options = dataclasses.replace(self.options, dynamic=False)
+        # dynamic=None (the default): static programs until the batch size changes (.auto_dynamic)
+        self._auto: AutoDynamic | None = AutoDynamic() if self.options.dynamic is None else None
         self._sizes: BatchSizes | None = None  # dynamic=True: the ranks' agreement on the batch sizes
         self._feed: list[int] = []  # the size_* inputs of the running call
         self._compiling: list[Any] | None = None  # dynamic=True: every rank's local sizes of the call being compiled
@@ -278,10 +284,11 @@ class StepDriver(DriverIntrospection, DriverCheckpoints):
         """The step guard's group, and the collective timeout on the mesh's groups."""
         timeout = self.options.timeout
         self._guard = StepGuard(self.mesh, timeout)
-        if self.options.dynamic:
+        if self.options.dynamic is not False:  # True, or None (automatic: the payloads carry the sizes from the start)
             self._sizes = self._batch_sizes(self._guard.group is not None)
             if self._sizes is None:  # the sizes cannot ride in the step check: one program per shape
                 self.options = dataclasses.replace(self.options, dynamic=False)
+                self._auto = None
         if not dist.is_initialized() or dist.get_backend() == "fake":
             return
         start_heartbeat()  # a roll call after a failed collective tells blocked ranks from dead ones
@@ -324,7 +331,16 @@ class StepDriver(DriverIntrospection, DriverCheckpoints):
             self._programs.move_to_end(everyone)
             return program
         self._compiling = [p[2] for p in payloads] if self._sizes is not None else None  # every rank's sizes, for dumps
-        program = self._compile(model, optimizer, batch, kwargs, reason or why_recompile(self._last_key, key))
+        symbolic, note = False, None
+        if self._auto is not None:  # decided from every rank's payload and the cache: the same on every rank
+            symbolic, note = self._auto.decide(self._programs, tuple(p[1] for p in payloads), self._sizes,
+                                               self._sizes.dims(batch, kwargs), self._compiling)
+            if note:
+                log.info("%s", note)
+        program = self._compile_as(symbolic, model, optimizer, batch, kwargs,
+                                   reason or (note.split(":")[0] + ", batch dims symbolic" if note else why_recompile(self._last_key, key)))
+        if self._auto is not None:
+            self._auto.compiled(tuple(p[1] for p in payloads), symbolic, program)
         known = len(self._states.value_guards)
         self._states.add_value_guards(getattr(getattr(program.step, "traced", None), "value_guards", []))
         if len(self._states.value_guards) > known or program.state_changed:  # the same on every rank (they agreed on the program)
@@ -339,6 +355,9 @@ class StepDriver(DriverIntrospection, DriverCheckpoints):
             everyone = payloads if self._sizes is None else tuple(p[0] for p in payloads)
             self._apply_rekeyed(rekeyed, [d for _, d in sent])
         program.local_key = key
+        if self._sizes is not None:
+            program.free = tuple(p[1] for p in payloads)
+            program.batch_sizes = self._global_or_none(batch, kwargs, [p[2] for p in payloads])
         if self._sizes is not None and program.step.size_symbols:  # serves every size its guards allow
             program.sizes = self._sizes.describe(program.step, self._sizes.dims(batch, kwargs))
             program.local_key = free
@@ -356,6 +375,27 @@ class StepDriver(DriverIntrospection, DriverCheckpoints):
         program.step.program_id = program.slot
         self._programs[everyone] = program
         return program
+
+    def _compile_as(self, symbolic: bool, *args: Any) -> Program:
+        """``_compile`` with ``dynamic=True`` (``symbolic``) or as the options say; dynamic=None
+        (automatic) compiles static unless ``symbolic``."""
+        if self._auto is None:
+            return self._compile(*args)
+        self.options = dataclasses.replace(self.options, dynamic=symbolic)
+        try:
+            return self._compile(*args)
+        finally:
+            self.options = dataclasses.replace(self.options, dynamic=None)
+
+    def _global_or_none(self, batch: tuple, kwargs: dict, everyone: list[Any]) -> list[int] | None:
+        """The call's global sharded batch sizes (None: a layout torch.chunk does not cut)."""
+        dims = self._sizes.dims(batch, kwargs) if self._sizes is not None else None
+        if not dims:
+            return None
+        try:
+            return self._sizes.global_of(dims, everyone)
+        except ValueError:
+            return None
 
     def _rekeyed(self, outcomes: tuple) -> list[tuple[Any, tuple, str]]:
         """The cached fixed-size programs keyed anew with the current outcomes of the

@@ -5,9 +5,11 @@ first call distributes the model and optimizer (parameters become DTensors), the
 driver (:mod:`spmd_compiler.driver`) traces the step on the global example batch,
 expands it for this rank, optimizes it and checks that every rank compiled the same
 program. Later calls with the same signature run the cached per-rank graph on the local
-tensors directly: no tracing and no DTensor dispatch on the per-step path. A new batch
-shape or dtype, or optimizer state appearing after the first step, compiles again
-(logged at INFO with the reason).
+tensors directly: no tracing and no DTensor dispatch on the per-step path. A new dtype,
+shape of an unsharded dim, or optimizer state appearing after the first step, compiles
+again (logged at INFO with the reason); a new sharded batch size compiles once more, a
+symbolic program that serves every later size (``dynamic=None``, the default;
+docs/dynamic_shapes.md).
 """
 
 from __future__ import annotations
@@ -204,10 +206,15 @@ def compile(fn: Callable[..., Any] | None = None, *, mesh: Any, plan: Plan | Non
             collective waits for the other ranks, 300; None: the process group's), ``backend``
             ("eager" | "inductor": what runs the per-rank program, default "eager";
             :mod:`spmd_compiler.runtime.inductor`), ``rng`` ("exact" | "fast": how random ops
-            draw, docs/randomness.md; default "exact", the single-device numbers); ``dynamic`` (one
-            program for every size of the sharded batch dims, docs/dynamic_shapes.md; default
-            False; the ranks agree on the global sizes in the step check; pipelines keep one
-            program per shape; backend="inductor" compiles each segment once for every size,
+            draw, docs/randomness.md; default "exact", the single-device numbers); ``dynamic`` (None,
+            the default: automatic, as torch.compile's automatic dynamic shapes: the first call
+            compiles for its exact shapes, and the first call whose sharded batch sizes differ
+            (nothing else) compiles once more with them symbolic, a program every later size
+            reuses, with one INFO line; a change of anything else (dtype, an unsharded dim,
+            state) compiles a static program; True: one program for every size of the sharded
+            batch dims from the first call, docs/dynamic_shapes.md; False: one program per
+            batch shape; the ranks agree on the global sizes in the step check, and take the
+            switch together; backend="inductor" compiles each segment once for every size,
             :mod:`spmd_compiler.runtime.inductor_dynamic`); ``device_type`` (the device the program is
             for, "cpu" | "cuda"; default the mesh's: a model on ``meta`` then traces SDPA as
             that device's fused kernel); and ``pipeline`` (a :class:`spmd_compiler.Pipeline`: run

@@ -12,6 +12,8 @@ be compared with a single-device run of the same step.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +21,7 @@ import torch
 
 from .. import _private_torch as pt
 from ..driver import Options, build_program, compare_fingerprints, fingerprint, program_inputs, signature, store_outputs, why_recompile
+from ..driver.auto_dynamic import switch_message
 from ..driver.batch import sharded_batch_dims
 from ..driver.token_ids import embedding_ids_error
 from ..expand import ExpansionCache
@@ -29,6 +32,8 @@ from ..trace.tracer import flatten_batch
 from .simulate import assemble, check_replicas, group_axes_of, rank_coordinates, run_lockstep, shard_tensor
 
 __all__ = ["SimulatedTraining"]
+
+log = logging.getLogger(__name__)
 
 
 class SimulatedTraining:
@@ -75,6 +80,10 @@ class SimulatedTraining:
         # dynamic=True: the symbolic programs (free signature, expansions), most recently used
         # first, up to cache_size, as the driver keeps them (driver/sizes.py: BatchSizes.pick)
         self._kept: list[tuple[Any, dict]] = []
+        # dynamic=None (automatic, as compile()): the free signature and global batch sizes of
+        # every compile, and the free signatures whose symbolic compile fell back
+        self._compiled_free: list[tuple[Any, list[int]]] = []
+        self._fallen: list[Any] = []
 
     def write_dump(self, root: Any, *, name: str = "step") -> Any:
         """Write the dump of rank 0's program of the last compile (``spmd_compiler.dump``)
@@ -85,13 +94,34 @@ class SimulatedTraining:
         first = self.expansions[self.coords[0]]
         return write_dump(root, first, name=name, sizes=self.last_sizes if first.size_symbols else None)
 
+    def _auto_options(self, state: Any, batch: tuple) -> Any:
+        """The options of a compile: under ``dynamic=None`` (automatic) ``dynamic=True`` when
+        an earlier compile had this call's free signature (only the batch sizes differ),
+        with one INFO line, as the driver decides (:mod:`spmd_compiler.driver.auto_dynamic`)."""
+        if self.options.dynamic is not None:
+            return self.options
+        free, sizes = self._free(state, batch)
+        old = next((s for f, s in reversed(self._compiled_free) if f == free), None)
+        symbolic = self.options.symbolic != "none" and old is not None and sizes and free not in self._fallen
+        if symbolic:
+            log.info("%s", switch_message(old, sizes))
+        return dataclasses.replace(self.options, dynamic=bool(symbolic))
+
+    def _free(self, state: Any, batch: tuple) -> tuple[Any, list[int]]:
+        """The call signature without the symbolic batch dims' sizes, and those sizes (global)."""
+        dims = sharded_batch_dims(self.plan, batch, {}, len(self.mesh_shape), dynamic=True)
+        leaves = flatten_batch(batch, {})[0]
+        return signature(state, batch, {}, free_dims=dims), [int(leaves[i].shape[d]) for i, ds in dims.items() for d in ds]
+
     def _compile(self, batch: tuple) -> None:
-        first = build_program(self.step_fn, self.model, self.optimizer, batch, {}, self.mesh, self.plan, self.options,
+        state = self._states.get(self.model, self.optimizer)
+        options = self._auto_options(state, batch)
+        first = build_program(self.step_fn, self.model, self.optimizer, batch, {}, self.mesh, self.plan, options,
                               coordinate=self.coords[0], cache=self.cache)
         self.expansions = {self.coords[0]: first}
         for c in self.coords[1:]:
             self.expansions[c] = first if first.rank_independent else build_program(
-                self.step_fn, self.model, self.optimizer, batch, {}, self.mesh, self.plan, self.options,
+                self.step_fn, self.model, self.optimizer, batch, {}, self.mesh, self.plan, options,
                 coordinate=c, cache=self.cache, traced=first.traced,
             )
         if self.options.check_ranks:  # what check_agreement exchanges between real ranks
@@ -100,6 +130,11 @@ class SimulatedTraining:
         self.traced = first.traced
         self._states.add_value_guards(first.traced.value_guards)
         self.compiles += 1
+        if self.options.dynamic is None:  # after the value guards: they join the signature
+            free, sizes = self._free(self._states.get(self.model, self.optimizer), batch)
+            self._compiled_free = [*self._compiled_free, (free, sizes)][-64:]
+            if options.dynamic and not first.size_symbols:
+                self._fallen.append(free)
 
     def _signature(self, state: Any, batch: tuple) -> tuple:
         """The call signature; a symbolic program's (dynamic=True) leaves out the sizes of
