@@ -118,9 +118,9 @@ def test_pipeline_plan_keeps_every_field_of_the_users_plan():
     user = sc.Plan(params={"blocks.*": [Shard(0)]}, inputs=[[Shard(0)]], default_param=[Replicate()],
                    default_input=[Shard(0)], style_axis="dp", strict=False, fsdp_axes=("dp",),
                    activation_sharding="greedy", reshard_after_forward=False, defer_grad_sync=True, expert_axes=("dp",),
-                   expert_capacity=2.0)
+                   expert_capacity=2.0, context_parallel=sc.ContextParallel(axis=0))
     defaults = sc.Plan()
-    widened = {"params", "inputs", "default_param", "default_input", "fsdp_axes", "expert_axes"}
+    widened = {"params", "inputs", "default_param", "default_input", "fsdp_axes", "expert_axes", "context_parallel"}
     for f in dataclasses.fields(sc.Plan):
         assert getattr(user, f.name) != getattr(defaults, f.name), f"give {f.name} a non-default value in this test"
     for pp_index in (0, 1, None):
@@ -129,6 +129,7 @@ def test_pipeline_plan_keeps_every_field_of_the_users_plan():
         assert kept >= {f.name for f in dataclasses.fields(sc.Plan)} - widened, (pp_index, plan)
     full = pipeline_plan(user, 0, 2)
     assert list(full.params["blocks.*"]) == [Replicate(), Shard(0)] and list(full.default_input) == [Replicate(), Shard(0)]
+    assert full.context_parallel.axis == 1 and pipeline_plan(user, 1, 2).context_parallel.axis == 0  # indices shift past pp
 
 
 def test_stages_expand_with_the_users_activation_sharding_and_resharding(monkeypatch):

@@ -112,6 +112,9 @@ def pipeline_plan(plan: Plan, pp_index: int | None, ndim: int) -> Plan:
     def shifted(axes: Any) -> tuple:
         return tuple(a + (1 if pp_index is not None and a >= pp_index else 0) if isinstance(a, int) else a for a in axes)
 
+    cp = plan.context_parallel
+    if cp is not None and isinstance(cp.axis, int):  # an index among the non-pipeline axes
+        cp = dataclasses.replace(cp, axis=shifted((cp.axis,))[0])
     # every other field (strict, style_axis, activation_sharding, reshard_after_forward,
     # and any added later) is the user's
     return dataclasses.replace(
@@ -122,6 +125,7 @@ def pipeline_plan(plan: Plan, pp_index: int | None, ndim: int) -> Plan:
         default_input=widen(plan.default_input if plan.default_input is not None else _default_input(ndim - 1)),
         fsdp_axes=shifted(plan.fsdp_axes),
         expert_axes=shifted(plan.expert_axes),
+        context_parallel=cp,
     )
 
 
