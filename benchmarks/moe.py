@@ -16,9 +16,10 @@ experts split over the 4 ranks:
 
 Both steps start from the same weights and batches; the table reports step time
 (median over timed steps, ours / peer, lower is better), bytes per rank per step
-against the analytic minimum, and each rank's peak allocated memory (the largest
-tensor bytes live at once, from the CPU allocator's profiler stats when available,
-else process RSS growth). Bytes: every routed row that goes to another rank's expert
+against the analytic minimum, and each rank's peak memory of one step: the most tensor
+bytes allocated above the step's start at any point of the step, from torch.profiler's
+record of the CPU allocator (``benchmarks/memory.py``'s running sum, the same for both
+sides). Bytes: every routed row that goes to another rank's expert
 crosses the wire four times (dispatch and combine, forward and backward), so the
 minimum per rank is ``2 x (rows it sends to + rows it receives from other ranks) x dim x
 element bytes`` (it sends its rows out and the others' rows back, forward and backward);
@@ -51,6 +52,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # _table.py
 
 from _table import results_path, write_results  # noqa: E402
+from memory import _window, resident_timeline  # noqa: E402
 import spmd_compiler as sc  # noqa: E402
 from spmd_compiler.runtime.launch import run_processes  # noqa: E402
 from spmd_compiler.testing.moe import MoEConfig, MoETransformer, moe_plan, moe_train_step  # noqa: E402
@@ -163,6 +165,21 @@ class _Bytes:
         dist.all_to_all_single = self._orig
 
 
+def _step_peak(fn: Any, batch: tuple, rank: int, world: int) -> int:
+    """Bytes allocated above the step's start at the step's peak (one profiled step)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    ids, t = (x.chunk(world)[rank] for x in batch)
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with record_function("moe_step"):
+            fn(ids, t)
+    start, end = _window(prof, "moe_step")
+    line = resident_timeline(prof)
+    before = next((b for ts, b in reversed(line) if ts < start), 0)
+    return max([b for ts, b in line if start <= ts <= end] or [before]) - before
+
+
 def _worker(rank: int, world: int, args: dict) -> dict:
     torch.set_num_threads(1)
     cfg = MoEConfig(vocab=args["vocab"], seq=args["seq"], dim=args["dim"], heads=4, layers=args["layers"], experts=args["experts"],
@@ -196,7 +213,8 @@ def _worker(rank: int, world: int, args: dict) -> dict:
                 loss = fn(ids.chunk(world)[rank], t.chunk(world)[rank])
                 times.append(time.perf_counter() - start)
                 losses.append(float(loss))
-        out[name] = {"ms": 1e3 * statistics.median(times), "bytes": counted.sent / args["steps"], "loss": losses[-1]}
+        out[name] = {"ms": 1e3 * statistics.median(times), "bytes": counted.sent / args["steps"], "loss": losses[-1],
+                     "peak": _step_peak(fn, data[0], rank, world)}
     # the analytic minimum: the rows this rank sends to or receives from another rank's
     # experts over the peer's timed steps (the same routing as ours: both train the same
     # weights on the same batches); each is sent once forward and once backward (a row
@@ -222,7 +240,7 @@ def main() -> None:
     p.add_argument("--capacity", type=float, default=None, help="Plan(expert_capacity=...) for ours (default: unset)")
     a = p.parse_args()
     args = {k.replace("-", "_"): v for k, v in vars(a).items()}
-    load = os.getloadavg()[0]
+    load = os.getloadavg()
     results = run_processes(_worker, a.world, args, timeout=1800)
     ours = statistics.median(r["ours"]["ms"] for r in results)
     peer = statistics.median(r["peer"]["ms"] for r in results)
@@ -230,18 +248,21 @@ def main() -> None:
         "# Expert parallelism: ours (derived from the plan) vs a hand-written EP step",
         "",
         f"Machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {a.world} gloo processes; "
-        f"load average at start {load:.2f}. Model: {a.layers} MoE layers, dim {a.dim}, {a.experts} experts "
+        f"load average (1, 5, 15 min) at start {load[0]:.2f}, {load[1]:.2f}, {load[2]:.2f}; at the end "
+        f"{', '.join(f'{v:.2f}' for v in os.getloadavg())}. Model: {a.layers} MoE layers, dim {a.dim}, {a.experts} experts "
         f"(hidden {a.hidden}), top-{a.top_k}, {a.rows} x {a.seq} tokens per rank, float32, AdamW. "
         f"`python benchmarks/moe.py --steps {a.steps} --dim {a.dim} --experts {a.experts} --top-k {a.top_k}`",
         "",
-        "| rank | ours ms | peer ms | ours / peer | ours bytes/step | peer bytes/step | minimum | ours / minimum | peer / minimum |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| rank | ours ms | peer ms | ours / peer | ours bytes/step | peer bytes/step | minimum | ours / minimum | peer / minimum "
+        "| ours peak MiB | peer peak MiB | ours / peer peak |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for rank, r in enumerate(results):
         m = r["minimum"] or 1
         lines.append(f"| {rank} | {r['ours']['ms']:.1f} | {r['peer']['ms']:.1f} | {r['ours']['ms'] / r['peer']['ms']:.2f} | "
                      f"{r['ours']['bytes']:,.0f} | {r['peer']['bytes']:,.0f} | {r['minimum']:,.0f} | "
-                     f"{r['ours']['bytes'] / m:.2f} | {r['peer']['bytes'] / m:.2f} |")
+                     f"{r['ours']['bytes'] / m:.2f} | {r['peer']['bytes'] / m:.2f} | {r['ours']['peak'] / 2**20:.2f} | "
+                     f"{r['peer']['peak'] / 2**20:.2f} | {r['ours']['peak'] / max(r['peer']['peak'], 1):.2f} |")
     lines += ["", f"Step time, median over ranks: ours {ours:.1f} ms, peer {peer:.1f} ms: **{ours / peer:.2f}x** (lower is better).", ""]
     write_results(RESULTS, lines)
 
