@@ -141,8 +141,8 @@ def main() -> int:
     # under `python -m spmd_compiler explain` the process group is a fake one: the steps
     # compile and are explained but do not run, so there is no loss to show
     explaining = dist.get_backend() == "fake"
-    if rank == 0 and not explaining:
-        print(f"spmd-compiler: {args.strategy} on mesh {mesh_shape} ({world} x {backend}), GPT {args.layers} layers x dim {args.dim}")
+    if rank == 0:
+        print(f"spmd-compiler: {args.strategy} on mesh {mesh_shape} ({world} x {dist.get_backend()}), GPT {args.layers} layers x dim {args.dim}")
     losses, times = [], []
     for i in range(args.steps):
         ids, targets = (t.chunk(parts)[dp].to(device) for t in global_batch(i, args))

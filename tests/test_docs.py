@@ -153,9 +153,20 @@ def docs_env(monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path):
             real_init("fake", rank=0, world_size=WORLD_SIZE)
 
     monkeypatch.setattr(dist, "init_process_group", fake_init)
+    # a block may set up logging (debugging.md does): every logger's level and the root's
+    # handlers come back after it, so no later test sees its records
+    import logging
+
+    levels = {name: lg.level for name, lg in logging.Logger.manager.loggerDict.items() if isinstance(lg, logging.Logger)}
+    root, root_handlers = logging.getLogger().level, list(logging.getLogger().handlers)
     yield tmp_path
     if dist.is_initialized():
         dist.destroy_process_group()
+    for name, lg in list(logging.Logger.manager.loggerDict.items()):
+        if isinstance(lg, logging.Logger):
+            lg.setLevel(levels.get(name, logging.NOTSET))
+    logging.getLogger().setLevel(root)
+    logging.getLogger().handlers[:] = root_handlers
 
 
 @pytest.mark.parametrize("chain", [_param(c) for c in CHAINS])

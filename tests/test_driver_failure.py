@@ -27,6 +27,7 @@ def _late_survivor(rank: int, world: int, folder: str) -> None:
     model = MLP().double()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     step = sc.compile(mse_train_step, mesh=(world,), timeout=30)
+    torch.manual_seed(1 + rank)  # each rank its own rows
     x = torch.randn(4, 16, dtype=torch.float64)
     step(model, opt, x, x)
     if rank == 2:

@@ -161,6 +161,7 @@ def _two_ranks(rank: int, world: int) -> dict:
     model = MLP().double()
     step = sc.compile(mse_step, mesh=(world,), dynamic=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.manual_seed(1 + rank)  # each rank its own rows (equal rows on every rank would be the global batch copied)
     step(model, opt, torch.randn(2, 16, dtype=torch.float64), torch.randn(2, 16, dtype=torch.float64))
     rows = 1 if rank == 0 else 3
     try:

@@ -63,7 +63,7 @@ def test_emit_sizes_pass_computes_every_size_from_the_placeholder():
 
 
 def test_options_dynamic_is_validated():
-    assert Options().dynamic is False
+    assert Options().dynamic is None  # automatic: static first, symbolic after a batch-size change
     with pytest.raises(ValueError, match="dynamic='yes'"):
         Options(dynamic="yes")
     with pytest.raises(ValueError, match="needs symbolic batch sizes.*got 'none'"):

@@ -20,7 +20,9 @@ values and how they relate to the global ones (the tag :class:`Rows`, in
   indices point into the canonical shard; an inverse permutation points into the sorted
   order) of a dim of global ``size``; ``div``: into a tensor with ``1/div`` as many rows
   (``perm // top_k``).
-* ``fresh``: a value-independent fill (``zeros_like``, ``empty``): it fits any order.
+* ``fresh``: a value-independent fill (``zeros_like``, ``empty``): it fits any order;
+  ``zero`` too when the fill is zeros (counts added into it by each rank sum to the total:
+  a fill of ones or any other value would be counted once per rank).
 * ``identity``: row ``j`` holds ``j`` (a local ``arange``): row numbers into whatever
   order its rows are aligned with.
 * ``restricted``: mesh axes on which the value is ``Partial(sum)`` *and* its local term is
@@ -81,6 +83,7 @@ class Rows:
     size: Any = None
     div: int = 1
     fresh: bool = False
+    zero: bool = False
     identity: bool = False
     restricted: tuple[int, ...] = ()
     origins: frozenset = frozenset()
@@ -100,7 +103,8 @@ class Rows:
     def key(self) -> tuple:
         from .values import _key
 
-        return (self.order, self.into, _key(self.size), self.div, self.fresh, self.identity, self.restricted, tuple(sorted(self.origins)))
+        return (self.order, self.into, _key(self.size), self.div, self.fresh, self.zero, self.identity, self.restricted,
+                tuple(sorted(self.origins)))
 
     def replace(self, **kw: Any) -> "Rows":
         return dataclasses.replace(self, **kw)
@@ -154,6 +158,21 @@ _FRESH = {
     "aten::new_ones", "aten::new_full", "aten::zeros", "aten::empty", "aten::full", "aten::ones", "aten::empty_strided",
     "aten::new_empty_strided", "aten::scalar_tensor",
 }
+
+
+_ZERO_FILLS = {"aten::zeros_like", "aten::new_zeros", "aten::zeros"}
+_FILL_VALUE_AT = {"aten::full": 1, "aten::full_like": 1, "aten::new_full": 2, "aten::scalar_tensor": 0}
+
+
+def _zero_fill(name: str, node: Any) -> bool:
+    """Whether the fill ``node`` (an op of ``_FRESH``) is zeros."""
+    if name in _ZERO_FILLS:
+        return True
+    at = _FILL_VALUE_AT.get(name)
+    if at is None or len(node.args) <= at:
+        return False
+    value = node.args[at]
+    return isinstance(value, (int, float, bool)) and value == 0
 
 
 def op_name(op: Any) -> str:
@@ -226,7 +245,8 @@ def transfer(op: Any, tensors: list[Any], result: Any) -> Any:
     name = op_name(op)
     origins = merge_origins(*[r for _, r in facts])
     if name in _FRESH:  # only the input's size, dtype and device: a fill fits any order
-        return pytree.tree_map(lambda o: dataclasses.replace(o, rows=Rows(fresh=True)) if isinstance(o, OutTensor) else o,
+        zero = name in _ZERO_FILLS
+        return pytree.tree_map(lambda o: dataclasses.replace(o, rows=Rows(fresh=True, zero=zero)) if isinstance(o, OutTensor) else o,
                                result, is_leaf=lambda x: isinstance(x, OutTensor))
     local = [(t, r) for t, r in facts if r.local_only]
     if local:
@@ -259,9 +279,10 @@ def transfer(op: Any, tensors: list[Any], result: Any) -> Any:
             return o
         keep_r = tuple(a for a in sorted(restricted) if o.spec.placements[a].is_partial())
         keep_f = fresh and name in _KEEP_INTO | _FRESH
+        keep_z = keep_f and (name in _ZERO_FILLS or (name not in _FRESH and all(r.zero for _, r in facts)))
         if not keep_r and not keep_f:
             return o
-        return dataclasses.replace(o, rows=Rows(fresh=keep_f, restricted=keep_r, origins=origins))
+        return dataclasses.replace(o, rows=Rows(fresh=keep_f, zero=keep_z, restricted=keep_r, origins=origins))
 
     return pytree.tree_map(tag_plain, result, is_leaf=lambda x: isinstance(x, OutTensor))
 
@@ -279,4 +300,4 @@ def tag_fresh(op: Any, node: Any, value: Any, written: set) -> None:
         users = list(node.users)
         if len(users) != 1 or not pt.writes_first_arg(users[0].target) or users[0].args[0] is not node:
             return
-    value.extra[ROWS] = Rows(fresh=True)
+    value.extra[ROWS] = Rows(fresh=True, zero=_zero_fill(op_name(op), node))

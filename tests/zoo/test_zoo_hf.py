@@ -192,12 +192,17 @@ def test_llama_rotary_buffer_named_sharded_under_fsdp_is_gathered_with_its_unit(
     is stored sharded and gathered for use like a parameter, in its unit's gather, equal
     to one device; not the rotary cos/sin activations gathered at each of their uses (what
     it cost before: two activation gathers per step). Its unit is the root, whose forward
-    gather is kept for backward (as fully_shard keeps its root): one gather per step."""
+    gather is kept for backward (as fully_shard keeps its root): one gather per step. The
+    model reads it as ``inv_freq.float()``: the cast is made on the shard before the
+    gather (half the bytes of the float64 buffer), so it travels in its own float32
+    gather, once per step, beside the root's float64 parameters."""
     model = llama("sdpa").double()
     plan = sc.Plan(params={"*": [Shard(0)], "model.rotary_emb.inv_freq": [Shard(0)]}, default_input=[Shard(0)], fsdp_axes=("dp",))
     res = assert_training_matches(lm_step, model, adamw, batches(), fake_mesh((ranks,), ("dp",)), plan)
     dist = assert_distributed(res, sharded=["model.rotary_emb.inv_freq", "batch[0]"])
     assert gathered(res, but="FSDP: gather") == [], dist.describe()  # no activation is gathered
     root = [r for r in gathered(res) if r.endswith("unit <root> in one collective")]
-    # forward only: embedding, final norm, lm head and inv_freq, kept for backward
-    assert len(root) == ranks and all("3 parameters and 1 buffer" in r for r in root), root
+    # forward only: embedding, final norm, lm head, kept for backward; inv_freq cast on its shard, gathered once
+    assert len(root) == ranks and all("3 parameters of unit" in r for r in root), root
+    buffer = [r for r in gathered(res) if "inv_freq" in r]
+    assert len(buffer) == ranks and all(r.endswith("for forward: S(0)->R on 'dp'") for r in buffer), buffer

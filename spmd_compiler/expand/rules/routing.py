@@ -299,7 +299,7 @@ def put_by_rows(ctx: ExpandContext, b: SubgraphBuilder, op: Any, self_: TensorAr
             continue
         if ps == pv:
             continue
-        if accumulate and pv.is_partial() and ps.is_replicate() and self_.rows is not None and self_.rows.fresh:
+        if accumulate and pv.is_partial() and ps.is_replicate() and self_.rows is not None and self_.rows.zero:
             partial_out.append(a)
             continue
         return None
@@ -330,7 +330,7 @@ def _counts(ctx: ExpandContext, b: SubgraphBuilder, self_: TensorArg, idx: Tenso
     """Adding token rows into a fill by their *values* (``zeros(E).scatter_add(0, ids,
     ones)``, counts per expert): the sum over every rank's rows, ``Partial(sum)``, whose
     local term is the rank's own (``restricted``). None when this is not that case."""
-    if self_.rows is None or not self_.rows.fresh or not isinstance(src, TensorArg):
+    if self_.rows is None or not self_.rows.zero or not isinstance(src, TensorArg):
         return None
     axes = token_axes(idx.spec, 0)
     if not axes or token_axes(src.spec, 0) != axes or any(not self_.spec.placements[a].is_replicate() for a in axes):
