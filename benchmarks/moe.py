@@ -26,7 +26,8 @@ element bytes`` (it sends its rows out and the others' rows back, forward and ba
 both sides' ``all_to_all_single`` calls are counted as made (the rows each rank sends to
 the others).
 
-Usage: ``python benchmarks/moe.py [--steps 30] [--dim 256] [--experts 8] [--top-k 2]``.
+Usage: ``python benchmarks/moe.py [--steps 30] [--dim 256] [--experts 8] [--top-k 2] [--capacities none 1.5]``
+(one table per expert_capacity of ours: unset, a receive buffer for every rank's rows; 1.5).
 Writes benchmarks/results/moe.md. Take figures on a quiet machine (the load average is
 printed); ratios from the same run are the figures to quote.
 """
@@ -197,6 +198,7 @@ def _worker(rank: int, world: int, args: dict) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     peer_opt = torch.optim.AdamW(peer.parameters(), lr=1e-3)
     out: dict[str, Any] = {}
+    fns: dict[str, Any] = {}
     for name, fn in (("ours", lambda ids, t: ours(model, opt, ids, t)), ("peer", lambda ids, t: _peer_step(peer, peer_opt, ids, t, world))):
         for i in range(args["warmup"]):
             ids, t = data[i % len(data)]
@@ -213,14 +215,16 @@ def _worker(rank: int, world: int, args: dict) -> dict:
                 loss = fn(ids.chunk(world)[rank], t.chunk(world)[rank])
                 times.append(time.perf_counter() - start)
                 losses.append(float(loss))
-        out[name] = {"ms": 1e3 * statistics.median(times), "bytes": counted.sent / args["steps"], "loss": losses[-1],
-                     "peak": _step_peak(fn, data[0], rank, world)}
+        out[name] = {"ms": 1e3 * statistics.median(times), "bytes": counted.sent / args["steps"], "loss": losses[-1]}
+        fns[name] = fn
     # the analytic minimum: the rows this rank sends to or receives from another rank's
     # experts over the peer's timed steps (the same routing as ours: both train the same
     # weights on the same batches); each is sent once forward and once backward (a row
     # sent to an expert comes back as the combine of another rank's send), float32 rows
     remote = sum(layer.moe.experts.remote_rows for layer in peer.layers)
     out["minimum"] = 2 * remote * cfg.dim * 4 / args["steps"]
+    for name, fn in fns.items():  # after the counts above: one more step each, profiled
+        out[name]["peak"] = _step_peak(fn, data[0], rank, world)
     return out
 
 
@@ -237,33 +241,51 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=2, help="sequences per rank")
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--world", type=int, default=4)
-    p.add_argument("--capacity", type=float, default=None, help="Plan(expert_capacity=...) for ours (default: unset)")
+    p.add_argument("--capacities", nargs="+", default=["none", "1.5"],
+                   help="Plan(expert_capacity=...) of ours, one table each ('none': unset, every rank's rows)")
     a = p.parse_args()
-    args = {k.replace("-", "_"): v for k, v in vars(a).items()}
     load = os.getloadavg()
-    results = run_processes(_worker, a.world, args, timeout=1800)
-    ours = statistics.median(r["ours"]["ms"] for r in results)
-    peer = statistics.median(r["peer"]["ms"] for r in results)
     lines = [
         "# Expert parallelism: ours (derived from the plan) vs a hand-written EP step",
         "",
-        f"Machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {a.world} gloo processes; "
-        f"load average (1, 5, 15 min) at start {load[0]:.2f}, {load[1]:.2f}, {load[2]:.2f}; at the end "
-        f"{', '.join(f'{v:.2f}' for v in os.getloadavg())}. Model: {a.layers} MoE layers, dim {a.dim}, {a.experts} experts "
-        f"(hidden {a.hidden}), top-{a.top_k}, {a.rows} x {a.seq} tokens per rank, float32, AdamW. "
-        f"`python benchmarks/moe.py --steps {a.steps} --dim {a.dim} --experts {a.experts} --top-k {a.top_k}`",
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {a.world} gloo processes, one thread "
+        f"each. Model: {a.layers} MoE layers, dim {a.dim}, {a.experts} experts (hidden {a.hidden}), top-{a.top_k}, "
+        f"{a.rows} x {a.seq} tokens per rank, float32, AdamW; {a.steps} timed steps after {a.warmup}. "
+        f"`python benchmarks/moe.py --steps {a.steps} --capacities {' '.join(a.capacities)}`. Ratios are ours / peer "
+        f"(lower is better); both sides start from the same weights and batches, so they route the same rows.",
         "",
-        "| rank | ours ms | peer ms | ours / peer | ours bytes/step | peer bytes/step | minimum | ours / minimum | peer / minimum "
-        "| ours peak MiB | peer peak MiB | ours / peer peak |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for rank, r in enumerate(results):
-        m = r["minimum"] or 1
-        lines.append(f"| {rank} | {r['ours']['ms']:.1f} | {r['peer']['ms']:.1f} | {r['ours']['ms'] / r['peer']['ms']:.2f} | "
-                     f"{r['ours']['bytes']:,.0f} | {r['peer']['bytes']:,.0f} | {r['minimum']:,.0f} | "
-                     f"{r['ours']['bytes'] / m:.2f} | {r['peer']['bytes'] / m:.2f} | {r['ours']['peak'] / 2**20:.2f} | "
-                     f"{r['peer']['peak'] / 2**20:.2f} | {r['ours']['peak'] / max(r['peer']['peak'], 1):.2f} |")
-    lines += ["", f"Step time, median over ranks: ours {ours:.1f} ms, peer {peer:.1f} ms: **{ours / peer:.2f}x** (lower is better).", ""]
+    for cap in a.capacities:
+        args = {k.replace("-", "_"): v for k, v in vars(a).items() if k != "capacities"}
+        args["capacity"] = None if cap == "none" else float(cap)
+        before = os.getloadavg()
+        results = run_processes(_worker, a.world, args, timeout=1800)
+        ours = statistics.median(r["ours"]["ms"] for r in results)
+        peer = statistics.median(r["peer"]["ms"] for r in results)
+        ours_peak = statistics.median(r["ours"]["peak"] for r in results)
+        peer_peak = statistics.median(r["peer"]["peak"] for r in results)
+        what = ("unset: each rank's receive buffer holds every rank's routed rows (never exceeded)" if args["capacity"] is None
+                else f"{args['capacity']}: each rank receives at most {args['capacity']} x its own routed rows")
+        lines += [
+            f"## expert_capacity {what}",
+            "",
+            f"Load average (1, 5, 15 min) before: {', '.join(f'{v:.2f}' for v in before)}; after: "
+            f"{', '.join(f'{v:.2f}' for v in os.getloadavg())}.",
+            "",
+            "| rank | ours ms | peer ms | ours / peer | ours bytes/step | peer bytes/step | minimum | ours / minimum | peer / minimum "
+            "| ours peak MiB | peer peak MiB | ours / peer peak |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for rank, r in enumerate(results):
+            m = r["minimum"] or 1
+            lines.append(f"| {rank} | {r['ours']['ms']:.1f} | {r['peer']['ms']:.1f} | {r['ours']['ms'] / r['peer']['ms']:.2f} | "
+                         f"{r['ours']['bytes']:,.0f} | {r['peer']['bytes']:,.0f} | {r['minimum']:,.0f} | "
+                         f"{r['ours']['bytes'] / m:.2f} | {r['peer']['bytes'] / m:.2f} | {r['ours']['peak'] / 2**20:.2f} | "
+                         f"{r['peer']['peak'] / 2**20:.2f} | {r['ours']['peak'] / max(r['peer']['peak'], 1):.2f} |")
+        lines += ["", f"Median over ranks: step time ours {ours:.1f} ms, peer {peer:.1f} ms: **{ours / peer:.2f}x**; "
+                      f"peak memory of a step ours {ours_peak / 2**20:.1f} MiB, peer {peer_peak / 2**20:.1f} MiB: "
+                      f"**{ours_peak / max(peer_peak, 1):.2f}x**.", ""]
+    print(f"load average at start: {load}")
     write_results(RESULTS, lines)
 
 
