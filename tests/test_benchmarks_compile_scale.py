@@ -54,3 +54,14 @@ def test_memory_policy_row(monkeypatch):
     assert "| 8B | 2d | bf16+full |" in text and text.count("\n") == 2
     with pytest.raises(ValueError, match="memory policy 'fp8'"):
         measure("8B", "2d", False, layers=1, memory_policy="fp8")
+
+
+def test_float32_full_checkpointing_for_cuda_compiles(monkeypatch):
+    """float32 SDPA traced for CUDA is the memory-efficient kernel, which torch tags as
+    seeded for its dropout; with dropout_p=0 it draws nothing, so its checkpointed
+    recompute is no draw to replay (it was refused as a recompute that 'would not get the
+    forward's random numbers')."""
+    monkeypatch.setenv("SPMD_COMPILER_EXPLAIN", "1")
+    row = measure("8B", "2d", False, layers=1, memory_policy="full")
+    plain = measure("8B", "2d", False, layers=1)
+    assert row["policy"] == "full" and row["peak"] < plain["peak"], (row["peak"], plain["peak"])

@@ -80,3 +80,21 @@ def test_seeding_inside_the_step_is_refused():
     with pytest.raises(SpmdError, match=r"torch.manual_seed\(0\).*fix: seed before calling the compiled step"):
         trace(step, model, opt, torch.randn(4, 8, dtype=torch.float64))
     torch.set_rng_state(state)
+
+
+def test_fused_attention_without_dropout_is_no_draw():
+    """torch tags the fused attention kernels as seeded (for their dropout): with
+    ``dropout_p`` 0 they draw nothing (so a checkpointed recompute of one is no draw to
+    replay); with dropout, and for ordinary random ops, they draw."""
+    import torch.fx as fx
+
+    from spmd_compiler.trace.rng import is_random_op
+
+    aten = torch.ops.aten
+    g = fx.Graph()
+    q, k, v = (g.placeholder(n) for n in "qkv")
+    calm = g.call_function(aten._scaled_dot_product_efficient_attention.default, (q, k, v, None, True, 0.0, True))
+    drop = g.call_function(aten._scaled_dot_product_efficient_attention.default, (q, k, v, None, True, 0.1, True))
+    default = g.call_function(aten._scaled_dot_product_flash_attention.default, (q, k, v))  # dropout_p defaults to 0
+    noise = g.call_function(aten.rand_like.default, (q,))
+    assert [is_random_op(n) for n in (calm, drop, default, noise)] == [False, True, False, True]
