@@ -82,10 +82,10 @@ def test_seeding_inside_the_step_is_refused():
     torch.set_rng_state(state)
 
 
-def test_fused_attention_without_dropout_is_no_draw():
-    """torch tags the fused attention kernels as seeded (for their dropout): with
-    ``dropout_p`` 0 they draw nothing (so a checkpointed recompute of one is no draw to
-    replay); with dropout, and for ordinary random ops, they draw."""
+def test_fused_attention_backward_is_no_draw():
+    """torch tags the fused attention kernels, forward and backward, as seeded (for their
+    dropout): the backward replays its forward's philox state and is no draw; the forward
+    stays one (a checkpointed recompute reuses its outputs), as do ordinary random ops."""
     import torch.fx as fx
 
     from spmd_compiler.trace.rng import is_random_op
@@ -93,8 +93,9 @@ def test_fused_attention_without_dropout_is_no_draw():
     aten = torch.ops.aten
     g = fx.Graph()
     q, k, v = (g.placeholder(n) for n in "qkv")
-    calm = g.call_function(aten._scaled_dot_product_efficient_attention.default, (q, k, v, None, True, 0.0, True))
-    drop = g.call_function(aten._scaled_dot_product_efficient_attention.default, (q, k, v, None, True, 0.1, True))
-    default = g.call_function(aten._scaled_dot_product_flash_attention.default, (q, k, v))  # dropout_p defaults to 0
+    fwd = g.call_function(aten._scaled_dot_product_efficient_attention.default, (q, k, v, None, True, 0.0, True))
+    bwd = g.call_function(aten._scaled_dot_product_efficient_attention_backward.default,
+                          (q, q, k, v, None, q, q, q, q, 0.0, [True, True, True, False], True))
     noise = g.call_function(aten.rand_like.default, (q,))
-    assert [is_random_op(n) for n in (calm, drop, default, noise)] == [False, True, False, True]
+    tagged = [bool(getattr(n.target, "_nondeterministic_seeded", False)) for n in (fwd, bwd, noise)]
+    assert [is_random_op(n) for n in (fwd, bwd, noise)] == [True, False, True] and tagged == [True, True, True], tagged

@@ -34,20 +34,16 @@ log = logging.getLogger(__name__)
 
 
 def is_random_op(node: fx.Node) -> bool:
-    """Whether ``node`` draws from the generator: an op torch tags as seeded, except one
-    whose ``dropout_p`` is 0 (the fused attention kernels, forward and backward, are tagged
-    for their dropout; without it they draw nothing, and a checkpointed recompute of them
-    is no draw to replay)."""
+    """Whether ``node`` draws from the generator: an op torch tags as seeded. The fused
+    attention kernels' backwards are tagged too (for their dropout) but draw nothing: they
+    replay the philox seed and offset their forward returned, so they are no draw (counted
+    as one, a checkpointed recompute's draws were paired with the wrong forward ones). The
+    forwards stay draws, with or without dropout: a checkpointed recompute of one reuses
+    the forward's outputs (as torch.compile's partitioner keeps them)."""
     if node.op != "call_function" or not getattr(node.target, "_nondeterministic_seeded", False):
         return False
-    schema = getattr(node.target, "_schema", None)
-    names = [a.name for a in schema.arguments] if schema is not None else []
-    if "dropout_p" in names:
-        i = names.index("dropout_p")
-        p = node.kwargs.get("dropout_p", node.args[i] if i < len(node.args) else schema.arguments[i].default_value)
-        if isinstance(p, (int, float)) and p == 0:
-            return False
-    return True
+    name = getattr(getattr(node.target, "_schema", None), "name", "")
+    return not (name.startswith("aten::_") and "attention" in name and name.endswith("_backward"))
 
 
 @dataclass
