@@ -74,6 +74,8 @@ from torch.distributed.tensor import Replicate, Shard  # noqa: E402
 
 import spmd_compiler as sc  # noqa: E402
 from _table import results_path, write_results  # noqa: E402
+from compile_scale import _steady_adamw  # noqa: E402  (AdamW with its state made, on meta)
+from peers import _CopyToParallel  # noqa: E402  (Megatron's f)
 from spmd_compiler.dump.format import format_bytes  # noqa: E402
 
 STATIC = dict(dim=1024, n_layers=2, n_heads=8, n_kv_heads=4, hidden_dim=2816)
@@ -87,15 +89,6 @@ def _model(vocab: int, seq: int, cfg: dict) -> Any:
 
     with torch.device("meta"):
         return Transformer(**cfg, vocab=vocab, max_seq=seq, rope_theta=500000.0)
-
-
-def _steady_adamw(model: Any) -> Any:
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return opt
 
 
 def _vocab_params(ndim: int) -> dict:
@@ -313,18 +306,6 @@ def _lm_step(model: nn.Module, optimizer: Any, ids: torch.Tensor, targets: torch
     optimizer.step()
     optimizer.zero_grad()
     return loss
-
-
-class _CopyToParallel(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        grad = grad.contiguous()
-        dist.all_reduce(grad)
-        return grad
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
