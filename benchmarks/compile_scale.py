@@ -40,9 +40,16 @@ and 2 backward all_reduces of one ``[1, 8192, dim]`` float32 activation per laye
 loss and the gradient norm add a few scalars (not counted: a few KiB). Under the 3-D plan a
 stage gathers its parameters once per step and reduce-scatters their gradients once (``2 P``
 of the stage's parameters), and its layers' Megatron all_reduces run per micro-batch (the same
-bytes as the whole local batch). The table gives the ratio per mesh axis: FSDP's (``dp``) is at the minimum; on ``tp`` the backward reduces the input
-gradients of ``wq`` and of ``wk``/``wv``, and of ``w1`` and of ``w3``, apart (6
-all_reduces per layer where Megatron sums first and makes 4), hence 1.5 there.
+bytes as the whole local batch). Under activation checkpointing (``full`` or
+``selective``) the recomputation runs the attention's all_reduce again (the feed-forward norm
+reads its sum; torch's checkpoint stops once backward's inputs exist, so the block's last
+all_reduce is not rerun): 5 per layer. The table gives the ratio per mesh axis. With ``bf16``
+the activations are bfloat16 but each RMSNorm computes in float32, and the backward reduces
+its input gradient (a Partial) in float32 before the cast back to bfloat16 rounds it (the
+one-device rounding, ``expand/guards.py``): 2 of the 4 (6 with checkpointing) reductions per
+layer carry twice the bytes of Megatron's bfloat16 ones (1.5x on ``tp``; 1.4x with checkpointing). (Before the pass
+``sum_partials_before_reducing``, the backward reduced the two Partial gradients each
+RMSNorm's input receives apart: 6 all_reduces per layer where Megatron makes 4, 1.5x on ``tp``.)
 
 ``dynamic=True`` rows: explain mode compiles one program per batch shape (it makes the
 step's outputs from the program's static shapes), so those rows are compiled outside it,
@@ -213,10 +220,11 @@ def _steady_adamw(model: Any) -> Any:
 
 
 def analytic_min(model: Any, kind: str, config: str, layers: int, stage_params: set[str] | None = None,
-                 bf16: bool = False) -> dict[str, int]:
+                 bf16: bool = False, recompute: bool = False) -> dict[str, int]:
     """The analytic minimum of the module docstring for this rank, per mesh axis (3d:
     for the stage holding ``stage_params``; ``bf16``: gathers and activations in bfloat16,
-    gradients reduced in float32)."""
+    gradients reduced in float32; ``recompute``: activation checkpointing reruns the
+    attention's TP all_reduce per layer)."""
     tp = 8 if kind in ("2d", "3d") else 1
     tp_split = ("attention.w", "feed_forward.w")
     total = blocks = 0
@@ -227,12 +235,13 @@ def analytic_min(model: Any, kind: str, config: str, layers: int, stage_params: 
         total += b
         blocks += b if name.startswith("layers.") else 0
     half, act = (2, 2) if bf16 else (1, 4)  # gathers / gathered bytes; bytes of an activation element
+    per_layer = 5 if recompute else 4  # Megatron's all_reduces of one activation per layer
     if kind == "3d":  # gathered once per step, reduced once; the stage's layers' all_reduces over the local batch
         stage_layers = len({n.split(".")[1] for n in stage_params or () if n.startswith("layers.")})
-        return {"dp": total // half + total, "tp": 4 * stage_layers * (BATCH * CHUNKS // WORLD) * SEQ * CONFIGS[config]["dim"] * act}
+        return {"dp": total // half + total, "tp": per_layer * stage_layers * (BATCH * CHUNKS // WORLD) * SEQ * CONFIGS[config]["dim"] * act}
     out = {"dp": (total + blocks) // half + total}
     if tp > 1:
-        out["tp"] = 4 * layers * (BATCH // WORLD) * SEQ * CONFIGS[config]["dim"] * act
+        out["tp"] = per_layer * layers * (BATCH // WORLD) * SEQ * CONFIGS[config]["dim"] * act
     return out
 
 
@@ -293,6 +302,7 @@ def measure(config: str, kind: str, dynamic: bool, layers: int | None = None, me
     extra = dict(pipeline=_pipeline(n_layers)) if kind == "3d" else {}
     extra.update(_memory_options(model, memory_policy))
     bf16 = "mixed_precision" in extra
+    recompute = any(how in (memory_policy or "").split("+") for how in ("full", "selective"))
     step = sc.compile(step_without_clip if kind == "3d" else train_step, mesh=mesh, plan=plan, dynamic=dynamic,
                       device_type="cuda", check_ranks=False, **extra)
     clock = _StageClock()
@@ -315,14 +325,14 @@ def measure(config: str, kind: str, dynamic: bool, layers: int | None = None, me
                     by_axis[r.axis] = by_axis.get(r.axis, 0) + r.bytes * reps
                     count, nbytes = count + r.count * reps, nbytes + r.bytes * reps
         mine = {fqn for fqn, owners in step.last.assignment.param_stages.items() if set(owners) & set(step.last.pipeline.my_stages)}
-        expected = analytic_min(model, kind, config, n_layers, mine, bf16=bf16)
+        expected = analytic_min(model, kind, config, n_layers, mine, bf16=bf16, recompute=recompute)
         peak = None
     else:
         comm = step.comm_summary()
         count, nbytes = comm.total_count, comm.total_bytes
         for r in comm.rows:
             by_axis[r.axis] = by_axis.get(r.axis, 0) + r.bytes
-        expected = analytic_min(model, kind, config, n_layers, bf16=bf16)
+        expected = analytic_min(model, kind, config, n_layers, bf16=bf16, recompute=recompute)
         peak = step.memory_trace().peak_bytes
     passes = sorted(((k[5:], v) for k, v in t.items() if k.startswith("pass ")), key=lambda kv: -kv[1])
     stages = {k: clock.seconds.get(k, 0.0) for k in ("trace", "expand", "passes")}

@@ -270,7 +270,7 @@ def test_runner_logs_disables_and_names_failures(mesh4, caplog):
     with caplog.at_level(logging.INFO, logger="spmd_compiler.optimize"):
         gm, records = run_passes(step.gm, default_passes(), disabled=["overlap", "schedule"])
     assert [r.name for r in records] == [
-        "remove_redundant_collectives", "fuse_mean_reductions", "defer_mean_divisor", "bucket_gradients", "bucket_parameter_gathers",
+        "remove_redundant_collectives", "sum_partials_before_reducing", "fuse_mean_reductions", "defer_mean_divisor", "bucket_gradients", "bucket_parameter_gathers",
         "fuse_all_reduces",
         "rematerialize",
         "budget_prefetch",
@@ -309,7 +309,7 @@ def test_compile_runs_passes_and_dumps_each(mesh4, tmp_path):
     assert sorted(p.name for p in folder.glob("pass_*.py")) == [
         f"pass_{i:02d}_{name}.py" for i, name in enumerate(sc.optimize.DEFAULT_PASSES)
     ]
-    assert "bucket of" in (folder / "pass_03_bucket_gradients.py").read_text()
+    assert "bucket of" in (folder / "pass_04_bucket_gradients.py").read_text()
     assert step.timings()["passes"] > 0
 
 

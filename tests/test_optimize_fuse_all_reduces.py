@@ -165,13 +165,14 @@ def _titan_tp(passes_disabled=()):
 
 
 def test_titan_under_tp_sends_independent_backward_reductions_together():
-    """The titan Llama under Megatron TP: in backward, the input gradients of q/k/v (and of
-    w1/w3) are two independent Partial(sum) reductions each, sent in one launch (4 -> 2).
+    """The titan Llama under Megatron TP, with sum_partials_before_reducing off (it sums
+    these terms before one reduction, tests/test_optimize_partial_sums.py): in backward,
+    each RMSNorm's input gets two independent Partial(sum) reductions, sent in one launch (4 -> 2).
     The optimizer's clip_grad_norm_ norms are already one all_reduce (expand/rules/norms.py
     stacks them as Partial(norm)), next to the RMSNorm gradients' bucket: 2 either way.
     Float64 equal to one device at 1e-10 either way."""
-    before, e0 = _titan_tp(OFF)
-    after, e1 = _titan_tp()
+    before, e0 = _titan_tp(OFF + ("sum_partials_before_reducing",))
+    after, e1 = _titan_tp(("sum_partials_before_reducing",))
     d0, d1 = assert_distributed(before), assert_distributed(after)
     counts = [tuple(d.count(f"{phase}/all_reduce/tp") for phase in ("forward", "backward", "optimizer")) for d in (d0, d1)]
     # forward: the attention's and the feed-forward's all_reduce, one reading the other (2)

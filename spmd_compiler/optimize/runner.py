@@ -200,7 +200,8 @@ def default_passes(
     *, bucket_mb: float = 25.0, first_bucket_mb: float | None = 1.0, overlap: bool = True, prefetch: int = 2,
     backward_prefetch: int = 1,
 ) -> list[PassSpec]:
-    """The default pipeline: remove redundant collectives, reduce a mean's count and value
+    """The default pipeline: remove redundant collectives, sum Partial terms added together
+    before one reduction (:mod:`.partial_sums`), reduce a mean's count and value
     in one all_reduce (:mod:`.mean_reductions`), divide the gradients by that count after
     their reduction so the pair rides in a gradient bucket (:mod:`.deferred_divisor`), bucket gradient reductions, gather FSDP
     parameters per module unit, overlap communication with compute (issue early, wait
@@ -214,11 +215,13 @@ def default_passes(
     from .mean_reductions import fuse_mean_reductions_pass
     from .memory import budget_prefetch_pass, rematerialize_pass
     from .overlap import overlap_pass
+    from .partial_sums import sum_partials_before_reducing_pass
     from .redundant import remove_redundant_collectives_pass
     from .schedule import schedule_for_overlap_pass
 
     out = [
         PassSpec("remove_redundant_collectives", remove_redundant_collectives_pass),
+        PassSpec("sum_partials_before_reducing", sum_partials_before_reducing_pass),
         PassSpec("fuse_mean_reductions", fuse_mean_reductions_pass),
         PassSpec("defer_mean_divisor", defer_mean_divisor_pass),
         PassSpec("bucket_gradients", bucket_gradients_pass, {"bucket_mb": bucket_mb, "first_bucket_mb": first_bucket_mb}),
@@ -235,6 +238,6 @@ def default_passes(
 
 
 DEFAULT_PASSES = (
-    "remove_redundant_collectives", "fuse_mean_reductions", "defer_mean_divisor", "bucket_gradients", "bucket_parameter_gathers", "overlap", "schedule",
+    "remove_redundant_collectives", "sum_partials_before_reducing", "fuse_mean_reductions", "defer_mean_divisor", "bucket_gradients", "bucket_parameter_gathers", "overlap", "schedule",
     "fuse_all_reduces", "rematerialize", "budget_prefetch",
 )

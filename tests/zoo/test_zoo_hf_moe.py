@@ -144,14 +144,30 @@ def test_hf_moe_equals_one_device_and_moves_no_token(model_name, plan_name):
         assert exchanged == []
 
 
-def test_hf_moe_2d_attention_tp_with_expert_parallel():
-    """(dp, tp): Megatron attention on tp, experts split over dp; the norms compute in
-    float32 on purpose, so TP's other summation order shows at 1e-6."""
+def _attention_tp(model_name: str) -> dict:
+    """Megatron attention on the second mesh axis: the projections into the heads by
+    rows, the output projection by columns (DeepSeek-V3's MLA: the up-projections from
+    its low-rank latents; the latents themselves stay replicated)."""
     r = Replicate()
-    params = {"*.q_proj.weight": [r, Shard(0)], "*.k_proj.weight": [r, Shard(0)], "*.v_proj.weight": [r, Shard(0)],
-              "*.o_proj.weight": [r, Shard(1)], "*.experts.*": [Shard(0), r]}
-    res = run("qwen3_moe", "2d", fake_mesh((2, 2), ("dp", "tp")), sc.Plan(params=params, default_input=[Shard(0), r]), atol=1e-6, rtol=1e-4)
+    if model_name == "deepseek_v3":
+        return {"*.q_b_proj.weight": [r, Shard(0)], "*.kv_b_proj.weight": [r, Shard(0)], "*.o_proj.weight": [r, Shard(1)]}
+    return {"*.q_proj.weight": [r, Shard(0)], "*.k_proj.weight": [r, Shard(0)], "*.v_proj.weight": [r, Shard(0)],
+            "*.o_proj.weight": [r, Shard(1)]}
+
+
+@pytest.mark.parametrize("model_name", list(MODELS))
+def test_hf_moe_2d_attention_tp_with_expert_parallel(model_name):
+    """(dp, tp): Megatron attention on tp, experts split over dp (4 row exchanges: to the
+    experts and back, forward and backward); tokens cross ranks on dp only there. The
+    models' norms compute in float32 on purpose (a cast of the float64 activations), so
+    TP's other summation order shows at 1e-6."""
+    r = Replicate()
+    params = {**_attention_tp(model_name), "*.experts.*": [Shard(0), r]}
+    res = run(model_name, "2d", fake_mesh((2, 2), ("dp", "tp")), sc.Plan(params=params, default_input=[Shard(0), r]),
+              atol=1e-6, rtol=1e-4)
     assert token_moves(res) == [] or all("'tp'" in m for m in token_moves(res)), token_moves(res)
+    exchanged = [c for c in collectives(res) if c[1] == str(pt.ALL_TO_ALL_ROWS)]
+    assert len(exchanged) == 4, collectives(res)
 
 
 def test_first_call_compiles_although_transformers_sets_a_flag_lazily():
