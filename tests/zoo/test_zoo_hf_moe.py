@@ -207,9 +207,6 @@ def test_hf_mixtral_experts_tp_splits_the_fused_gate_up_without_gathering_it():
     assert_distributed(res, sharded=["model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"])
 
 
-@pytest.mark.xfail(strict=True, reason="known gap (issue #32): with the experts also split over tp, Hugging Face's "
-                   "routing (index.Tensor of the tokens) is gathered on dp and the experts' weights too "
-                   "(input 1 of _grouped_mm: S(0)->R on 'dp'): correct, equal to one device, but no expert parallelism")
 @pytest.mark.parametrize("model_name", list(MODELS))
 def test_hf_moe_expert_parallel_by_experts_tensor_parallel(model_name):
     """EP x TP on (dp 2, tp 2): the stacked experts split by expert over dp (tokens travel

@@ -9,13 +9,19 @@ On the token axes (:mod:`..orders`) the rows are a rank's own routed rows in its
 order and ``offs`` its own cumulative counts (a ``Partial(sum)`` whose local term is the
 rank's, ``restricted``): each rank runs the experts on its rows, rows stay rows, and the
 weight gradient is a ``Partial`` sum over ranks. On the other axes it is a matmul: the
-experts' hidden dim split (``b`` sharded on ``n``, or both on ``k``) as in Megatron.
+experts' hidden dim split (``b`` sharded on ``n``, or both on ``k``) as in Megatron. A
+split fused dim (gate|up stored as one weight, split by ``chunk``) keeps its pieces'
+strided layout through the matmuls that do not contract it; where one does (the
+gradient of the routed rows, ``k`` strided in ``a``, a plain ``Shard`` in the weight),
+``a`` moves to the weight's layout on that axis alone (one all_to_all), so the rows stay
+where the token axes have them (expert parallelism x tensor parallelism).
 Expert parallelism (``b`` split over the experts on a token axis) sends the rows to their
 experts' ranks first (:mod:`..experts`). Anything else goes to DTensor.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -25,10 +31,11 @@ from ..args import ExpandContext, TensorArg
 from ..builder import SubgraphBuilder
 from ..dispatch import generic_expand
 from ..orders import Order, Rows, merge_origins
+from ..redistribute import emit_redistribute
 from ..registry import register_rule
 from .routing import _out, _spec
 
-__all__ = ["grouped_mm_placements"]
+__all__ = ["grouped_mm_placements", "contracted_like_weight"]
 
 
 def _order(t: TensorArg) -> Order | None:
@@ -93,6 +100,33 @@ def _strided_out(pa: Any, pb: Any, two_d: bool) -> Any:
     return None
 
 
+def contracted_like_weight(a: Any, b: Any, axes: tuple[int, ...], ndim: int) -> list[Any] | None:
+    """The placements ``a`` (rows, k) of a forward-shaped ``_grouped_mm`` needs so that
+    its contracted ``k`` is split as the weight ``b`` (experts, k, n) splits it, where
+    ``a`` has a fused dim's strided layout (``_StridedShard(1, sf)``) on a mesh axis off
+    the token ``axes`` and ``b`` a plain ``Shard(1)``; None when no such axis."""
+    if len(b.spec.shape) != 3:
+        return None
+    want = list(a.spec.placements)
+    for axis in range(ndim):
+        pa, pb = a.spec.placements[axis], b.spec.placements[axis]
+        if axis not in axes and isinstance(pa, pt.StridedShard) and pa.dim == 1 and pb == pt.Shard(1):
+            want[axis] = pt.Shard(1)
+    return want if want != list(a.spec.placements) else None
+
+
+def _align_contracted(ctx: ExpandContext, b: SubgraphBuilder, a: TensorArg, w: TensorArg, axes: tuple[int, ...]) -> TensorArg:
+    """``a`` moved (off the token ``axes`` only) to :func:`contracted_like_weight`'s
+    placements; its rows keep their order, which lives on the token axes."""
+    want = contracted_like_weight(a, w, axes, ctx.mctx.ndim)
+    if want is None:
+        return a
+    dst = pt.make_spec(ctx.mctx.mesh, want, a.spec.shape, a.spec.stride, a.spec.tensor_meta.dtype)
+    node, mask = emit_redistribute(b, a.node, a.spec, dst, mask=a.mask, reason="input 0 of _grouped_mm.default, its contracted dim "
+                                   "split as the weight's", input_index=a.index, value_label=a.label)
+    return dataclasses.replace(a.moved(node, dst, mask), rows=a.rows)
+
+
 @register_rule(pt.GROUPED_MM)
 def _grouped_mm(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs: dict) -> Any:
     bound = {"offs": None, "bias": None, "out_dtype": None}
@@ -112,6 +146,7 @@ def _grouped_mm(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kw
         order = order[0]
     if order is None or not _offsets_ok(offs, order.axes):
         return generic_expand(ctx, b, op, args, kwargs)
+    a = _align_contracted(ctx, b, a, w, order.axes)
     expert_axes = (order.dispatched,) if order.dispatched is not None else ()
     placements = grouped_mm_placements(a, w, order.axes, ctx.mctx.ndim, expert_axes)
     if placements is None:
