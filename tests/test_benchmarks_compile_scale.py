@@ -13,10 +13,15 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchma
 from compile_scale import depth_table, measure, memory_table, ratios, table  # noqa: E402
 
 
-@pytest.mark.parametrize("kind", ["fsdp", "2d"])
-def test_one_layer_row(kind, monkeypatch):
-    monkeypatch.setenv("SPMD_COMPILER_EXPLAIN", "1")
-    row = measure("8B", kind, False, layers=1)
+@pytest.mark.parametrize("kind,dynamic", [("fsdp", False), ("2d", False), ("2d", True)])
+def test_one_layer_row(kind, dynamic, monkeypatch):
+    """dynamic=True: the batch dim symbolic (per-rank sizes), the same bytes (compiled
+    outside explain mode, which compiles per shape, as the script does)."""
+    if dynamic:
+        monkeypatch.delenv("SPMD_COMPILER_EXPLAIN", raising=False)
+    else:
+        monkeypatch.setenv("SPMD_COMPILER_EXPLAIN", "1")
+    row = measure("8B", kind, dynamic, layers=1)
     assert row["layers"] == 1 and row["nodes"] > row["traced nodes"] > 100 and row["peak"] > 0
     assert row["trace"] > 0 and row["expand"] > 0 and row["passes"] > 0 and row["total"] >= row["trace"]
     # FSDP moves the analytic minimum (and the loss and norm scalars riding along); TP
@@ -27,6 +32,8 @@ def test_one_layer_row(kind, monkeypatch):
         assert 0 <= row["axis bytes"]["tp"] - row["axis min"]["tp"] < 16384, row
     text = table([row])
     assert text.count("\n") == 2 and "| 8B |" in text
+    if dynamic:
+        return
     assert "dynamic=True / static = 1.10x" in ratios([row, {**row, "dynamic": True, "total": row["total"] * 1.1}])
     assert "growth exponent k" in depth_table([row, {**row, "layers": 2, "total": row["total"] * 2}])
 

@@ -158,6 +158,39 @@ def test_what_it_leaves_alone():
         _check(build, 2)
 
 
+def _uneven(global_rows_q: int):
+    """Per-rank sizes (an uneven batch split over dp, tp the reduced axis): the terms'
+    local shapes agree on this rank; the global shapes decide."""
+    from torch.distributed.tensor import Partial, Shard
+
+    from spmd_compiler import _private_torch as pt
+    from spmd_compiler.expand.splice import RANK_SIZES
+
+    mesh = fake_mesh((2, 2), ("dp", "tp"))
+
+    def spec(rows, partial):
+        return pt.make_spec(mesh, [Shard(0), Partial() if partial else Replicate()], (rows, 3), (3, 1), torch.float64)
+
+    def build():
+        b = _Builder()
+        r, x, y = b.input("r", (2, 3)), b.input("x", (2, 3)), b.input("y", (2, 3))
+        px, py = b.op(aten.sin.default, x), b.op(aten.cos.default, y)
+        px.meta["spmd_spec"], py.meta["spmd_spec"] = spec(4, True), spec(global_rows_q, True)
+        wx, wy = b.reduced(px), b.reduced(py)
+        for w in (wx, wy):
+            w.args[0].meta[RANK_SIZES] = True
+        mid = b.op(aten.add.Tensor, r, wx)
+        out = b.op(aten.add.Tensor, mid, wy)
+        mid.meta["spmd_spec"] = out.meta["spmd_spec"] = spec(4, False)
+        return b.done(out)
+    return build
+
+
+def test_per_rank_sizes_decide_on_the_global_shapes():
+    _check(_uneven(4), 1)  # the same global shape and split: every rank folds
+    _check(_uneven(3), 2)  # another global shape (equal here only by this rank's sizes): left alone
+
+
 def _titan_tp(passes_disabled=()):
     torch.manual_seed(0)
     model = Transformer(n_layers=2, rope_dtype=torch.float64).double()

@@ -23,7 +23,9 @@ Rewritten only when: both all_reduces have the same group, reduce op (sum or avg
 and shape as each other and as both adds (no broadcast, no type promotion); each is
 waited by one ``wait_tensor`` whose one reader is its add; the inner add has no other
 reader; neither input's storage is written in place anywhere (the first reduction is
-issued later); per-rank sizes (``RANK_SIZES``) and buckets are left alone. The kept
+issued later); buckets are left alone. Under per-rank sizes (``RANK_SIZES``: an uneven
+split, a symbolic batch) the decision is taken on the global shapes and splits, which
+every rank has, not on this rank's sizes, so every rank makes the same program. The kept
 all_reduce is the later one, so no value is needed earlier than before; the other
 reduction's input waits until then (its reduction is no longer in flight).
 """
@@ -64,9 +66,18 @@ def _reduced(w: object, written: set) -> fx.Node | None:
     x = ar.args[0]
     if ar.args[1] not in _LINEAR_OPS or comm.get("op") in ("bucket", "mean_pair", "fused_all_reduce"):
         return None
-    if RANK_SIZES in ar.meta or not isinstance(x, fx.Node) or RANK_SIZES in x.meta or alias_root(x) in written:
+    if not isinstance(x, fx.Node) or alias_root(x) in written:
         return None
     return ar
+
+
+def _layout(n: fx.Node) -> tuple | None:
+    """The global shape and the split of ``n`` (Partial and Replicate alike), the same on
+    every rank; None when the expansion left no spec."""
+    spec = n.meta.get("spmd_spec")
+    if spec is None:
+        return None
+    return tuple(str(d) for d in spec.shape), tuple("R" if p.is_partial() or p.is_replicate() else repr(p) for p in spec.placements)
 
 
 def _plain_add(n: fx.Node) -> bool:
@@ -109,6 +120,12 @@ def _merge(gm: fx.GraphModule, outer: fx.Node, written: set, pos: dict) -> bool:
         return False
     if len({_shape(n) for n in (p, q, outer, inner)}) != 1:
         return False
+    if any(RANK_SIZES in n.meta for n in (ar_p, ar_q, p, q)):
+        # this rank's sizes (an uneven split): decide on what every rank has, the global
+        # shapes and splits, so that every rank of the group makes the same program
+        layouts = {_layout(n) for n in (p, q, outer, inner)}
+        if len(layouts) != 1 or None in layouts:
+            return False
     keep, drop = (ar_p, ar_q) if pos[ar_p] >= pos[ar_q] else (ar_q, ar_p)
     w_keep, w_drop = (w_p, w_q) if keep is ar_p else (w_q, w_p)
     g = gm.graph
