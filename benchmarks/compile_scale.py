@@ -489,6 +489,8 @@ def main() -> None:
         "and SDPA took the math path; the figures above are for the full step, traced for CUDA. Before the pipeline",
         "kept its passes (issue #33): pp 4 x dp 8 x tp 8 stage 0 moved 1.28x the minimum, 2.7x on its FSDP part (gathered",
         "per micro-batch, one all_gather per parameter: 73 per forward piece).",
+        "Before `sum_partials_before_reducing` (2026-11-28): tp at 1.500 in every 2-D and 3-D row (each RMSNorm's input",
+        "gradient reduced as two Partial terms), 1.750 with checkpointing.",
         "",
     ]
     write_results(results_path("compile_scale"), lines)
