@@ -491,6 +491,9 @@ def main() -> None:
         "per micro-batch, one all_gather per parameter: 73 per forward piece).",
         "Before `sum_partials_before_reducing` (2026-11-28): tp at 1.500 in every 2-D and 3-D row (each RMSNorm's input",
         "gradient reduced as two Partial terms), 1.750 with checkpointing.",
+        "bf16 rows on tp: each RMSNorm computes in float32 and its input gradient is reduced in float32 before the cast",
+        "to bfloat16 rounds it (the one-device rounding), twice the bytes of Megatron's bfloat16 reduction for 2 of the",
+        "4 all_reduces per layer: 1.5x, 1.4x with checkpointing (its minimum counts the recomputed all_reduce: 5 per layer).",
         "",
     ]
     write_results(results_path("compile_scale"), lines)
