@@ -44,8 +44,15 @@ def test_titan_llama_float64_equals_one_device(plan_name):
 
 def test_titan_llama_as_written_float32_rope_under_tp():
     """As torchtitan writes it (float32 model, float32 rotation): TP agrees with one device
-    to float32 rounding (a rank's matmuls sum fewer features before the all_reduce)."""
+    to float32 rounding (a rank's matmuls sum fewer features before the all_reduce, and each
+    RMSNorm's two Partial input-gradient terms are summed before their one all_reduce:
+    optimize/partial_sums.py). The losses agree to a float32 ulp; a parameter to 1 % of one
+    AdamW step (lr 0.01): Adam divides by the root of the second moment, so a near-zero
+    gradient's rounding moves its element by up to a step (the worst element: 1.3e-5 with
+    the terms reduced apart, 1.05e-4 summed first, both float32 orders; the float64 runs of
+    the same model and plan agree to 1e-10, tests/test_optimize_partial_sums.py)."""
     (shape, names), plan = PLANS["tp"]
     torch.manual_seed(0)
-    res = assert_training_matches(train_step, Transformer(), adamw, batches(), fake_mesh(shape, names), plan(), atol=2e-5, rtol=1e-4)
-    assert abs(res.losses[0] - res.reference_losses[0]) <= 1e-6 * abs(res.reference_losses[0])
+    res = assert_training_matches(train_step, Transformer(), adamw, batches(), fake_mesh(shape, names), plan(), atol=1e-4 * 2, rtol=1e-4)
+    for got, want in zip(res.losses, res.reference_losses):
+        assert abs(got - want) <= 1e-6 * abs(want), (res.losses, res.reference_losses)
