@@ -25,7 +25,7 @@ from .errors import (
 from .driver import expand, materialize
 from .expand import DSymInt, ExpansionCache, register_rule
 from .pipeline import Pipeline, SplitPoint, pipe_split
-from .plan import ContextParallel, MixedPrecisionPolicy, Plan
+from .plan import ContextParallel, MixedPrecisionPolicy, Plan, fused_shard
 from .rebuild import ExpandedStep
 from .runtime import CompiledStep, compile
 from .trace import TracedStep, trace
@@ -52,6 +52,7 @@ __all__ = [
     "Shard",
     "Replicate",
     "Partial",
+    "fused_shard",
     "SpmdError",
     "UnsupportedOpError",
     "UnsupportedPlacementError",

@@ -205,3 +205,59 @@ def test_meta_model_trains_as_one_device_with_no_whole_parameter_on_any_rank():
             assert local * 2 == whole and nbytes == local * 8, (name, local, whole, nbytes)  # half, in storage too
         assert res["largest"] <= max(local for local, _, _ in res["params"].values()), res["largest"]  # never a whole one
         assert res["state"] == 0.5  # AdamW's moments: shards too
+
+
+def _strided_rows(t: torch.Tensor, dim: int, rank: int, world: int, pieces: int = 2) -> torch.Tensor:
+    """Rank ``rank``'s block of each of ``pieces`` equal pieces of ``t``'s ``dim``."""
+    blocks = t.movedim(dim, 0).reshape(pieces, world, t.shape[dim] // (pieces * world), *[s for d, s in enumerate(t.shape) if d != dim])
+    return blocks[:, rank].reshape(-1, *blocks.shape[3:]).movedim(0, dim)
+
+
+FUSED = sc.Plan(params={"l1.weight": [sc.fused_shard(0, 2)], "l1.bias": [sc.fused_shard(0, 2)], "l2.weight": [sc.fused_shard(1, 2)]},
+                default_input=[sc.Replicate()])
+
+
+def test_fake_mesh_rank_draws_its_blocks_of_a_fused_weight():
+    """A ``fused_shard(0, 2)`` parameter on rank 0 of 2: its first quarter and its third
+    (the first block of each piece), drawn as the slices of the whole draw."""
+    model = _meta_mlp()
+    step = sc.compile(mse_train_step, mesh=fake_mesh((2,), ("tp",), world_size=2), plan=FUSED, init_weights="reset_parameters")
+    step.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    ref = materialize(_meta_mlp(), "reset_parameters")
+    assert torch.equal(model.l1.weight.to_local(), _strided_rows(ref.l1.weight, 0, 0, 2))
+    assert torch.equal(model.l1.bias.to_local(), _strided_rows(ref.l1.bias, 0, 0, 2))
+    assert torch.equal(model.l2.weight.to_local(), _strided_rows(ref.l2.weight, 1, 0, 2))
+    assert torch.equal(model.l2.bias.to_local(), ref.l2.bias)
+
+
+def _fused_mlp_trains(rank: int, world: int, meta: bool) -> dict:
+    """Megatron's MLP with its weights stored by ``fused_shard`` (2 pieces), built on meta
+    (deferred init) or on the CPU (rank 0's values scattered): each rank's blocks, then 3
+    AdamW steps against one device."""
+    if meta:
+        model = _meta_mlp()
+        ref = materialize(copy.deepcopy(model), "reset_parameters", seed=3)
+    else:
+        torch.manual_seed(0)
+        model = MLP(dim=8, hidden=16).double()
+        ref = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
+    step = sc.compile(mse_train_step, mesh=(world,), plan=FUSED, init_weights="reset_parameters" if meta else None, init_seed=3)
+    step.distribute(model, opt)
+    blocks = [torch.equal(model.l1.weight.to_local(), _strided_rows(ref.l1.weight, 0, rank, world)),
+              torch.equal(model.l2.weight.to_local(), _strided_rows(ref.l2.weight, 1, rank, world))]
+    g = torch.Generator().manual_seed(1)
+    errs = []
+    for _ in range(3):
+        x, y = torch.randn(4, 8, generator=g, dtype=torch.float64), torch.randn(4, 8, generator=g, dtype=torch.float64)
+        errs.append(abs(step(model, opt, x, y).item() - mse_train_step(ref, ref_opt, x, y).item()))
+    errs.append(max((model.l1.weight.to_local() - _strided_rows(ref.l1.weight, 0, rank, world)).abs().max().item(),
+                    (model.l2.weight.to_local() - _strided_rows(ref.l2.weight, 1, rank, world)).abs().max().item()))
+    return {"blocks": blocks, "err": max(errs), "local": model.l1.weight.to_local().shape[0]}
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("meta", [True, False], ids=["deferred", "scattered"])
+def test_fused_shard_weights_hold_their_blocks_and_train_as_one_device(meta):
+    for res in run_processes(_fused_mlp_trains, 2, meta, timeout=240):
+        assert res["blocks"] == [True, True] and res["local"] == 8 and res["err"] < 1e-12, res

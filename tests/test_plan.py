@@ -197,3 +197,24 @@ def test_fsdp_axes_must_be_a_tuple_of_axis_names_or_indices(axes):
     with pytest.raises(TypeError, match=r"Plan\(fsdp_axes=.*\): expected a tuple of mesh axis names or indices.*fix: fsdp_axes=\('dp',\)"):
         sc.Plan(fsdp_axes=axes)
     assert sc.Plan(fsdp_axes=["dp", 1]).fsdp_axes == ["dp", 1]
+
+
+def test_fused_shard_is_a_strided_shard_normalized_and_checked(traced_adam, mesh4):
+    """``fused_shard(d, k)``: each rank its block of each of k equal pieces of dim d
+    (torch's _StridedShard); a negative dim normalizes, a dim not made of k equal pieces
+    and bad arguments are refused with what was expected."""
+    import spmd_compiler._private_torch as pt
+
+    assert sc.fused_shard(0, 1) == Shard(0)
+    got = _by_label(traced_adam, sc.Plan(params={"l1.weight": [sc.fused_shard(-2, 2)]}).resolve(traced_adam, mesh4))
+    assert got["l1.weight"] == (pt.StridedShard(0, split_factor=2),)
+    assert got["l1.weight['exp_avg']"] == got["l1.weight"]  # the state follows
+    rows = traced_adam.inputs[[i.label for i in traced_adam.inputs].index("l1.weight")].shape[0]
+    with pytest.raises(ValueError, match=rf"fused_shard\(0, 7\) on mesh axis 0: dim 0 of size {rows}; expected a dim"):
+        sc.Plan(params={"l1.weight": [sc.fused_shard(0, 7)]}).resolve(traced_adam, mesh4)
+    with pytest.raises(ValueError, match=r"out of range"):
+        sc.Plan(params={"l1.weight": [sc.fused_shard(2, 2)]}).resolve(traced_adam, mesh4)
+    with pytest.raises(TypeError, match=r"expected two ints"):
+        sc.fused_shard("0", 2)
+    with pytest.raises(ValueError, match=r"expected pieces >= 1"):
+        sc.fused_shard(0, 0)

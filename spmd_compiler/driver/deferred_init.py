@@ -130,6 +130,34 @@ def _fill(local: torch.Tensor, op: Any, key: int, args: tuple, global_shape: tup
         local.copy_(_values(op, key, _global_index(global_shape, shape, offset, 0, n), args).view(shape))
 
 
+def _strided_blocks(shape: tuple[int, ...], mesh_shape: tuple[int, ...], coordinate: Any,
+                    placements: tuple) -> list[tuple[Any, int, int, tuple[int, ...]]] | None:
+    """This rank's shard as blocks ``(dim, local start, size, global offset)``: one block
+    (``dim`` None) for Shard/Replicate placements; for a ``fused_shard(d, sf)`` on one mesh
+    axis (no other splitting ``d``) one block per piece, rank ``j`` of ``n`` holding rows
+    ``[i L/sf + j c, + c)`` of piece ``i`` (``c = L / (sf n)``); None for other layouts."""
+    strided = [(a, p) for a, p in enumerate(placements) if isinstance(p, pt.StridedShard)]
+    if not strided:
+        _, offset = pt.local_shape_and_offset(shape, mesh_shape, coordinate, placements)
+        return [(None, 0, 0, tuple(offset))]
+    if len(strided) > 1:
+        return None
+    axis, p = strided[0]
+    d, sf, n = p.dim % len(shape), int(p.split_factor), mesh_shape[axis]
+    if any(getattr(q, "dim", None) == d for a, q in enumerate(placements) if a != axis) or shape[d] % (sf * n):
+        return None
+    rest = list(placements)
+    rest[axis] = pt.Replicate()
+    _, offset = pt.local_shape_and_offset(shape, mesh_shape, coordinate, rest)
+    c = shape[d] // (sf * n)
+    out = []
+    for i in range(sf):
+        at = list(offset)
+        at[d] = i * (shape[d] // sf) + coordinate[axis] * c
+        out.append((d, i * c, c, tuple(at)))
+    return out
+
+
 def _storage(t: torch.Tensor) -> int:
     local = pt.local_tensor(t)
     return local.untyped_storage().data_ptr() if local.numel() else 0
@@ -182,12 +210,15 @@ class ShardIndependentDraws(TorchDispatchMode):
     def _draw(self, op: Any, target: torch.Tensor, args: tuple) -> torch.Tensor:
         if isinstance(target, DTensor):
             placements = tuple(target.placements)
-            if any(p.is_partial() for p in placements) or any(isinstance(p, pt.StridedShard) for p in placements):
-                self._refuse(op, f"into a DTensor placed {list(placements)} (only Shard and Replicate)")
+            if any(p.is_partial() for p in placements):
+                self._refuse(op, f"into a DTensor placed {list(placements)} (only Shard, fused_shard and Replicate)")
             mesh = target.device_mesh
             local = pt.local_tensor(target)
-            shape, offset = pt.local_shape_and_offset(tuple(target.shape), tuple(mesh.shape), mesh.get_coordinate(), placements)
-            assert shape == tuple(local.shape), (shape, tuple(local.shape))
+            blocks = _strided_blocks(tuple(target.shape), tuple(mesh.shape), mesh.get_coordinate(), placements)
+            if blocks is None:
+                self._refuse(op, f"into a DTensor placed {list(placements)} (a fused_shard dim split by one mesh axis, "
+                                 f"in equal blocks, only)")
+            offset = None
         elif self.sharded:
             owner = self.names.get(_storage(target))
             what = f"into the local shard of {owner[0]!r}" if owner else f"into a plain tensor of shape {list(target.shape)}"
@@ -198,7 +229,12 @@ class ShardIndependentDraws(TorchDispatchMode):
         name = self.ids.get(id(target)) or (whole[0] if whole is not None and whole[1] == pt.local_tensor(target).numel() else "")
         k = self.draws[name]
         self.draws[name] += 1
-        _fill(local, op, _key(self.seed, name, k), args, tuple(target.shape), tuple(offset))
+        if offset is None:  # a DTensor: each of its blocks (one, or a fused_shard's pieces) at its global offset
+            for dim, start, size, at in blocks:
+                _fill(local if dim is None else local.narrow(dim, start, size), op, _key(self.seed, name, k), args,
+                      tuple(target.shape), at)
+        else:
+            _fill(local, op, _key(self.seed, name, k), args, tuple(target.shape), tuple(offset))
         self.written.add(_storage(target))
         return target
 

@@ -12,7 +12,7 @@ Examples (1-D mesh)::
     Plan(params={"*": [Shard(0)]}, fsdp_axes=("dp",), reshard_after_forward=False)  # gathered once, kept for backward
 """
 
-from .placements import PlacementsLike, ResolvedPlan, normalize_placements
+from .placements import PlacementsLike, ResolvedPlan, fused_shard, normalize_placements
 from .resolve import (
     _batch_placements,
     _check_dims,
@@ -29,7 +29,7 @@ from .context import ContextParallel, CPLayout, head_tail_index
 from .precision import MixedPrecisionPolicy
 from .spec import Plan
 
-__all__ = ["Plan", "ContextParallel", "CPLayout", "MixedPrecisionPolicy", "ResolvedPlan", "head_tail_index", "normalize_placements"]
+__all__ = ["Plan", "ContextParallel", "CPLayout", "MixedPrecisionPolicy", "ResolvedPlan", "fused_shard", "head_tail_index", "normalize_placements"]
 
 # the helpers below lived in this module before it became a package; still importable
 _MOVED = (PlacementsLike, _batch_placements, _check_dims, _fit_wildcard, _fsdp_buffer, _has_dim, _is_style, _near,

@@ -8,7 +8,32 @@ from typing import Any
 
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
-__all__ = ["PlacementsLike", "ResolvedPlan", "normalize_placements"]
+from .. import _private_torch as pt
+
+__all__ = ["PlacementsLike", "ResolvedPlan", "normalize_placements", "fused_shard"]
+
+
+def fused_shard(dim: int, pieces: int) -> Placement:
+    """``Shard(dim)`` of a fused weight: ``pieces`` equal pieces stored one after the
+    other along ``dim`` (gate|up of a SwiGLU: 2; q|k|v of equal sizes: 3), each rank
+    holding its block of every piece, as Megatron and torchtitan store fused projections.
+
+    A fused dim planned as a plain ``Shard(dim)`` gives rank 0 the first pieces whole and
+    the last rank the last ones, so the ``chunk``/``split`` into the pieces costs an
+    all_to_all every step (and its gradient another); stored this way, each piece is
+    already split over the mesh axis and nothing moves. Example (Hugging Face MoE experts,
+    ``gate_up_proj`` [experts, 2 x hidden, dim], under tensor parallelism of the experts)::
+
+        Plan(params={"*.experts.gate_up_proj": [fused_shard(1, 2)], "*.experts.down_proj": [Shard(2)]})
+
+    (torch's ``_StridedShard(dim, split_factor=pieces)``: a checkpoint saved through
+    ``torch.distributed.checkpoint`` holds the whole tensor in its usual order.)
+    """
+    if isinstance(dim, bool) or not isinstance(dim, int) or isinstance(pieces, bool) or not isinstance(pieces, int):
+        raise TypeError(f"fused_shard({dim!r}, {pieces!r}): expected two ints (the fused dim, its number of equal pieces)")
+    if pieces < 1:
+        raise ValueError(f"fused_shard({dim}, {pieces}): expected pieces >= 1 (2 for gate|up, 3 for q|k|v); got {pieces}")
+    return Shard(dim) if pieces == 1 else pt.StridedShard(dim, split_factor=pieces)
 
 PlacementsLike = Any  # Placement | Sequence[Placement]
 
@@ -81,6 +106,15 @@ def _check_dims(inp: Any, placements: tuple[Placement, ...], source: str = "the 
                     f"{dims}. fix: shard a dim the tensor has, or use Replicate() on mesh axis {axis} ({where})"
                 )
             p = Shard(p.dim % ndim)
+        elif isinstance(p, pt.StridedShard):
+            sf = int(p.split_factor)
+            if not -ndim <= p.dim < ndim or inp.shape[p.dim % ndim] % sf:
+                size = f"of size {inp.shape[p.dim % ndim]}" if -ndim <= p.dim < ndim else f"out of range for a {ndim}-d tensor"
+                raise ValueError(
+                    f"{what}: fused_shard({p.dim}, {sf}) on mesh axis {axis}: dim {p.dim} {size}; expected a dim of "
+                    f"the tensor made of {sf} equal pieces (its size a multiple of {sf}). fix: the fused dim and its "
+                    f"number of pieces (gate|up: 2), or Shard(d) for a dim that is not fused")
+            p = pt.StridedShard(p.dim % ndim, split_factor=sf)
         elif isinstance(p, Partial) and inp.kind != "batch":
             raise ValueError(
                 f"{what}: {p!r} on mesh axis {axis} is only meaningful for batch inputs, not for a {inp.kind} "

@@ -207,15 +207,36 @@ def test_hf_mixtral_experts_tp_splits_the_fused_gate_up_without_gathering_it():
     assert_distributed(res, sharded=["model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"])
 
 
+def test_hf_mixtral_experts_tp_with_gate_up_stored_by_fused_shard_makes_only_megatrons_all_reduces():
+    """``gate_up_proj`` stored by ``fused_shard(1, 2)`` (each rank its block of the gate
+    rows and of the up rows, Megatron's fused layout): nothing is re-laid out (the plain
+    ``Shard(1)`` above costs an all_to_all of the rows forward, one backward and one of the
+    weight's gradient every step); the only collectives are the all_reduces of the
+    experts' output and of the input gradient (and of the routing weights' gradient, a
+    column, before its float32 cast); equal to one device."""
+    plan = sc.Plan(params={"*.experts.gate_up_proj": [sc.fused_shard(1, 2)], "*.experts.down_proj": [Shard(2)]},
+                   default_input=[Replicate()])
+    res = run("mixtral", "experts_tp", fake_mesh((2,), ("tp",)), plan)
+    assert {c[1] for c in collectives(res)} == {"_c10d_functional.all_reduce.default"}, collectives(res)
+    assert_distributed(res, sharded=["model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"])
+
+
+@pytest.mark.parametrize("layout", ["shard", "fused_shard"])
 @pytest.mark.parametrize("model_name", list(MODELS))
-def test_hf_moe_expert_parallel_by_experts_tensor_parallel(model_name):
+def test_hf_moe_expert_parallel_by_experts_tensor_parallel(model_name, layout):
     """EP x TP on (dp 2, tp 2): the stacked experts split by expert over dp (tokens travel
-    to them) and by their hidden dim over tp (the fused gate|up rows and the down
-    projection's columns, Megatron-style), the rest replicated; equal to one device
-    (``run`` asserts it before the collectives are checked)."""
+    to them) and by their hidden dim over tp (the fused gate|up rows, as a plain Shard(1)
+    or stored by ``fused_shard(1, 2)``, and the down projection's columns, Megatron-style),
+    the rest replicated; equal to one device (``run`` asserts it before the collectives
+    are checked). With ``fused_shard`` nothing but expert parallelism's rows and counts
+    is exchanged."""
     r = Replicate()
-    params = {"*.experts.gate_up_proj": [Shard(0), Shard(1)], "*.experts.down_proj": [Shard(0), Shard(2)]}
+    gate_up = Shard(1) if layout == "shard" else sc.fused_shard(1, 2)
+    params = {"*.experts.gate_up_proj": [Shard(0), gate_up], "*.experts.down_proj": [Shard(0), Shard(2)]}
     res = run(model_name, "ep_tp", fake_mesh((2, 2), ("dp", "tp")), sc.Plan(params=params, default_input=[Shard(0), r]))
     exchanged = [c for c in collectives(res) if c[1] == str(pt.ALL_TO_ALL_ROWS)]
     assert len(exchanged) == 4, collectives(res)  # rows to the experts and back, forward and backward
     assert [c for c in collectives(res) if "all_gather" in c[1] and "expert" in c[2]] == [], collectives(res)
+    if layout == "fused_shard":
+        moved = [c for c in collectives(res) if ("all_to_all" in c[1] or "all_gather" in c[1]) and not c[2].startswith("expert parallelism")]
+        assert moved == [], moved

@@ -123,7 +123,8 @@ def _split(ctx: ExpandContext, b: SubgraphBuilder, op: Any, args: tuple, kwargs:
     dim = dim % len(x.spec.shape)
     fused = _fused_pieces(ctx, x, sizes, dim)
     if fused is not None:  # a plain Shard of a fused dim: to the strided layout of its pieces (one all_to_all)
-        x = _to_strided(ctx, b, x, *fused, f"{op} of a fused dim into {fused[1]} pieces (each piece split alike)")
+        x = _to_strided(ctx, b, x, *fused, f"{op} of a fused dim into {fused[1]} pieces (each piece split alike; a weight stored "
+                                                    f"with spmd_compiler.fused_shard(d, {fused[1]}) keeps this layout and saves it)")
     axis = _only_axis(x.spec.placements, dim, pt.StridedShard)
     if axis is None or pt.split_period(x.spec.placements[axis]) is not None:  # a symbolic block count
         return generic_expand(ctx, b, op, args, kwargs)

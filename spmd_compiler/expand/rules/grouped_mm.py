@@ -83,18 +83,29 @@ def grouped_mm_placements(a: Any, b: Any, axes: tuple[int, ...], ndim: int, expe
             out.append(pt.Shard(2))
         elif not two_d and pa.is_replicate() and pb == pt.Shard(2):
             out.append(pt.Shard(1))
-        elif not two_d and pa == pt.Shard(1) and pb == pt.Shard(1):
+        elif not two_d and (pa == pt.Shard(1) and pb == pt.Shard(1) or _same_strided(pa, pb, 1)):
             out.append(pt.Partial("sum"))
         else:
             return None
     return out
 
 
+def _same_strided(pa: Any, pb: Any, dim: int) -> bool:
+    """Both operands split their contracted dim (``a``'s 1, ``b``'s ``dim``) in the same
+    strided layout (a fused weight stored as its pieces' blocks, :func:`spmd_compiler.fused_shard`):
+    each rank holds the same indices of it in both, so its products are a Partial sum."""
+    return (isinstance(pa, pt.StridedShard) and isinstance(pb, pt.StridedShard) and pa.dim == 1 and pb.dim == dim
+            and pa.split_factor == pb.split_factor)
+
+
 def _strided_out(pa: Any, pb: Any, two_d: bool) -> Any:
     """The result's ``_StridedShard`` when the split dim of ``a`` (weight gradient: its m
-    rows) or ``b`` (forward: its n columns) is one, the other operand whole; else None."""
+    rows) or ``b`` (forward: its n columns; weight gradient: its n columns) is one, the
+    other operand whole; else None."""
     if two_d and isinstance(pa, pt.StridedShard) and pa.dim == 0 and pb.is_replicate():
         return pt.StridedShard(1, split_factor=pa.split_factor)
+    if two_d and pa.is_replicate() and isinstance(pb, pt.StridedShard) and pb.dim == 1:
+        return pt.StridedShard(2, split_factor=pb.split_factor)
     if not two_d and pa.is_replicate() and isinstance(pb, pt.StridedShard) and pb.dim == 2:
         return pt.StridedShard(1, split_factor=pb.split_factor)
     return None
