@@ -11,6 +11,7 @@ from .errors import (
     CollectiveError,
     DataDependentError,
     DeferredInitError,
+    ExpertCapacityError,
     HostSettingError,
     IncompleteStepError,
     HostValueError,
@@ -67,4 +68,5 @@ __all__ = [
     "MemoryBudgetError",
     "IncompleteStepError",
     "DeferredInitError",
+    "ExpertCapacityError",
 ]

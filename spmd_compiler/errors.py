@@ -189,6 +189,15 @@ class CollectiveError(SpmdError):
 __all__ += ["CollectiveError"]
 
 
+class ExpertCapacityError(SpmdError):
+    """Under expert parallelism with ``Plan(expert_capacity=...)``, a step routed more rows
+    to some rank's experts than its receive buffer holds; raised on every rank of the
+    group at the same exchange, before any row moves (no token is dropped)."""
+
+
+__all__ += ["ExpertCapacityError"]
+
+
 class IntentError(SpmdError):
     """The per-rank program lost part of what the step wrote (``compile(check_intent=True)``,
     on in the test harness; ``spmd_compiler/driver/intent.py``): a recomputation merged

@@ -6,6 +6,7 @@ exchanges its rows twice per direction and no more; the exchange runs on real gl
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -106,20 +107,24 @@ def test_expert_parallel_step_on_gloo_equals_one_device():
         assert res["local_experts"] == CFG.experts // 2
 
 
-def test_every_token_to_one_expert_is_never_dropped():
-    """Dropless: the router sends every token to experts 0 and 1 (both on rank 0), so rank
-    0 receives every rank's rows: the bound (n x its own) holds them all, and the result
-    is one device's."""
-    cfg = MoEConfig()
+def _all_to_rank_0(cfg: MoEConfig) -> MoETransformer:
     torch.manual_seed(0)
     model = MoETransformer(cfg).double()
     with torch.no_grad():
         model.layers[0].moe.router.weight.zero_()
         model.layers[0].moe.router.weight[:2] = 5.0  # experts 0 and 1 win for every token whose mean is > 0
+        model.embed.weight.abs_()  # every token's features positive: the two biased experts win everywhere
+    return model
+
+
+def test_every_token_to_one_expert_is_never_dropped():
+    """Dropless: the router sends every token to experts 0 and 1 (both on rank 0), so rank
+    0 receives every rank's rows: the bound (n x its own) holds them all, and the result
+    is one device's."""
+    cfg = MoEConfig()
+    model = _all_to_rank_0(cfg)
     (shape, names), plan = moe_plan("ep")
     data = [(torch.randint(0, cfg.vocab, (4, cfg.seq)), torch.randint(0, cfg.vocab, (4, cfg.seq))) for _ in range(2)]
-    with torch.no_grad():
-        model.embed.weight.abs_()  # every token's features positive: the two biased experts win everywhere
     chosen = []
     hook = model.layers[0].moe.router.register_forward_hook(lambda m, i, o: chosen.append(o.topk(2, -1)[1]))
     with float64_grouped_mm():
@@ -168,3 +173,58 @@ def test_expert_parallel_under_bfloat16_autocast():
     res = assert_training_matches(step, MoETransformer(MoEConfig(dim=16, hidden=16)), lambda p: torch.optim.AdamW(p, lr=0.01),
                                   batches(cfg), fake_mesh(shape, names), plan, atol=2e-2, rtol=2e-2)
     assert exchanges(res)["forward/rows"] == 2
+
+
+def test_a_capacity_that_holds_the_rows_trains_as_one_device_and_checks_every_rank():
+    """``Plan(expert_capacity=1.5)`` on 2 ranks: a receive buffer of 1.5 x a rank's own
+    rows (instead of 2 x), equal to one device; one all_reduce(max) per layer tells every
+    rank the most rows any rank receives (no such check without a capacity)."""
+    (shape, names), plan = moe_plan("ep")
+    torch.manual_seed(0)
+    with float64_grouped_mm():
+        res = assert_training_matches(moe_train_step, MoETransformer(CFG).double(), lambda p: torch.optim.AdamW(p, lr=0.01),
+                                      batches(CFG), fake_mesh(shape, names), dataclasses.replace(plan, expert_capacity=1.5))
+    e = res.sim.expansions[next(iter(res.sim.expansions))]
+    routed = 4 // 2 * CFG.seq * CFG.top_k
+    rows = sorted({tuple(n.meta["val"].shape)[0] for n in e.collectives() if n.target is pt.ALL_TO_ALL_ROWS})
+    assert rows == [routed, routed * 3 // 2], rows
+    checks = [n for n in e.collectives() if "the most rows a rank's experts receive" in n.meta["spmd_comm"]["reason"]]
+    assert len(checks) == 1 and checks[0].args[1] == "max", checks
+    assert "the most rows" not in str([n.meta["spmd_comm"]["reason"] for n in train("ep").sim.expansions[
+        next(iter(train("ep").sim.expansions))].collectives()])
+
+
+def _overflow_on_gloo(rank: int, world: int) -> dict:
+    cfg = MoEConfig()
+    model = _all_to_rank_0(cfg)
+    _, plan = moe_plan("ep")
+    step = sc.compile(moe_train_step, mesh=(world,), plan=dataclasses.replace(plan, expert_capacity=1.0), progress=False)
+    ids = torch.randint(0, cfg.vocab, (4, cfg.seq), generator=torch.Generator().manual_seed(1))
+    try:
+        with float64_grouped_mm():
+            step(model, torch.optim.SGD(model.parameters(), lr=0.01), ids.chunk(world)[rank], ids.chunk(world)[rank])
+    except sc.ExpertCapacityError as e:
+        return {"error": str(e)}
+    return {"error": None}
+
+
+@pytest.mark.gloo
+def test_an_exceeded_capacity_stops_every_rank_with_the_fix():
+    """Every token to rank 0's experts under ``expert_capacity=1.0``: rank 0 would receive
+    twice its buffer. Both ranks stop at the same exchange with ExpertCapacityError (rank
+    1, which receives nothing, too; before, it met a peer that had gone: "Connection closed
+    by peer"), naming the capacity the step needs."""
+    for rank, res in enumerate(run_processes(_overflow_on_gloo, 2, timeout=300)):
+        assert res["error"] is not None, (rank, res)
+        assert "routes 64 rows to the experts of one rank" in res["error"] and "expert_capacity=...) of at least 2.00" in res["error"], res
+
+
+def test_an_exceeded_capacity_is_an_error_in_the_simulator_too():
+    """The same overflow with every rank simulated in one process: ExpertCapacityError
+    (the simulator makes every rank's check at once), never a dropped row."""
+    cfg = MoEConfig()
+    (shape, names), plan = moe_plan("ep")
+    data = [(torch.randint(0, cfg.vocab, (4, cfg.seq)), torch.randint(0, cfg.vocab, (4, cfg.seq)))]
+    with float64_grouped_mm(), pytest.raises(sc.ExpertCapacityError, match=r"routes 64 rows .* of at least 2\.00"):
+        assert_training_matches(moe_train_step, _all_to_rank_0(cfg), lambda p: torch.optim.SGD(p, lr=0.01), data,
+                                fake_mesh(shape, names), dataclasses.replace(plan, expert_capacity=1.0))

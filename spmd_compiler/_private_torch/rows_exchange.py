@@ -25,15 +25,23 @@ def _group(name: str) -> dist.ProcessGroup:
     return _resolve_process_group(name)
 
 
-def exchange_rows(x: torch.Tensor, send_counts: torch.Tensor, recv_counts: torch.Tensor, out_rows: int, group_name: str) -> torch.Tensor:
+def exchange_rows(x: torch.Tensor, send_counts: torch.Tensor, recv_counts: torch.Tensor, out_rows: int, group_name: str,
+                  most: torch.Tensor | None = None) -> torch.Tensor:
     """Send rows ``[sum(send_counts[:j]), +send_counts[j])`` of ``x`` to rank ``j`` of the
     group; receive ``recv_counts[j]`` rows from rank ``j``, in rank order, into the first
-    rows of an ``out_rows``-row result of zeros. (The op's body; the per-rank program's
-    runner calls it directly, without the custom op's Python dispatch.)"""
+    rows of an ``out_rows``-row result of zeros. ``most``: the most rows any member of the
+    group receives in this exchange (the same on every member), given where ``out_rows``
+    may be too few: every member then stops here with the same error, before any row
+    moves. (The op's body; the per-rank program's runner calls it directly, without the
+    custom op's Python dispatch.)"""
     send = [int(c) for c in send_counts.tolist()]
     recv = [int(c) for c in recv_counts.tolist()]
+    if most is not None and int(most) > out_rows:
+        from ..errors import ExpertCapacityError
+
+        raise ExpertCapacityError(overflow_message(recv, out_rows, int(most), int(x.shape[0])))
     if sum(recv) > out_rows:
-        raise RuntimeError(overflow_message(recv, out_rows))
+        raise RuntimeError(overflow_message(recv, out_rows) + "; the group's ranks were not told (this is a bug in spmd-compiler)")
     if sum(send) > x.shape[0]:
         raise RuntimeError(f"all_to_all_rows: {sum(send)} rows to send from {x.shape[0]}; this is a bug in spmd-compiler")
     out = x.new_zeros((out_rows, *x.shape[1:]))
@@ -42,31 +50,44 @@ def exchange_rows(x: torch.Tensor, send_counts: torch.Tensor, recv_counts: torch
 
 
 @torch.library.custom_op("spmd_compiler::all_to_all_rows", mutates_args=())
-def all_to_all_rows(x: torch.Tensor, send_counts: torch.Tensor, recv_counts: torch.Tensor, out_rows: int, group_name: str) -> torch.Tensor:
+def all_to_all_rows(x: torch.Tensor, send_counts: torch.Tensor, recv_counts: torch.Tensor, out_rows: int, group_name: str,
+                    most: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`exchange_rows` as an op of the per-rank graph (fake tensors, inductor)."""
-    return exchange_rows(x, send_counts, recv_counts, out_rows, group_name)
+    return exchange_rows(x, send_counts, recv_counts, out_rows, group_name, most)
 
 
 @all_to_all_rows.register_fake
-def _(x: torch.Tensor, send_counts: torch.Tensor, recv_counts: torch.Tensor, out_rows: int, group_name: str) -> torch.Tensor:
+def _(x: torch.Tensor, send_counts: torch.Tensor, recv_counts: torch.Tensor, out_rows: int, group_name: str,
+      most: torch.Tensor | None = None) -> torch.Tensor:
     return x.new_empty((out_rows, *x.shape[1:]))
 
 
 ALL_TO_ALL_ROWS = torch.ops.spmd_compiler.all_to_all_rows.default
 
 
-def overflow_message(recv: list[int], out_rows: int) -> str:
+def overflow_message(recv: list[int], out_rows: int, most: int | None = None, rows: int | None = None) -> str:
+    """``rows``: this rank's own routed rows (the capacity's unit)."""
+    most = sum(recv) if most is None else most
+    need = f"of at least {most / rows:.2f} for this step" if rows else "larger than the current one"
     return (
-        f"expert parallelism: this step routes {sum(recv)} rows to this rank's experts (per source rank: {recv}), more "
-        f"than the {out_rows} its buffer holds (Plan(expert_capacity=...) times its own routed rows); no token is "
-        f"dropped, the step stops here. fix: a larger Plan(expert_capacity=...), or leave it unset (the mesh axis "
-        f"size: never exceeded), or balance the router (an auxiliary load-balancing loss)"
+        f"expert parallelism: this step routes {most} rows to the experts of one rank of the group (this rank: "
+        f"{sum(recv)}, per source rank {recv}), more than the {out_rows} a rank's buffer holds "
+        f"(Plan(expert_capacity=...) times its own routed rows); no token is dropped, every rank of the group stops "
+        f"here, before the rows move. fix: Plan(expert_capacity=...) {need}, or leave it unset (the mesh axis size: never exceeded), or balance the "
+        f"router (an auxiliary load-balancing loss)"
     )
 
 
-def rows_exchange_inputs(xs: list[torch.Tensor], sends: list[torch.Tensor], recvs: list[torch.Tensor], out_rows: int) -> list[torch.Tensor]:
+def rows_exchange_inputs(xs: list[torch.Tensor], sends: list[torch.Tensor], recvs: list[torch.Tensor], out_rows: int,
+                         mosts: list[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
     """The exchange computed for every member of a group at once (the simulator's): member
-    ``i``'s result from every member's rows ``xs``, counts ``sends`` and ``recvs``."""
+    ``i``'s result from every member's rows ``xs``, counts ``sends`` and ``recvs``; with
+    ``mosts`` (each member's ``most``), every member's check as :func:`exchange_rows` makes it."""
+    for x, recv, most in zip(xs, recvs, mosts or []):
+        if most is not None and int(most) > out_rows:
+            from ..errors import ExpertCapacityError
+
+            raise ExpertCapacityError(overflow_message([int(c) for c in recv.tolist()], out_rows, int(most), int(x.shape[0])))
     out = []
     for i, recv in enumerate(recvs):
         pieces = []

@@ -15,7 +15,10 @@ rows go to each rank (from the counts ``offs`` holds, swapped with one small
 themselves move in ``spmd_compiler::all_to_all_rows`` (counts as tensors, a fixed number
 of rows: ``n`` times the rank's own, the most a rank can receive, so no token is ever
 dropped and every shape stays static; the rows past the received ones are zeros, which
-no expert computes on, since their groups end where the counts do).
+no expert computes on, since their groups end where the counts do). With
+``Plan(expert_capacity=...)`` the bound is smaller, and one all_reduce(max) of the
+received counts tells every rank of the axis whether some rank would receive more: all of
+them then stop at the same exchange (``ExpertCapacityError``), none waits for another.
 
 The rank-local orders: a dispatched value's rows are ``Order(..., dispatched=axis)``;
 pointwise ops, views, ``split``/``cat`` and the grouped matmuls keep them; anything else
@@ -65,6 +68,7 @@ class Exchange:
     recv: fx.Node       # (n,) rows from each rank
     dest: fx.Node       # (bound,) where each received row goes in the experts' order
     offs: DValue        # the local experts' cumulative counts over the received rows
+    most: fx.Node | None = None  # () the most rows any rank of the axis receives (a capacity's bound only)
 
 
 def _order(v: Any) -> Order | None:
@@ -129,8 +133,14 @@ def _exchange(ex: Any, order: Order, axis: int, offs: DValue, rows: int, experts
     offs_spec = pt.make_spec(ex.mctx.mesh, list(offs.spec.placements), (local_experts,), (1,), torch.int32)
     result = [OutTensor(b.slot(send), _plain(ex, send)), OutTensor(b.slot(recv), _plain(ex, recv)), OutTensor(b.slot(dest), _plain(ex, dest)),
               OutTensor(b.slot(offs_d), offs_spec, None, Rows(restricted=order.axes, origins=rows_of(offs).origins))]
+    if bound < n * rows:  # a capacity: every rank learns the most any rank receives, so all stop together if it is exceeded
+        most = _collective(b, c10d.all_reduce.default, "all_reduce", b.call(aten.sum.default, recv), axis, ("max",),
+                           f"expert parallelism: the most rows a rank's experts receive on '{ex.mctx.axis_names[axis]}' "
+                           f"(Plan(expert_capacity={capacity}) checked on every rank)")
+        result.append(OutTensor(b.slot(most), _plain(ex, most)))
     values = _splice(ex, b, [offs.node], result, origin, offs.node.name)
-    plan = Exchange(axis, order, rows, bound, values[0].node, values[1].node, values[2].node, values[3])
+    plan = Exchange(axis, order, rows, bound, values[0].node, values[1].node, values[2].node, values[3],
+                    values[4].node if len(values) > 4 else None)
     cache[key] = plan
     return plan
 
@@ -157,13 +167,15 @@ def dispatch(ex: Any, v: DValue, plan: Exchange, origin: fx.Node | None) -> DVal
     if d:
         x = b.call(aten.movedim.int, x, d, 0)
     x = b.call(aten.contiguous.default, x)
-    y = _rows_exchange(b, x, send, recv, plan.bound, plan.axis, "expert parallelism: routed rows to their experts' ranks", ex)
+    most = b.input(plan.most.meta["val"], "most") if plan.most is not None else None
+    y = _rows_exchange(b, x, send, recv, plan.bound, plan.axis, "expert parallelism: routed rows to their experts' ranks", ex, most)
     y = b.call(aten.index_copy.default, b.call(aten.zeros_like.default, y), 0, dest, y)
     if d:
         y = b.call(aten.movedim.int, y, 0, d)
     spec = _spec_like(ex, v, d, plan.bound)
     rows = Rows(order=Order(plan.order.axes, plan.order.key, plan.axis), origins=rows_of(v).origins)
-    out = _splice(ex, b, [v.node, plan.send, plan.recv, plan.dest], OutTensor(b.slot(y), spec, None, rows), origin, v.node.name)
+    inputs = [v.node, plan.send, plan.recv, plan.dest] + ([plan.most] if plan.most is not None else [])
+    out = _splice(ex, b, inputs, OutTensor(b.slot(y), spec, None, rows), origin, v.node.name)
     memo[(v.node, plan.axis)] = out
     return out
 
@@ -192,7 +204,8 @@ def combine(ex: Any, v: DValue, origin: fx.Node | None) -> DValue:
     return out
 
 
-def _rows_exchange(b: SubgraphBuilder, x: fx.Node, send: fx.Node, recv: fx.Node, out_rows: int, axis: int, why: str, ex: Any) -> fx.Node:
+def _rows_exchange(b: SubgraphBuilder, x: fx.Node, send: fx.Node, recv: fx.Node, out_rows: int, axis: int, why: str, ex: Any,
+                   most: fx.Node | None = None) -> fx.Node:
     val = x.meta["val"]
     row_bytes = val[0].numel() * val.element_size() if val.shape[0] else 0
     n = ex.mctx.shape[axis]
@@ -202,7 +215,8 @@ def _rows_exchange(b: SubgraphBuilder, x: fx.Node, send: fx.Node, recv: fx.Node,
         "bytes": int(val.shape[0]) * row_bytes, "wire_bytes": int(val.shape[0]) * row_bytes, "bytes_bound": True,
         "dtype": str(val.dtype).replace("torch.", ""),
     }}
-    return b.call(pt.ALL_TO_ALL_ROWS, x, send, recv, out_rows, ex.mctx.group_names[axis], meta=meta)
+    extra = {"most": most} if most is not None else {}  # a keyword: the group stays the last argument, as in c10d's ops
+    return b.call(pt.ALL_TO_ALL_ROWS, x, send, recv, out_rows, ex.mctx.group_names[axis], meta=meta, **extra)
 
 
 def _dispatched_input(ex: Any, tnode: Any, plan: Exchange, origin: fx.Node) -> DValue:

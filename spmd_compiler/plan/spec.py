@@ -93,7 +93,9 @@ class Plan:
             exceed it; the received rows are padded to it, and elementwise expert work
             and activation memory grow with it. A smaller factor (``1.25``-``2.0`` for a
             balanced router) trims both; a step whose routing sends a rank more rows stops
-            with an error naming this option, never dropping a token.
+            on every rank of the group with ``ExpertCapacityError`` naming the factor it
+            needed, never dropping a token (each MoE layer then makes one small
+            all_reduce of the largest receive count).
     """
 
     params: Mapping[str, Any] = field(default_factory=dict)

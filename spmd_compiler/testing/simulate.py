@@ -269,7 +269,8 @@ def run_lockstep(
                 if members[0] != c:
                     continue
                 a = [args[m][0] for m in members]
-                outs = pt.rows_exchange_inputs([x[0] for x in a], [x[1] for x in a], [x[2] for x in a], a[0][3])
+                outs = pt.rows_exchange_inputs([x[0] for x in a], [x[1] for x in a], [x[2] for x in a], a[0][3],
+                                                [args[m][1].get("most") for m in members])
                 for m, o in zip(members, outs):
                     envs[m][nodes[m]] = o
         elif isinstance(ref.target, torch._ops.OpOverload) and ref.target.namespace == "_c10d_functional" and ref.target is not c10d.wait_tensor.default:
