@@ -9,7 +9,6 @@ import pytest
 import torch
 import transformers
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
 from zoo_common import SDPA, SDPA_BACKWARD, adamw, attention_collectives, gathered, lm_step, ops_in, run_case
 
 import spmd_compiler as sc
@@ -95,7 +94,7 @@ def megatron_params(name: str, ndim: int) -> dict:
     """Megatron by placement on the last mesh axis: q/k/v and MLP-in split by output
     features, attention-out and MLP-out by input features. GPT-2's Conv1D weights are
     (in, out), so column-parallel is Shard(1) there, and its fused ``c_attn`` gives each
-    rank its share of q, of k and of v: _StridedShard(1, split_factor=3)."""
+    rank its share of q, of k and of v: ``sc.fused_shard(1, 3)``."""
 
     def on(p):
         return [Replicate()] * (ndim - 1) + [p]
@@ -103,7 +102,7 @@ def megatron_params(name: str, ndim: int) -> dict:
     if name == "gpt2":
         h = "transformer.h.*."
         return {
-            h + "attn.c_attn.weight": on(_StridedShard(1, split_factor=3)), h + "attn.c_attn.bias": on(_StridedShard(0, split_factor=3)),
+            h + "attn.c_attn.weight": on(sc.fused_shard(1, 3)), h + "attn.c_attn.bias": on(sc.fused_shard(0, 3)),
             h + "attn.c_proj.weight": on(Shard(0)), h + "mlp.c_fc.weight": on(Shard(1)), h + "mlp.c_fc.bias": on(Shard(0)),
             h + "mlp.c_proj.weight": on(Shard(0)),
         }

@@ -12,7 +12,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
 from zoo_common import SDPA, adamw, attention_collectives, mse_step, ops_in, run_case
 
 import spmd_compiler as sc
@@ -129,11 +128,11 @@ def test_batchnorm_statistics_named_sharded_under_fsdp_stay_exact():
 
 def megatron_plan(name: str) -> sc.Plan:
     """Megatron by placement on a 1-D tp mesh: MHA's fused in_proj split by output
-    features, each rank its share of q, of k and of v (_StridedShard(0, 3)); out_proj
+    features, each rank its share of q, of k and of v (sc.fused_shard(0, 3)); out_proj
     and linear2 by input features; linear1 by output features."""
     attn = "attn." if name.startswith("mha") else "self_attn."
     params: dict = {
-        attn + "in_proj_weight": [_StridedShard(0, split_factor=3)], attn + "in_proj_bias": [_StridedShard(0, split_factor=3)],
+        attn + "in_proj_weight": [sc.fused_shard(0, 3)], attn + "in_proj_bias": [sc.fused_shard(0, 3)],
         attn + "out_proj.weight": [Shard(1)],
     }
     if name == "encoder_layer":
