@@ -13,7 +13,8 @@ everything was read:
    the plan's placements) must be in the checkpoint with the global shape and dtype the
    plan gives it;
 3. ``dcp.load`` reads into empty tensors laid out like the live ones (so a checkpoint saved
-   under another plan or mesh is resharded on the way in);
+   under another plan or mesh is resharded on the way in; a ``fused_shard`` tensor is stored
+   and read in ``Shard`` layout and converted, :mod:`.fused_layout`);
 4. only then ``set_state_dict`` copies them into the live model and optimizer.
 
 A failure at 1-3 raises :class:`~spmd_compiler.errors.CheckpointError` naming the
@@ -40,6 +41,7 @@ from torch.distributed.tensor import DTensor
 from .. import _private_torch as pt
 from ..errors import CheckpointError
 from ..trace.state import unwrap_compiled
+from .fused_layout import empty_stored_layout, has_fused_layout, to_fused_layout, to_shard_layout
 
 __all__ = ["save_checkpoint", "load_checkpoint", "DriverCheckpoints"]
 
@@ -50,7 +52,29 @@ def save_checkpoint(model: torch.nn.Module, optimizer: Any, checkpoint_id: str |
     """Save ``model`` and ``optimizer`` (distributed) with DCP, in the layout
     :func:`load_checkpoint` reads; every rank calls it."""
     msd, osd = get_state_dict(model, optimizer) if optimizer is not None else (get_state_dict(model, [])[0], {})
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.fspath(checkpoint_id))
+    dcp.save(_tree(to_shard_layout, {"model": msd, "optim": osd}), checkpoint_id=os.fspath(checkpoint_id))
+
+
+def _tree(fn: Any, value: Any) -> Any:
+    """``fn`` applied to every tensor of a nested state dict."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, dict):
+        return {k: _tree(fn, v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_tree(fn, v) for v in value)
+    return value
+
+
+def _back(read: Any, like: Any) -> Any:
+    """``read`` (tensors in the checkpoint's layout) in ``like``'s layouts."""
+    if isinstance(like, torch.Tensor):
+        return to_fused_layout(read, like) if has_fused_layout(like) else read
+    if isinstance(like, dict):
+        return {k: _back(read[k], v) for k, v in like.items()}
+    if isinstance(like, (list, tuple)):
+        return type(like)(_back(r, v) for r, v in zip(read, like))
+    return read
 
 
 class _Snapshot:
@@ -69,17 +93,6 @@ class _Snapshot:
             self.optimizer.state.update(self.state)
         for p, g in self.grads:
             p.grad = g
-
-
-def _fresh(value: Any) -> Any:
-    """A copy of a state dict with every tensor an empty one laid out the same way."""
-    if isinstance(value, torch.Tensor):
-        return torch.empty_like(value)
-    if isinstance(value, dict):
-        return {k: _fresh(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_fresh(v) for v in value)
-    return value
 
 
 def _check_keys(flat: dict[str, Any], metadata: Any, path: str) -> None:
@@ -142,9 +155,11 @@ def load_checkpoint(model: torch.nn.Module, optimizer: Any, checkpoint_id: str |
             msd, osd = get_state_dict(model, optimizer)
         else:
             msd, osd = get_state_dict(model, [])[0], {}
-        fresh = {"model": _fresh(msd), "optim": _fresh(osd)}
+        live = {"model": msd, "optim": osd}
+        fresh = _tree(empty_stored_layout, live)  # fused_shard tensors are stored in Shard layout (driver/fused_layout.py)
         _check_keys(pt.flatten_state(fresh), metadata, path)
         dcp.load(fresh, checkpoint_id=path)
+        fresh = _back(fresh, live)
     except CheckpointError:
         snapshot.restore()
         raise

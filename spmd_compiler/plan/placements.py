@@ -26,8 +26,10 @@ def fused_shard(dim: int, pieces: int) -> Placement:
 
         Plan(params={"*.experts.gate_up_proj": [fused_shard(1, 2)], "*.experts.down_proj": [Shard(2)]})
 
-    (torch's ``_StridedShard(dim, split_factor=pieces)``: a checkpoint saved through
-    ``torch.distributed.checkpoint`` holds the whole tensor in its usual order.)
+    (torch's ``_StridedShard(dim, split_factor=pieces)``. ``step.save_checkpoint`` stores
+    such a tensor in ``Shard(dim)`` layout, so the checkpoint holds the whole tensor in its
+    usual order and loads under any plan; torch.distributed.checkpoint refuses the strided
+    layout itself.)
     """
     if isinstance(dim, bool) or not isinstance(dim, int) or isinstance(pieces, bool) or not isinstance(pieces, int):
         raise TypeError(f"fused_shard({dim!r}, {pieces!r}): expected two ints (the fused dim, its number of equal pieces)")
