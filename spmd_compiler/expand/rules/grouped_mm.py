@@ -14,7 +14,9 @@ split fused dim (gate|up stored as one weight, split by ``chunk``) keeps its pie
 strided layout through the matmuls that do not contract it; where one does (the
 gradient of the routed rows, ``k`` strided in ``a``, a plain ``Shard`` in the weight),
 ``a`` moves to the weight's layout on that axis alone (one all_to_all), so the rows stay
-where the token axes have them (expert parallelism x tensor parallelism).
+where the token axes have them (expert parallelism x tensor parallelism). A weight stored
+by ``fused_shard`` has the pieces' layout already: two operands contracting the same
+strided layout give a Partial sum, and nothing moves.
 Expert parallelism (``b`` split over the experts on a token axis) sends the rows to their
 experts' ranks first (:mod:`..experts`). Anything else goes to DTensor.
 """
