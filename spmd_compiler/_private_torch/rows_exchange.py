@@ -36,10 +36,7 @@ def exchange_rows(x: torch.Tensor, send_counts: torch.Tensor, recv_counts: torch
     custom op's Python dispatch.)"""
     send = [int(c) for c in send_counts.tolist()]
     recv = [int(c) for c in recv_counts.tolist()]
-    if most is not None and int(most) > out_rows:
-        from ..errors import ExpertCapacityError
-
-        raise ExpertCapacityError(overflow_message(recv, out_rows, int(most), int(x.shape[0])))
+    _check_capacity(recv, out_rows, most, int(x.shape[0]))
     if sum(recv) > out_rows:
         raise RuntimeError(overflow_message(recv, out_rows) + "; the group's ranks were not told (this is a bug in spmd-compiler)")
     if sum(send) > x.shape[0]:
@@ -65,6 +62,14 @@ def _(x: torch.Tensor, send_counts: torch.Tensor, recv_counts: torch.Tensor, out
 ALL_TO_ALL_ROWS = torch.ops.spmd_compiler.all_to_all_rows.default
 
 
+def _check_capacity(recv: list[int], out_rows: int, most: torch.Tensor | None, rows: int) -> None:
+    """ExpertCapacityError where ``most`` (the group's largest receive) exceeds ``out_rows``."""
+    if most is not None and int(most) > out_rows:
+        from ..errors import ExpertCapacityError
+
+        raise ExpertCapacityError(overflow_message(recv, out_rows, int(most), rows))
+
+
 def overflow_message(recv: list[int], out_rows: int, most: int | None = None, rows: int | None = None) -> str:
     """``rows``: this rank's own routed rows (the capacity's unit)."""
     most = sum(recv) if most is None else most
@@ -84,10 +89,7 @@ def rows_exchange_inputs(xs: list[torch.Tensor], sends: list[torch.Tensor], recv
     ``i``'s result from every member's rows ``xs``, counts ``sends`` and ``recvs``; with
     ``mosts`` (each member's ``most``), every member's check as :func:`exchange_rows` makes it."""
     for x, recv, most in zip(xs, recvs, mosts or []):
-        if most is not None and int(most) > out_rows:
-            from ..errors import ExpertCapacityError
-
-            raise ExpertCapacityError(overflow_message([int(c) for c in recv.tolist()], out_rows, int(most), int(x.shape[0])))
+        _check_capacity([int(c) for c in recv.tolist()], out_rows, most, int(x.shape[0]))
     out = []
     for i, recv in enumerate(recvs):
         pieces = []

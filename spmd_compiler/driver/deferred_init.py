@@ -218,23 +218,19 @@ class ShardIndependentDraws(TorchDispatchMode):
             if blocks is None:
                 self._refuse(op, f"into a DTensor placed {list(placements)} (a fused_shard dim split by one mesh axis, "
                                  f"in equal blocks, only)")
-            offset = None
         elif self.sharded:
             owner = self.names.get(_storage(target))
             what = f"into the local shard of {owner[0]!r}" if owner else f"into a plain tensor of shape {list(target.shape)}"
             self._refuse(op, f"{what}: a plain tensor is drawn whole on every rank, or by position within one shard")
         else:
-            local, offset = target, (0,) * target.dim()
+            local, blocks = target, [(None, 0, 0, (0,) * target.dim())]
         whole = self.names.get(_storage(target))
         name = self.ids.get(id(target)) or (whole[0] if whole is not None and whole[1] == pt.local_tensor(target).numel() else "")
         k = self.draws[name]
         self.draws[name] += 1
-        if offset is None:  # a DTensor: each of its blocks (one, or a fused_shard's pieces) at its global offset
-            for dim, start, size, at in blocks:
-                _fill(local if dim is None else local.narrow(dim, start, size), op, _key(self.seed, name, k), args,
-                      tuple(target.shape), at)
-        else:
-            _fill(local, op, _key(self.seed, name, k), args, tuple(target.shape), tuple(offset))
+        for dim, start, size, at in blocks:  # one block, or a fused_shard's pieces, each at its global offset
+            _fill(local if dim is None else local.narrow(dim, start, size), op, _key(self.seed, name, k), args,
+                  tuple(target.shape), at)
         self.written.add(_storage(target))
         return target
 
